@@ -1,0 +1,47 @@
+"""Multi-rank runs are expensive (a spawn costs seconds on 2 cores), so each world size is spawned
+once per session and every parity case for it runs inside that one spawn."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from zerokit.testing.parity import Case, run_cases
+from zerokit.testing.spawn import spawn
+
+WORLD_SIZES = (1, 2, 3, 5)
+
+
+def cases_for(world_size: int) -> list[Case]:
+    """The matrix: every stage x {fp32, bf16}, plus fp16 with loss scaling, gradient accumulation
+    (both stage-2 policies), SGD with momentum, Adam, activation checkpointing and an fp16 run that
+    starts with an overflowing loss scale. World size 5 runs the core of it (5 ranks on 2 cores)."""
+    base = [Case(f"stage{s}-{d}", stage=s, dtype=d) for s in (0, 1, 2) for d in ("fp32", "bf16")]
+    if world_size == 5:
+        return base
+    # Without clipping, 1 or 2 ranks add and halve exactly what one process does: bit-exact even at 16 bits.
+    exact = [Case(f"stage{s}-{d}-noclip", stage=s, dtype=d, clip=0.0) for s in (0, 1, 2) for d in ("bf16", "fp16")]
+    return base + (exact if world_size <= 2 else []) + [
+        *[Case(f"stage{s}-fp16-accum2", stage=s, dtype="fp16", accumulation=2) for s in (0, 1, 2)],
+        Case("stage0-fp32-accum3", stage=0, accumulation=3),
+        Case("stage1-fp32-accum3", stage=1, accumulation=3),
+        Case("stage2-fp32-accum2-every-micro-step", stage=2, accumulation=2),
+        Case("stage2-fp32-accum2-at-boundary", stage=2, accumulation=2, reduce_every_micro_step=False),
+        Case("stage1-bf16-sgd", stage=1, dtype="bf16", optimizer="sgd"),
+        Case("stage2-fp32-sgd-noclip", stage=2, optimizer="sgd", clip=0.0),
+        Case("stage2-fp32-adam-checkpointed", stage=2, optimizer="adam", checkpoint=True),
+        Case("stage1-fp16-overflowing-scale", stage=1, dtype="fp16", initial_scale_power=19, steps=6),
+        Case("stage2-fp32-one-bucket", stage=2, bucket_bytes=2**30),
+    ]
+
+
+@functools.lru_cache(maxsize=None)
+def _runs(world_size: int) -> list[dict]:
+    return spawn(run_cases, world_size, cases_for(world_size))
+
+
+@pytest.fixture(scope="session")
+def parity_runs():
+    """parity_runs(world_size) -> one result dict per rank, keyed by case name."""
+    return _runs

@@ -1,0 +1,3 @@
+from zerokit.cli import main
+
+raise SystemExit(main())

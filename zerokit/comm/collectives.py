@@ -1,0 +1,130 @@
+"""The only place tensors cross ranks. Every collective is counted, by kind, in calls and bytes.
+
+Counting convention (shared with the planner): `elements`/`bytes` are the size of the whole logical
+tensor of a call: the tensor for all-reduce and broadcast, the (full) input for reduce-scatter, the
+(full) output for all-gather. What one rank actually sends on a ring is then
+all-reduce 2(N-1)/N x bytes, reduce-scatter and all-gather (N-1)/N x bytes; `wire_bytes()` applies that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+
+class Collective(str, Enum):
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+    BROADCAST = "broadcast"
+
+
+# Ring traffic per rank as a multiple of the logical bytes, for N ranks.
+RING_FACTOR = {
+    Collective.ALL_REDUCE: lambda n: 2 * (n - 1) / n,
+    Collective.REDUCE_SCATTER: lambda n: (n - 1) / n,
+    Collective.ALL_GATHER: lambda n: (n - 1) / n,
+    Collective.BROADCAST: lambda n: (n - 1) / n,
+}
+
+
+@dataclass
+class CollectiveCount:
+    calls: int = 0
+    elements: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class CommStats:
+    world_size: int
+    counts: dict[Collective, CollectiveCount] = field(
+        default_factory=lambda: {kind: CollectiveCount() for kind in Collective})
+
+    def record(self, kind: Collective, tensor: torch.Tensor) -> None:
+        count = self.counts[kind]
+        count.calls += 1
+        count.elements += tensor.numel()
+        count.bytes += tensor.numel() * tensor.element_size()
+
+    def wire_bytes(self) -> float:
+        """Bytes this rank sends on a ring, summed over all collectives."""
+        return sum(RING_FACTOR[kind](self.world_size) * count.bytes for kind, count in self.counts.items())
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {kind.value: vars(count).copy() for kind, count in self.counts.items()}
+
+
+class Pending(NamedTuple):
+    """An asynchronous collective: wait on `work`, then `output` holds the result."""
+
+    output: torch.Tensor
+    work: dist.Work | None
+
+
+class Communicator:
+    """Collectives over one process group, counted. A rename in torch touches only this class."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.stats = CommStats(self.world_size)
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.AVG,
+                   async_op: bool = False) -> Pending:
+        """In place; AVG by default, which is what data-parallel gradients need."""
+        self.stats.record(Collective.ALL_REDUCE, tensor)
+        with record_function("zerokit::all_reduce"):
+            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        return Pending(tensor, work)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       op: dist.ReduceOp = dist.ReduceOp.AVG, async_op: bool = False) -> Pending:
+        """`output` (1D, numel/N) receives this rank's slice of the reduced `input` (1D).
+
+        `output` must not alias `input`: gloo returns wrong values for the in-place form.
+        """
+        self._check_sizes("reduce_scatter", big=input, small=output)
+        self.stats.record(Collective.REDUCE_SCATTER, input)
+        with record_function("zerokit::reduce_scatter"):
+            work = dist.reduce_scatter_single(output, input, op=op, group=self.group, async_op=async_op)
+        return Pending(output, work)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Pending:
+        """`output` (1D) becomes the concatenation of every rank's `input` (1D, numel/N).
+
+        `input` may be this rank's own slice of `output` (the in-place form).
+        """
+        self._check_sizes("all_gather", big=output, small=input)
+        self.stats.record(Collective.ALL_GATHER, output)
+        with record_function("zerokit::all_gather"):
+            work = dist.all_gather_single(output, input, group=self.group, async_op=async_op)
+        return Pending(output, work)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self.stats.record(Collective.BROADCAST, tensor)
+        with record_function("zerokit::broadcast"):
+            dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src,
+                           group=self.group)
+
+    def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a 0-d tensor over ranks (grad-norm squares, overflow flags). Counted as an all-reduce."""
+        self.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value
+
+    def _check_sizes(self, name: str, big: torch.Tensor, small: torch.Tensor) -> None:
+        if big.numel() != small.numel() * self.world_size:
+            raise RuntimeError(f"rank {self.rank}: {name} needs {self.world_size} x {small.numel()} elements, "
+                               f"got {big.numel()} (an internal sharding bug)")
+
+
+def wait(pending: Pending) -> torch.Tensor:
+    if pending.work is not None:
+        pending.work.wait()
+    return pending.output

@@ -1,0 +1,247 @@
+"""Typed, validated configuration, readable from DeepSpeed-style JSON.
+
+A config can be given three ways and always ends up as one frozen `ZeroConfig`:
+a `ZeroConfig` object, a dict with DeepSpeed's keys, or the path of a JSON file holding that dict.
+Unknown keys and contradictory settings raise `ValueError` with one line that names the key and
+what is accepted, because a silently ignored knob is how a run trains wrong without anyone noticing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+DTYPES_BY_NAME = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # the same default as torch DDP's bucket_cap_mb=25
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPrecision:
+    """Which dtypes a step computes and communicates in."""
+
+    param_dtype: torch.dtype = torch.float32
+    """dtype of the model's parameters during forward and backward (and of their gradients)."""
+    reduce_dtype: torch.dtype = torch.float32
+    """dtype gradients are summed across ranks in; fp32 by default so that many ranks do not lose bits."""
+
+    def __post_init__(self) -> None:
+        accepted = (torch.float32, torch.bfloat16, torch.float16)
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in accepted:
+                raise ValueError(f"{name}={getattr(self, name)} is not supported; use one of fp32, bf16, fp16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossScaling:
+    """Loss scaling for fp16 (DeepSpeed's `fp16` block); bf16 and fp32 need none."""
+
+    static_scale: float | None = None
+    """A fixed scale (DeepSpeed `loss_scale` > 0); None means dynamic scaling."""
+    initial_scale_power: int = 16
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    window: int = 1000
+    """Steps without overflow before the scale doubles (DeepSpeed `loss_scale_window`)."""
+    hysteresis: int = 2
+    """Overflows tolerated before the scale is halved (the step is skipped either way)."""
+    min_scale: float = 1.0
+    """The scale never goes below this (DeepSpeed `min_loss_scale`)."""
+
+    def __post_init__(self) -> None:
+        if self.static_scale is not None and self.static_scale <= 0:
+            raise ValueError(f"fp16.loss_scale={self.static_scale} must be 0 (dynamic) or a positive number")
+        if self.window < 1 or self.hysteresis < 1:
+            raise ValueError("fp16.loss_scale_window and fp16.hysteresis must be >= 1")
+        if self.min_scale <= 0:
+            raise ValueError(f"fp16.min_loss_scale={self.min_scale} must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """Everything `zerokit.initialize` needs to know about how to train."""
+
+    stage: int = 0
+    """0: plain data parallel; 1: shard optimizer state; 2: also gradients; 3: also parameters."""
+    precision: MixedPrecision = field(default_factory=MixedPrecision)
+    loss_scaling: LossScaling | None = None
+    """Set (and only set) when param_dtype is fp16."""
+    gradient_accumulation_steps: int = 1
+    """Micro-steps per optimizer step; the loss is divided by this in `engine.backward`."""
+    gradient_clipping: float = 0.0
+    """Clip the global gradient norm (across all shards) to this value; 0 disables clipping."""
+    reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Gradients are reduced in buckets of about this many bytes (in reduce_dtype)."""
+    overlap_comm: bool = True
+    """Launch each bucket's reduction during backward as soon as it is full."""
+    reduce_every_micro_step: bool = True
+    """Stage 2 only. True: reduce-scatter on every micro-step, so a rank never holds more than its
+    gradient shard plus in-flight buckets (the ZeRO-2 memory promise; costs one reduce-scatter per
+    micro-step). False: accumulate full gradients locally and reduce once per optimizer step (stage-1
+    gradient memory during accumulation; one reduce-scatter per step)."""
+    max_consecutive_skipped_steps: int = 20
+    """Training raises after this many optimizer steps in a row were skipped for inf/nan gradients."""
+    train_batch_size: int | None = None
+    """Optional check: must equal micro batch x accumulation steps x world size."""
+    train_micro_batch_size_per_gpu: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_optimization.stage={self.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+        if self.gradient_accumulation_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps={self.gradient_accumulation_steps} must be >= 1")
+        if self.gradient_clipping < 0:
+            raise ValueError(f"gradient_clipping={self.gradient_clipping} must be >= 0 (0 disables clipping)")
+        if self.reduce_bucket_bytes < 1:
+            raise ValueError(f"reduce_bucket_bytes={self.reduce_bucket_bytes} must be a positive byte count")
+        if self.max_consecutive_skipped_steps < 1:
+            raise ValueError("max_consecutive_skipped_steps must be >= 1")
+        is_fp16 = self.precision.param_dtype == torch.float16
+        if is_fp16 and self.loss_scaling is None:
+            object.__setattr__(self, "loss_scaling", LossScaling())
+        if not is_fp16 and self.loss_scaling is not None:
+            raise ValueError("loss scaling is only for fp16; bf16 and fp32 gradients do not underflow that way")
+        if not self.reduce_every_micro_step and self.stage != 2:
+            raise ValueError("reduce_every_micro_step=False is a stage-2 choice; stages 0-1 never reduce "
+                             "before the accumulation boundary and stage 3 always reduces every micro-step")
+
+    @property
+    def is_fp16(self) -> bool:
+        return self.precision.param_dtype == torch.float16
+
+    def check_batch_sizes(self, world_size: int) -> None:
+        """DeepSpeed's batch identity, checked once the world size is known."""
+        micro, total = self.train_micro_batch_size_per_gpu, self.train_batch_size
+        if micro is None or total is None:
+            return
+        expected = micro * self.gradient_accumulation_steps * world_size
+        if total != expected:
+            raise ValueError(
+                f"train_batch_size={total} but train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
+                f"world size = {micro} x {self.gradient_accumulation_steps} x {world_size} = {expected}")
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed-style dicts
+# ---------------------------------------------------------------------------------------------
+
+TOP_LEVEL_KEYS = {
+    "zero_optimization", "bf16", "fp16", "gradient_accumulation_steps", "gradient_clipping",
+    "communication_data_type", "train_batch_size", "train_micro_batch_size_per_gpu",
+    "max_consecutive_skipped_steps",
+}
+ZERO_KEYS = {
+    "stage", "reduce_bucket_size", "reduce_bucket_bytes", "overlap_comm", "contiguous_gradients",
+    "reduce_scatter", "reduce_every_micro_step",
+}
+FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
+BF16_KEYS = {"enabled"}
+# Keys a DeepSpeed user may carry over that mean something zerokit does differently.
+EXPLAINED_REJECTIONS = {
+    "optimizer": "zerokit wraps the torch optimizer you pass to initialize(); remove the 'optimizer' block",
+    "scheduler": "attach a torch LR scheduler to engine.optimizer; remove the 'scheduler' block",
+    "allgather_bucket_size": "zerokit all-gathers parameters in the reduce buckets; set reduce_bucket_size",
+}
+
+
+def _reject_unknown(section: str, given: Mapping[str, Any], accepted: set[str]) -> None:
+    for key in given:
+        if key in EXPLAINED_REJECTIONS:
+            raise ValueError(f"{section}{key} is not supported: {EXPLAINED_REJECTIONS[key]}")
+        if key not in accepted:
+            raise ValueError(f"unknown config key {section}{key!r}; accepted: {', '.join(sorted(accepted))}")
+
+
+def _dtype(name: Any, key: str) -> torch.dtype:
+    if name not in DTYPES_BY_NAME:
+        raise ValueError(f"{key}={name!r} is not a dtype zerokit knows; use fp32, bf16 or fp16")
+    return DTYPES_BY_NAME[name]
+
+
+def _precision(raw: Mapping[str, Any]) -> tuple[MixedPrecision, LossScaling | None]:
+    bf16, fp16 = dict(raw.get("bf16") or {}), dict(raw.get("fp16") or {})
+    _reject_unknown("bf16.", bf16, BF16_KEYS)
+    _reject_unknown("fp16.", fp16, FP16_KEYS)
+    bf16_on, fp16_on = bool(bf16.get("enabled", False)), bool(fp16.get("enabled", False))
+    if bf16_on and fp16_on:
+        raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
+    param_dtype = torch.bfloat16 if bf16_on else torch.float16 if fp16_on else torch.float32
+    reduce_dtype = _dtype(raw.get("communication_data_type", "fp32"), "communication_data_type")
+    scaling = None
+    if fp16_on:
+        loss_scale = float(fp16.get("loss_scale", 0))
+        scaling = LossScaling(
+            static_scale=loss_scale or None,
+            initial_scale_power=int(fp16.get("initial_scale_power", 16)),
+            window=int(fp16.get("loss_scale_window", 1000)),
+            hysteresis=int(fp16.get("hysteresis", 2)),
+            min_scale=float(fp16.get("min_loss_scale", 1.0)),
+        )
+    return MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype), scaling
+
+
+def _bucket_bytes(zero: Mapping[str, Any], reduce_dtype: torch.dtype) -> int:
+    if "reduce_bucket_size" in zero and "reduce_bucket_bytes" in zero:
+        raise ValueError("give reduce_bucket_size (elements, DeepSpeed) or reduce_bucket_bytes, not both")
+    if "reduce_bucket_size" in zero:  # DeepSpeed counts elements, not bytes
+        elements = float(zero["reduce_bucket_size"])
+        if elements <= 0:
+            raise ValueError(f"zero_optimization.reduce_bucket_size={zero['reduce_bucket_size']} must be > 0")
+        return int(elements) * torch.empty((), dtype=reduce_dtype).element_size()
+    return int(zero.get("reduce_bucket_bytes", DEFAULT_BUCKET_BYTES))
+
+
+def from_dict(raw: Mapping[str, Any]) -> ZeroConfig:
+    """Build a ZeroConfig from DeepSpeed-style keys."""
+    _reject_unknown("", raw, TOP_LEVEL_KEYS)
+    zero = dict(raw.get("zero_optimization") or {})
+    _reject_unknown("zero_optimization.", zero, ZERO_KEYS)
+    if zero.get("reduce_scatter", True) is False:
+        raise ValueError("zero_optimization.reduce_scatter=false is not supported; zerokit always reduce-scatters")
+    if zero.get("contiguous_gradients", True) is False:
+        raise ValueError("zero_optimization.contiguous_gradients=false is not supported; buckets are always contiguous")
+    precision, scaling = _precision(raw)
+    return ZeroConfig(
+        stage=zero.get("stage", 0),
+        precision=precision,
+        loss_scaling=scaling,
+        gradient_accumulation_steps=int(raw.get("gradient_accumulation_steps", 1)),
+        gradient_clipping=float(raw.get("gradient_clipping", 0.0)),
+        reduce_bucket_bytes=_bucket_bytes(zero, precision.reduce_dtype),
+        overlap_comm=bool(zero.get("overlap_comm", True)),
+        reduce_every_micro_step=bool(zero.get("reduce_every_micro_step", True)),
+        max_consecutive_skipped_steps=int(raw.get("max_consecutive_skipped_steps", 20)),
+        train_batch_size=raw.get("train_batch_size"),
+        train_micro_batch_size_per_gpu=raw.get("train_micro_batch_size_per_gpu"),
+    )
+
+
+def load_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None) -> ZeroConfig:
+    """Accept a ZeroConfig, a DeepSpeed-style dict, or the path of a JSON file."""
+    if config is None:
+        return ZeroConfig()
+    if isinstance(config, ZeroConfig):
+        return config
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        if not path.is_file():
+            raise ValueError(f"config file {str(path)!r} does not exist")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ValueError(f"config file {str(path)!r} is not valid JSON: {error}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"config file {str(path)!r} must hold a JSON object")
+        return from_dict(raw)
+    if isinstance(config, Mapping):
+        return from_dict(config)
+    raise ValueError(f"config must be a ZeroConfig, a dict or a JSON file path, not {type(config).__name__}")
+
+
+__all__ = ["ZeroConfig", "MixedPrecision", "LossScaling", "load_config", "from_dict", "replace"]

@@ -1,0 +1,163 @@
+"""The engine a user trains with: forward, backward, step, and what it holds and sends.
+
+One optimizer step, in order (See [Note: buckets are the unit of sharding]):
+  forward -> backward, gradients land in buckets -> each bucket is all-reduced (stage 0) or
+  reduce-scattered (stages 1-2) as soon as it is complete, overlapped with the rest of backward ->
+  at the accumulation boundary: unscale, one scalar all-reduce for the global norm and overflow,
+  clip -> optimizer step on the fp32 master shard -> cast and all-gather the updated shards.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from zerokit.comm import Communicator
+from zerokit.config import ZeroConfig, load_config
+from zerokit.precision import (StepResult, clip_coefficient, global_grad_norm, make_loss_scaler,
+                               unscale_)
+from zerokit.runtime import default_device, ensure_process_group
+from zerokit.stages import STAGES, BucketReducer
+from zerokit.stages.base import tensor_bytes
+from zerokit.stages.optimizer import trainable_groups
+
+
+class SkippedStepsError(RuntimeError):
+    """Too many optimizer steps in a row were skipped for inf/nan gradients."""
+
+
+class Engine:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig,
+                 device: torch.device | None = None) -> None:
+        ensure_process_group()
+        self.config = config
+        self.comm = Communicator()
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        config.check_batch_sizes(self.world_size)
+        if config.stage not in STAGES:
+            raise ValueError(f"zero_optimization.stage={config.stage} is not available in this version; "
+                             f"use one of {sorted(STAGES)}")
+        self.device = device or default_device()
+        self.module = model.to(device=self.device)
+        self._broadcast_from_rank0()
+        params, groups = _backward_ordered(model, trainable_groups(model, optimizer))
+        self.stage = STAGES[config.stage](params, groups, optimizer, config, self.comm)
+        model.to(dtype=config.precision.param_dtype)  # frozen parameters and buffers; trainable ones are cast
+        self.optimizer = self.stage.optimizer
+        self.reducer = BucketReducer(self.stage)
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda _, i=i: self.reducer.grad_ready(i))
+                       for i, p in enumerate(params)]
+        self.loss_scaler = make_loss_scaler(config.loss_scaling)
+        self.micro_step = 0
+        self.optimizer_step = 0
+        self.consecutive_skips = 0
+        self.total_skips = 0
+
+    def _broadcast_from_rank0(self) -> None:
+        """Every rank starts from rank 0's weights and buffers, as torch DDP does."""
+        with torch.no_grad():
+            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+                self.comm.broadcast(tensor.data, src=0)
+
+    # --- the training loop ----------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @property
+    def at_boundary(self) -> bool:
+        """The next backward ends an accumulation window."""
+        return (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss / gradient_accumulation_steps` (times the fp16 loss scale), with the
+        gradient reductions this micro-step needs overlapped with it."""
+        must_reduce = self.at_boundary or self.stage.reduces_every_micro_step
+        self.stage.prepare_backward()
+        scaled = loss * (self.loss_scaler.scale / self.config.gradient_accumulation_steps)
+        if must_reduce:
+            self.reducer.arm(scaled)
+        scaled.backward()
+        self.reducer.flush()
+        self.micro_step += 1
+
+    def step(self) -> StepResult:
+        """Step the optimizer if this micro-step ended an accumulation window; report either way."""
+        boundary = self.micro_step % self.config.gradient_accumulation_steps == 0
+        if not boundary:
+            return self._result(boundary=False, stepped=False, norm=None, clipped=False)
+        grads = self.stage.attach_master_grads()
+        unscale_(grads, self.loss_scaler.scale)
+        norm = global_grad_norm(grads, self.comm if self.stage.shards_optimizer else None)
+        overflow = norm != norm  # nan: some gradient was inf or nan on some rank
+        self.loss_scaler.update(overflow)
+        if overflow:
+            self.stage.release_grads()
+            return self._skip()
+        coefficient = clip_coefficient(norm, self.config.gradient_clipping)
+        if coefficient < 1.0:
+            torch._foreach_mul_(grads, coefficient)
+        self.optimizer.step()
+        self.stage.release_grads()
+        self.stage.publish_params()
+        self.optimizer_step += 1
+        self.consecutive_skips = 0
+        return self._result(boundary=True, stepped=True, norm=norm, clipped=coefficient < 1.0)
+
+    def _skip(self) -> StepResult:
+        self.consecutive_skips += 1
+        self.total_skips += 1
+        if self.consecutive_skips >= self.config.max_consecutive_skipped_steps:
+            raise SkippedStepsError(
+                f"{self.consecutive_skips} optimizer steps in a row were skipped for inf/nan gradients "
+                f"(loss scale now {self.loss_scaler.scale:g}); the model is not training. Lower the learning "
+                "rate, check the data, or raise max_consecutive_skipped_steps")
+        return self._result(boundary=True, stepped=False, norm=float("nan"), clipped=False)
+
+    def _result(self, boundary: bool, stepped: bool, norm: float | None, clipped: bool) -> StepResult:
+        return StepResult(micro_step=self.micro_step, optimizer_step=self.optimizer_step, boundary=boundary,
+                          stepped=stepped, skipped=boundary and not stepped, loss_scale=self.loss_scaler.scale,
+                          grad_norm=norm, clipped=clipped, consecutive_skips=self.consecutive_skips,
+                          total_skips=self.total_skips)
+
+    # --- what it holds and sends -----------------------------------------------------------------
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """Per collective kind: calls, elements and bytes of the logical tensors, since start."""
+        return self.comm.stats.as_dict()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes this rank holds, by category: parameters (trainable and frozen), gradients,
+        optimizer_state (fp32 masters, when separate, and the optimizer's own state)."""
+        stats = self.stage.memory_by_category()
+        trainable = {id(p) for p in self.stage.flat.params}
+        stats["parameters"] += tensor_bytes(p for p in self.module.parameters() if id(p) not in trainable)
+        return stats
+
+    def trainable_numel(self) -> int:
+        """Ψ: trainable parameters, without padding."""
+        return self.stage.layout.data_numel
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+
+def _backward_ordered(model: nn.Module, groups: list[list[nn.Parameter]]) -> tuple[list[nn.Parameter], list[int]]:
+    """Trainable parameters in the order backward usually produces their gradients (reverse
+    registration), with each one's optimizer param group."""
+    position = {id(p): i for i, p in enumerate(model.parameters())}
+    entries = sorted(((p, g) for g, params in enumerate(groups) for p in params), key=lambda e: -position[id(e[0])])
+    return [p for p, _ in entries], [g for _, g in entries]
+
+
+def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
+               config: ZeroConfig | Mapping[str, Any] | str | Path | None = None,
+               device: torch.device | None = None) -> Engine:
+    """Wrap `model` and `optimizer` for ZeRO training. `config` is a ZeroConfig, a DeepSpeed-style
+    dict, or the path of a JSON file holding one. Joins torchrun's process group if there is one."""
+    return Engine(model, optimizer, load_config(config), device)

@@ -1,0 +1,282 @@
+"""The decision procedure: which stage, whether to offload or recompute, and the largest micro-batch.
+
+[Note: decision tree]
+    for checkpointing in (none, full)            # full only if none fails (or as the user fixed it)
+        1. lowest ZeRO stage 0..3 that fits on the GPU with headroom, nothing offloaded
+        2. else offload tiers, each from the lowest stage it allows, with room on the host:
+           optimizer -> CPU (stage >= 1); + parameters -> CPU (stage 3);
+           optimizer -> NVMe (stage >= 1); + parameters -> NVMe (stage 3)
+    if nothing fits: say what was closest and how many GPUs stage 3 would need
+    then: the largest micro-batch that fits the chosen configuration
+Stages above 1 are skipped under pipeline parallelism. The first configuration that fits is the
+pick; the reasons quote the numbers of everything tried before it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+from zerokit.planner.estimate import STAGES, Estimate, Scenario, estimate, make_scenario
+from zerokit.planner.spec import GB, Layout, Offload, Policy
+
+OFFLOAD_TIERS = (Offload(optimizer="cpu"), Offload(optimizer="cpu", params="cpu"),
+                 Offload(optimizer="nvme"), Offload(optimizer="nvme", params="nvme"))
+
+
+@dataclass(frozen=True)
+class Plan:
+    scenario: Scenario
+    policy: Policy
+    pick: Estimate | None
+    stages: tuple[Estimate, ...]
+    """Every allowed stage without offload, at the pick's checkpointing and micro-batch."""
+    attempts: tuple[Estimate, ...]
+    """Everything estimated by the tree, in order, up to and including the pick."""
+    max_micro_batch: int
+    """Largest micro-batch the pick fits (0 without a pick)."""
+    over_micro_batch: Estimate | None
+    """The pick at max_micro_batch + 1, which does not fit (None if the search hit the policy cap)."""
+    at_max_micro_batch: Estimate | None
+    """The pick at max_micro_batch, when that is above the requested micro-batch."""
+    runner_up: Estimate | None
+    """The first fit with the other checkpointing choice at a lower stage or less offload."""
+    alternatives: tuple[Estimate, ...]
+    """Hybrid layouts on paper (multi-node only): HSDP, ZeRO-1 + pipeline, ZeRO-1 + tensor parallel."""
+    reasons: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
+def gb(n: float) -> str:
+    return f"{n / GB:.1f} GB"
+
+
+def allowed_stages(layout: Layout) -> tuple[int, ...]:
+    return (0, 1) if layout.pp > 1 else STAGES
+
+
+def _candidates(scenario: Scenario, policy: Policy, checkpointing: str) -> Iterator[tuple[int, Offload]]:
+    stages = allowed_stages(scenario.layout)
+    for stage in stages:
+        yield stage, Offload()
+    if policy.offload == "auto":
+        for tier in OFFLOAD_TIERS:
+            for stage in stages:
+                if stage >= 1 and (tier.params == "none" or stage == 3):
+                    yield stage, tier
+
+
+def _checkpointing_order(policy: Policy) -> tuple[str, ...]:
+    return ("none", "full") if policy.checkpointing == "auto" else (policy.checkpointing,)
+
+
+def _search(scenario: Scenario, policy: Policy, orders: tuple[str, ...]) -> tuple[Estimate | None, list[Estimate]]:
+    attempts = []
+    for checkpointing in orders:
+        trial = scenario.with_training(checkpointing=checkpointing)
+        for stage, offload in _candidates(trial, policy, checkpointing):
+            result = estimate(trial, stage, offload, headroom=policy.headroom)
+            attempts.append(result)
+            if result.fits:
+                return result, attempts
+    return None, attempts
+
+
+def largest_micro_batch(pick: Estimate, policy: Policy) -> tuple[int, Estimate | None]:
+    """Doubling, then bisection, over micro-batch sizes of the picked configuration."""
+    def at(batch: int) -> Estimate:
+        return estimate(pick.scenario.with_training(micro_batch=batch), pick.stage, pick.offload,
+                        headroom=policy.headroom)
+
+    good, bad = pick.training.micro_batch, None
+    while bad is None and good < policy.max_micro_batch:
+        trial = min(2 * good, policy.max_micro_batch)
+        if at(trial).fits:
+            good = trial
+        else:
+            bad = trial
+    if bad is None:
+        return good, None
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if at(middle).fits else (good, middle)
+    return good, at(good + 1)
+
+
+def _order_key(result: Estimate) -> tuple[int, int]:
+    tier = 0 if not result.offload.any else 1 + OFFLOAD_TIERS.index(result.offload)
+    return tier, result.stage
+
+
+def _runner_up(scenario: Scenario, policy: Policy, pick: Estimate) -> Estimate | None:
+    if policy.checkpointing != "auto":
+        return None
+    other = "full" if pick.training.checkpointing == "none" else "none"
+    found, _ = _search(scenario.with_training(micro_batch=pick.training.micro_batch), policy, (other,))
+    return found if found is not None and _order_key(found) < _order_key(pick) else None
+
+
+def hybrid_alternatives(scenario: Scenario, policy: Policy, checkpointing: str) -> tuple[Estimate, ...]:
+    """On paper, for several nodes: shard inside a node and replicate across (HSDP); ZeRO-1 inside a
+    node with pipeline stages across nodes; tensor parallel inside a node with ZeRO-1 across."""
+    cluster = scenario.cluster
+    if cluster.nodes == 1 or scenario.layout != Layout():
+        return ()
+    trial = scenario.with_training(checkpointing=checkpointing)
+    options = ((Layout(replicas=cluster.nodes), (1, 2, 3)), (Layout(pp=cluster.nodes), (1,)),
+               (Layout(tp=cluster.gpus_per_node), (1,)))
+    found = []
+    for layout, stages in options:
+        try:
+            laid_out = replace(trial, layout=layout)
+        except ValueError:
+            continue  # e.g. tp does not divide the heads; the layout is not possible for this model
+        results = [estimate(laid_out, stage, headroom=policy.headroom) for stage in stages]
+        found.append(next((r for r in results if r.fits), results[-1]))
+    return tuple(found)
+
+
+def _stage_table(scenario: Scenario, policy: Policy, checkpointing: str) -> tuple[Estimate, ...]:
+    trial = scenario.with_training(checkpointing=checkpointing)
+    return tuple(estimate(trial, stage, headroom=policy.headroom) for stage in allowed_stages(scenario.layout))
+
+
+def plan(scenario: Scenario | None = None, policy: Policy | None = None, **scenario_kwargs) -> Plan:
+    """Pick a configuration for `scenario` (or make_scenario()'s keyword arguments)."""
+    scenario = scenario or make_scenario(**scenario_kwargs)
+    policy = policy or Policy()
+    pick, attempts = _search(scenario, policy, _checkpointing_order(policy))
+    shrunk = scenario
+    while pick is None and shrunk.training.micro_batch > 1:  # the requested micro-batch fits nowhere
+        shrunk = shrunk.with_training(micro_batch=shrunk.training.micro_batch // 2)
+        pick, more = _search(shrunk, policy, _checkpointing_order(policy))
+        attempts += more
+    checkpointing = pick.training.checkpointing if pick else _checkpointing_order(policy)[-1]
+    max_batch, over = largest_micro_batch(pick, policy) if pick else (0, None)
+    at_max = None
+    if pick and max_batch > pick.training.micro_batch:
+        at_max = estimate(pick.scenario.with_training(micro_batch=max_batch), pick.stage, pick.offload,
+                          headroom=policy.headroom)
+    runner_up = _runner_up(scenario, policy, pick) if pick else None
+    stages = _stage_table(pick.scenario if pick else scenario, policy, checkpointing)
+    alternatives = hybrid_alternatives(pick.scenario if pick else scenario, policy, checkpointing)
+    draft = Plan(scenario, policy, pick, stages, tuple(attempts), max_batch, over, at_max, runner_up, alternatives,
+                 (), ())
+    return replace(draft, reasons=tuple(reasons(draft)), notes=tuple(notes(draft)))
+
+
+# --- reasons, from the numbers ------------------------------------------------------------------
+
+def _biggest(result: Estimate, count: int = 2) -> str:
+    parts = sorted(result.memory.as_dict().items(), key=lambda kv: -kv[1])[:count]
+    return " and ".join(f"{name.replace('_', ' ')} {gb(value)}" for name, value in parts)
+
+
+def _usable(result: Estimate, policy: Policy) -> str:
+    return f"{gb(result.usable)} usable ({gb(result.capacity)} x {1 - policy.headroom:.2f})"
+
+
+def _failure(result: Estimate, policy: Policy) -> str:
+    if not result.fits_gpu:
+        return (f"{result.label} needs {gb(result.memory.total)} per GPU ({_biggest(result)}), over the "
+                f"{_usable(result, policy)}")
+    return (f"{result.label} fits the GPU but needs {gb(result.host.ram)} host RAM and {gb(result.host.nvme)} "
+            f"NVMe per node, over {gb(result.host.usable_ram)} RAM / {gb(result.host.nvme_capacity)} NVMe")
+
+
+def _comm_reason(pick: Estimate) -> str:
+    comm, compute = pick.comm.seconds, pick.compute.seconds
+    if comm == 0:
+        return f"no data-parallel communication (one replica); compute {compute:.2f} s per step"
+    links = sorted({c.link for c in pick.comm.per_step()})
+    verdict = ("hides behind compute" if pick.exposed_comm_seconds <= 0.05 * compute
+               else f"leaves {pick.exposed_comm_seconds:.2f} s exposed")
+    return (f"communication {comm:.2f} s per step ({gb(pick.comm.wire_bytes)} sent per GPU over "
+            f"{', '.join(links)}) vs compute {compute:.2f} s: it {verdict}; predicted step {pick.step_seconds:.2f} s")
+
+
+def _offload_reason(pick: Estimate) -> str:
+    host, time = pick.host, pick.offload_time
+    return (f"offload puts {gb(host.ram)} in host RAM (of {gb(host.ram_capacity)}) and {gb(host.nvme)} on NVMe "
+            f"per node; per step it moves {gb(time.pcie_down + time.pcie_up)} over PCIe per GPU "
+            f"({time.pcie_seconds:.2f} s), the CPU optimizer takes {time.cpu_optimizer_seconds:.2f} s"
+            + (f" and NVMe {time.nvme_seconds:.2f} s" if time.nvme_seconds else ""))
+
+
+def reasons(p: Plan) -> list[str]:
+    if p.pick is None:
+        return _no_fit_reasons(p)
+    pick, out = p.pick, []
+    for tried in p.attempts[:-1]:
+        if not tried.offload.any and tried.training.checkpointing == pick.training.checkpointing:
+            out.append(_failure(tried, p.policy))
+    if pick.training.checkpointing == "full" and p.policy.checkpointing == "auto":
+        tried = sum(1 for a in p.attempts if a.training.checkpointing == "none")
+        out.append(f"nothing fits without activation checkpointing ({tried} configurations tried), so every "
+                   "block's input is stored and the block recomputed in backward")
+    if pick.offload.any:
+        ckpt = pick.training.checkpointing
+        skipped = [a for a in p.attempts[:-1] if a.offload.any and a.training.checkpointing == ckpt]
+        if skipped:
+            out.append(f"cheaper offload tiers do not fit either: {_failure(skipped[-1], p.policy)}")
+    out.append(f"{pick.label} fits: {gb(pick.memory.total)} of {_usable(pick, p.policy)}, "
+               f"{gb(pick.usable - pick.memory.total)} to spare; largest parts {_biggest(pick)}")
+    out.append(_comm_reason(pick))
+    if pick.offload.any:
+        out.append(_offload_reason(pick))
+    if p.over_micro_batch is not None:
+        out.append(f"largest micro-batch that fits: {p.max_micro_batch} (micro-batch {p.max_micro_batch + 1} "
+                   f"needs {gb(p.over_micro_batch.memory.total)})")
+    else:
+        out.append(f"largest micro-batch that fits: at least {p.max_micro_batch} (the search cap)")
+    if p.at_max_micro_batch is not None:
+        big = p.at_max_micro_batch
+        out.append(f"at micro-batch {p.max_micro_batch} a step takes {big.step_seconds:.2f} s "
+                   f"({big.tokens_per_second:,.0f} tokens/s vs {pick.tokens_per_second:,.0f} at micro-batch "
+                   f"{pick.training.micro_batch}; exposed communication {big.exposed_comm_seconds:.2f} s)")
+    if p.runner_up is not None:
+        r = p.runner_up
+        out.append(f"{r.label} also fits ({gb(r.memory.total)}) but its predicted step is {r.step_seconds:.2f} s "
+                   f"vs {pick.step_seconds:.2f} s; the tree turns to recomputation only when no stage or offload "
+                   "tier fits without it")
+    return out
+
+
+def stage3_gpus_needed(result: Estimate) -> int:
+    """GPUs in the shard group for model states alone to leave room for the rest (rough)."""
+    rest = result.memory.activations + result.memory.buffers + result.memory.overhead
+    room = result.usable - rest
+    states = result.memory.model_states * result.scenario.shard
+    return math.ceil(states / room) if room > 0 else 0
+
+
+def _no_fit_reasons(p: Plan) -> list[str]:
+    closest = min(p.attempts, key=lambda a: a.memory.total)
+    out = [f"nothing fits: the closest is {_failure(closest, p.policy)}"]
+    needed = stage3_gpus_needed(closest)
+    if needed:
+        out.append(f"ZeRO-3 would need about {needed} GPUs in the shard group for this micro-batch")
+    else:
+        out.append("activations and buffers alone exceed the GPU: shorten the sequence or add tensor parallelism")
+    return out
+
+
+def notes(p: Plan) -> list[str]:
+    scenario, out = p.scenario, []
+    arch = scenario.model.architecture
+    if arch is None:
+        out.append("only a parameter count was given: activations and the stage-3 gather unit are not modelled "
+                   "(give a preset, --arch or a config.json)")
+    elif scenario.model.context and scenario.training.seq_len > scenario.model.context:
+        out.append(f"seq len {scenario.training.seq_len} is beyond the model's trained context "
+                   f"{scenario.model.context}")
+    if scenario.training.attention == "eager" and arch is not None:
+        out.append("eager attention stores the a x s x s softmax per block; fused (flash/SDPA) attention does not")
+    if p.pick is not None and p.pick.compute.bubble > 0:
+        out.append(f"pipeline bubble {p.pick.compute.bubble:.0%} of each step with {scenario.training.grad_accum} "
+                   "micro-batches; raise gradient accumulation to shrink it")
+    if p.pick is not None and p.pick.training.micro_batch != scenario.training.micro_batch:
+        out.append(f"the requested micro-batch {scenario.training.micro_batch} fits nowhere; planned with "
+                   f"{p.pick.training.micro_batch}")
+    return out

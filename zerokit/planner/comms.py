@@ -1,0 +1,218 @@
+"""Collectives per optimizer step, in the units of `engine.comm_stats()`, and their time.
+
+[Note: communication model]
+Each call's size is its full logical tensor, as the engine counts it: all-reduce the tensor,
+reduce-scatter its input, all-gather its output. Ring algorithms move, per rank and per direction,
+    all-reduce       2 (n-1)/n x bytes   in 2 (n-1) steps
+    reduce-scatter     (n-1)/n x bytes   in   (n-1) steps
+    all-gather         (n-1)/n x bytes   in   (n-1) steps
+so time = wire bytes / (link bandwidth x efficiency) + calls x steps x latency (the alpha-beta
+model; the wire factors are nccl-tests' bus-bandwidth factors, doc/PERFORMANCE.md). A group whose
+ranks sit in one node uses the intra-node link; one that spans nodes is limited by the inter-node
+bandwidth each GPU gets (NIC bandwidth x NICs per node / GPUs per node).
+
+Per step with m micro-steps, trainable Psi_t and all parameters Psi on a rank, N_d ranks sharding:
+    stage 0  all-reduce Psi_t gradients once (accumulation runs without communication)
+    stage 1  reduce-scatter Psi_t once; all-gather Psi_t updated parameters after the step
+    stage 2  reduce-scatter Psi_t every micro-step (or once, see Training.reduce_every_micro_step);
+             all-gather Psi_t after the step
+    stage 3  every micro-step: all-gather Psi in forward, again in backward, reduce-scatter Psi_t
+Stages 0-2 move 2 Psi per step and stage 3 3 Psi (ZeRO paper Section 7: 1.5x), before the ring
+factor. HSDP adds an all-reduce of each gradient shard (Psi_t / N_d) across replicas.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from zerokit.planner.catalogue import Cluster, Link
+from zerokit.planner.memory import RankParams
+from zerokit.planner.models import ModelSpec
+from zerokit.planner.spec import Layout, Training
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send_recv")
+PHASES = ("forward", "backward", "boundary", "after_step", "critical", "init")
+"""forward/backward: overlaps that pass of every micro-step; boundary: overlaps the last backward;
+after_step: after the optimizer step, exposed; critical: on the compute path (tensor/pipeline
+parallel), exposed; init: once before training."""
+
+
+def wire_factor(kind: str, n: int) -> float:
+    return {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(kind, (n - 1) / n)
+
+
+def ring_steps(kind: str, n: int) -> int:
+    return {"all_reduce": 2 * (n - 1), "send_recv": 1}.get(kind, n - 1)
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    size: int
+    link: Link
+    bandwidth: float
+    """bytes/s per rank per direction, efficiency applied."""
+    latency: float
+    intra_node: bool
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    group: str
+    group_size: int
+    link: str
+    phase: str
+    calls: int
+    """Per optimizer step (init: once)."""
+    elements: int
+    bytes: int
+    wire_bytes: int
+    """Bytes this rank sends per optimizer step: bytes x ring factor."""
+    seconds: float
+
+
+@dataclass(frozen=True)
+class CommEstimate:
+    collectives: tuple[Collective, ...]
+
+    def per_step(self) -> tuple[Collective, ...]:
+        return tuple(c for c in self.collectives if c.phase != "init")
+
+    @property
+    def seconds(self) -> float:
+        return sum(c.seconds for c in self.per_step())
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(c.wire_bytes for c in self.per_step())
+
+    def phase_seconds(self, phase: str) -> float:
+        return sum(c.seconds for c in self.collectives if c.phase == phase)
+
+    def phase_calls(self, phase: str) -> int:
+        return sum(c.calls for c in self.collectives if c.phase == phase)
+
+    def by_kind(self, groups: tuple[str, ...] = ("dp", "dp_shard", "dp_replicate")) -> dict[str, dict[str, int]]:
+        """Per optimizer step, in `engine.comm_stats()` form: kind -> calls, elements, bytes (the
+        data-parallel collectives the engine issues; tensor/pipeline traffic is on paper only)."""
+        stats: dict[str, dict[str, int]] = {}
+        for c in self.per_step():
+            if c.group in groups:
+                entry = stats.setdefault(c.kind, {"calls": 0, "elements": 0, "bytes": 0})
+                entry["calls"] += c.calls
+                entry["elements"] += c.elements
+                entry["bytes"] += c.bytes
+        return stats
+
+
+def make_groups(cluster: Cluster, layout: Layout, shard: int, efficiency: float) -> dict[str, Group]:
+    """Rank order tp -> dp_shard -> replicas -> pp: a group spans the product of itself and the
+    dimensions inside it, and stays in one node if that span is at most gpus_per_node."""
+    spans = {"tp": (layout.tp, layout.tp), "dp_shard": (shard, layout.tp * shard),
+             "dp_replicate": (layout.replicas, cluster.world // layout.pp),
+             "dp": (shard * layout.replicas, cluster.world // layout.pp), "pp": (2, cluster.world)}
+    groups = {}
+    for name, (size, span) in spans.items():
+        intra = span <= cluster.gpus_per_node
+        used = cluster.intra_link if intra else cluster.inter_link
+        bandwidth = cluster.intra_link.bandwidth if intra else min(cluster.intra_link.bandwidth,
+                                                                   cluster.inter_bandwidth_per_gpu)
+        latency = cluster.intra_link.latency if intra else cluster.inter_link.latency
+        groups[name] = Group(name, size, used, bandwidth * efficiency, latency, intra)
+    return groups
+
+
+def _collective(kind: str, group: Group, phase: str, calls: int, elements: int, element_bytes: int) -> Collective:
+    size = group.size if kind != "send_recv" else 2
+    logical = elements * element_bytes
+    wire = math.ceil(wire_factor(kind, size) * logical)
+    seconds = wire / group.bandwidth + calls * ring_steps(kind, size) * group.latency
+    return Collective(kind, group.name, group.size, group.link.name, phase, calls, elements, logical, wire, seconds)
+
+
+def stage3_units(model: ModelSpec, layout: Layout, bucket_elements: int, total: int) -> int:
+    """Gather calls per pass: one per block plus embedding and head; buckets for a bare count."""
+    if model.architecture is None:
+        return max(1, math.ceil(total / bucket_elements))
+    return math.ceil(model.architecture.n_layers / layout.pp) + 2
+
+
+def data_parallel(rank: RankParams, training: Training, stage: int, groups: dict[str, Group],
+                  units: int) -> list[Collective]:
+    """The ZeRO collectives of one optimizer step (see [Note: communication model])."""
+    m, r, g, p = training.grad_accum, training.reduce_bytes, groups, training.param_bytes
+    trainable, total = rank.trainable, rank.total
+    buckets = max(1, math.ceil(trainable / max(1, training.bucket_bytes // r)))
+    out: list[Collective] = []
+    if stage == 0:
+        if g["dp"].size > 1:
+            out.append(_collective("all_reduce", g["dp"], "boundary", buckets, trainable, r))
+        return out
+    if g["dp_shard"].size > 1:
+        if stage == 3:
+            out.append(_collective("all_gather", g["dp_shard"], "forward", m * units, m * total, p))
+            out.append(_collective("all_gather", g["dp_shard"], "backward", m * units, m * total, p))
+            out.append(_collective("reduce_scatter", g["dp_shard"], "backward", m * units, m * trainable, r))
+        elif stage == 2 and training.reduce_every_micro_step:
+            out.append(_collective("reduce_scatter", g["dp_shard"], "backward", m * buckets, m * trainable, r))
+        else:
+            out.append(_collective("reduce_scatter", g["dp_shard"], "boundary", buckets, trainable, r))
+        if stage < 3:
+            out.append(_collective("all_gather", g["dp_shard"], "after_step", buckets, trainable, p))
+    if g["dp_replicate"].size > 1:
+        shard = math.ceil(trainable / g["dp_shard"].size)
+        out.append(_collective("all_reduce", g["dp_replicate"], "boundary", buckets, shard, r))
+    return out
+
+
+def model_parallel(model: ModelSpec, training: Training, layout: Layout, groups: dict[str, Group]) -> list[Collective]:
+    """Megatron tensor parallelism: two all-reduces of the (s, b, h) activations per block in
+    forward and two in backward (Shoeybi et al. 2019, Section 3), two more when the forward is
+    recomputed; pipeline parallelism: one activation forward and one gradient back per micro-batch."""
+    arch, out = model.architecture, []
+    if arch is None or (layout.tp == 1 and layout.pp == 1):
+        return out
+    m, e = training.grad_accum, training.act_bytes
+    activation = training.tokens_per_micro_batch * arch.hidden
+    if layout.tp > 1:
+        per_block = 4 + (2 if training.checkpointing == "full" else 0)
+        calls = m * per_block * math.ceil(arch.n_layers / layout.pp)
+        out.append(_collective("all_reduce", groups["tp"], "critical", calls, calls * activation, e))
+    if layout.pp > 1:
+        elements = math.ceil(activation / layout.tp)
+        out.append(_collective("send_recv", groups["pp"], "critical", 2 * m, 2 * m * elements, e))
+    return out
+
+
+def communication(model: ModelSpec, rank: RankParams, training: Training, layout: Layout, stage: int,
+                  cluster: Cluster, efficiency: float) -> CommEstimate:
+    groups = make_groups(cluster, layout, rank.shard, efficiency)
+    units = stage3_units(model, layout, max(1, training.bucket_bytes // training.reduce_bytes), rank.total)
+    collectives = data_parallel(rank, training, stage, groups, units)
+    collectives += model_parallel(model, training, layout, groups)
+    if groups["dp"].size > 1:  # rank 0's parameters reach every replica once, before training
+        collectives.append(_collective("broadcast", groups["dp"], "init", 1, rank.total, training.param_bytes))
+    return CommEstimate(tuple(collectives))
+
+
+def _overlapped(comm: float, compute: float, calls: int) -> float:
+    """Exposed part of `comm` run beside `compute`: at least one call (the first gather or the
+    last reduction) cannot overlap."""
+    if comm <= 0:
+        return 0.0
+    return max(comm - compute, comm / max(1, calls))
+
+
+def exposed_seconds(comm: CommEstimate, forward: float, backward: float, micro_steps: int) -> float:
+    """Communication time not hidden behind compute, per optimizer step. `forward`/`backward` are
+    one micro-step's compute seconds."""
+    m = micro_steps
+    fwd, bwd = comm.phase_seconds("forward") / m, comm.phase_seconds("backward") / m
+    fwd_calls, bwd_calls = comm.phase_calls("forward") // m, comm.phase_calls("backward") // m
+    boundary, boundary_calls = comm.phase_seconds("boundary"), comm.phase_calls("boundary")
+    exposed = m * _overlapped(fwd, forward, fwd_calls)
+    exposed += (m - 1) * _overlapped(bwd, backward, bwd_calls)
+    exposed += _overlapped(bwd + boundary, backward, bwd_calls + boundary_calls)
+    return exposed + comm.phase_seconds("after_step") + comm.phase_seconds("critical")

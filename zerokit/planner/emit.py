@@ -1,0 +1,173 @@
+"""Configs that implement a pick: zerokit's (DeepSpeed-style keys the engine reads), DeepSpeed's,
+and FSDP2 code. What a target cannot express raises ValueError saying why and what to use instead.
+Activation checkpointing is set in the model code for every target, so it comes back as a note."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerokit.planner.estimate import Estimate
+
+TARGETS = ("zerokit", "deepspeed", "fsdp")
+DEFAULT_CLIPPING = 1.0  # a common choice (Hugging Face Trainer's max_grad_norm); not part of the plan
+NVME_PATH = "/local_nvme"  # DeepSpeed's documentation example; replace with a local NVMe mount
+
+
+@dataclass(frozen=True)
+class Emitted:
+    target: str
+    config: dict | str
+    """A JSON-able dict (zerokit, deepspeed) or Python source (fsdp)."""
+    notes: tuple[str, ...]
+
+
+def _data_parallel_only(result: Estimate, target: str) -> None:
+    layout = result.scenario.layout
+    if layout.tp > 1 or layout.pp > 1:
+        raise ValueError(f"--emit {target} writes data-parallel configs; the layout {layout.name} is on paper only "
+                         "(tensor and pipeline parallelism are set up in model code: Megatron, torch pipelining)")
+
+
+def _notes(result: Estimate) -> tuple[str, ...]:
+    notes = []
+    if result.training.checkpointing == "full":
+        notes.append("activation checkpointing is not a config key: wrap each transformer block, e.g. "
+                     "model.gradient_checkpointing_enable() (Hugging Face) or torch.utils.checkpoint "
+                     "(use_reentrant=False)")
+    if result.offload.optimizer == "nvme" or result.offload.params == "nvme":
+        notes.append(f"nvme_path is set to {NVME_PATH}: point it at a local NVMe mount")
+    return tuple(notes)
+
+
+def _precision(result: Estimate) -> dict:
+    precision = result.training.precision
+    if precision == "bf16":
+        return {"bf16": {"enabled": True}}
+    if precision == "fp16":
+        return {"fp16": {"enabled": True, "loss_scale": 0}}  # 0 = dynamic loss scaling
+    return {}
+
+
+def _offload_blocks(result: Estimate, extra: dict) -> dict:
+    blocks = {}
+    for key, device in (("offload_optimizer", result.offload.optimizer), ("offload_param", result.offload.params)):
+        if device != "none":
+            blocks[key] = {"device": device, **extra, **({"nvme_path": NVME_PATH} if device == "nvme" else {})}
+    return blocks
+
+
+def _common(result: Estimate, clipping: float) -> dict:
+    t = result.training
+    return {"train_micro_batch_size_per_gpu": t.micro_batch, "gradient_accumulation_steps": t.grad_accum,
+            "gradient_clipping": clipping, **_precision(result), "communication_data_type": t.reduce_dtype}
+
+
+def emit_zerokit(result: Estimate, clipping: float = DEFAULT_CLIPPING) -> dict:
+    """The keys zerokit's engine reads (zerokit/config.py), DeepSpeed-style: sizes in elements."""
+    _data_parallel_only(result, "zerokit")
+    if result.scenario.layout.replicas > 1:
+        raise ValueError("zerokit's engine shards over one flat group; HSDP (replicas > 1) is on paper only: "
+                         "use --emit fsdp (2-D device mesh)")
+    t = result.training
+    zero = {"stage": result.stage, "reduce_bucket_size": max(1, t.bucket_bytes // t.reduce_bytes),
+            "overlap_comm": t.overlap_comm}
+    if result.stage == 2 and not t.reduce_every_micro_step:
+        zero["reduce_every_micro_step"] = False
+    zero.update(_offload_blocks(result, {}))
+    return {**_common(result, clipping), "zero_optimization": zero}
+
+
+def emit_deepspeed(result: Estimate, clipping: float = DEFAULT_CLIPPING) -> dict:
+    _data_parallel_only(result, "deepspeed")
+    if result.scenario.layout.replicas > 1:
+        raise ValueError("DeepSpeed has no HSDP: ZeRO++ hpZ (zero_hpz_partition_size) keeps a secondary parameter "
+                         "shard per node but still shards optimizer state and gradients over all ranks, and MiCS "
+                         "was removed in 0.19.8; use --emit fsdp")
+    t = result.training
+    zero = {"stage": result.stage, "overlap_comm": t.overlap_comm, "contiguous_gradients": True,
+            "reduce_bucket_size": max(1, t.bucket_bytes // t.reduce_bytes)}
+    if result.stage == 3:
+        zero["stage3_prefetch_bucket_size"] = max(1, result.scenario.rank.unit)
+    zero.update(_offload_blocks(result, {"pin_memory": True}))
+    return {**_common(result, clipping), "zero_optimization": zero}
+
+
+_TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}
+
+
+def _fsdp_stage_line(result: Estimate) -> tuple[str, str]:
+    """(reshard_after_forward, comment) for stages 2 and 3."""
+    if result.stage == 3:
+        return "True", "ZeRO-3: parameters freed after forward, gathered again for backward"
+    return "False", "ZeRO-2: parameters stay gathered from forward to backward; gradients are sharded"
+
+
+def emit_fsdp(result: Estimate, clipping: float = DEFAULT_CLIPPING) -> str:
+    """FSDP2 (`fully_shard`) code; stage 0 is DDP and stage 1 torch's ZeroRedundancyOptimizer."""
+    _data_parallel_only(result, "fsdp")
+    t, offload, layout = result.training, result.offload, result.scenario.layout
+    if offload.optimizer == "nvme" or offload.params == "nvme":
+        raise ValueError("FSDP has no NVMe offload; use --emit deepspeed (ZeRO-Infinity)")
+    if offload.optimizer != "none" and offload.params == "none":
+        raise ValueError("FSDP2 cannot offload only the optimizer: CPUOffloadPolicy moves parameters, gradients "
+                         "and optimizer state together (pytorch PR #120256); use --emit deepspeed or zerokit")
+    if result.stage in (0, 1):
+        return _ddp_code(result, clipping)
+    shard = result.scenario.shard
+    mesh = (f'init_device_mesh("cuda", ({layout.replicas}, {shard}), mesh_dim_names=("replicate", "shard"))'
+            if layout.replicas > 1 else f'init_device_mesh("cuda", ({shard},))')
+    reshard, comment = _fsdp_stage_line(result)
+    extra = ", offload_policy=CPUOffloadPolicy(pin_memory=True)" if offload.any else ""
+    policies = "CPUOffloadPolicy, MixedPrecisionPolicy" if offload.any else "MixedPrecisionPolicy"
+    lines = ["import torch", "from torch.distributed.device_mesh import init_device_mesh",
+             f"from torch.distributed.fsdp import {policies}, fully_shard", "",
+             f"mesh = {mesh}" + ("  # HSDP: replicate x shard" if layout.replicas > 1 else ""),
+             f"mp = MixedPrecisionPolicy(param_dtype={_TORCH_DTYPE[t.precision]}, "
+             f"reduce_dtype={_TORCH_DTYPE[t.reduce_dtype]})",
+             f"# {comment}", "for index, block in enumerate(model.layers):  # one unit per transformer block"]
+    if t.checkpointing == "full":
+        lines[3:3] = ["from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper"]
+        lines += ["    block = model.layers[index] = checkpoint_wrapper(block)  # full activation checkpointing"]
+    lines += [f"    fully_shard(block, mesh=mesh, reshard_after_forward={reshard}, mp_policy=mp{extra})",
+              f"fully_shard(model, mesh=mesh, reshard_after_forward={reshard}, mp_policy=mp{extra})",
+              f"optimizer = torch.optim.{_optimizer_class(t.optimizer)}(model.parameters())  # your hyperparameters",
+              f"# per micro-step: model.set_requires_gradient_sync(micro_step == {t.grad_accum - 1}), "
+              f"the last of {t.grad_accum}; loss.backward()",
+              f"# per step: torch.nn.utils.clip_grad_norm_(model.parameters(), {clipping}); optimizer.step()"]
+    return "\n".join(lines) + "\n"
+
+
+def _optimizer_class(name: str) -> str:
+    return {"adamw": "AdamW", "adam": "Adam"}.get(name, "SGD")
+
+
+def _ddp_code(result: Estimate, clipping: float) -> str:
+    t = result.training
+    if result.offload.any:
+        raise ValueError("torch's ZeroRedundancyOptimizer cannot offload; use --emit deepspeed or zerokit")
+    opt = _optimizer_class(t.optimizer)
+    lines = ["import torch", "from torch.nn.parallel import DistributedDataParallel as DDP", ""]
+    if result.stage == 1:
+        lines += ["from torch.distributed.optim import ZeroRedundancyOptimizer", "",
+                  "# ZeRO-1 has no FSDP form; torch's ZeroRedundancyOptimizer shards optimizer state over DDP",
+                  "# (it all-reduces gradients and broadcasts parameters: ~3 Psi per step, not ZeRO's 2 Psi)"]
+    else:
+        lines += ["# ZeRO-0 is plain data parallelism (FSDP1 NO_SHARD; FSDP2 has no NO_SHARD)"]
+    lines.append("model = DDP(model)")
+    if t.precision != "fp32":
+        lines.append(f"# run forward under torch.autocast('cuda', dtype={_TORCH_DTYPE[t.precision]}); "
+                     "keep fp32 parameters")
+    if result.stage == 1:
+        lines.append(f"optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.{opt})")
+    else:
+        lines.append(f"optimizer = torch.optim.{opt}(model.parameters())  # your hyperparameters")
+    lines += [f"# accumulate {t.grad_accum} micro-steps under model.no_sync() except the last",
+              f"# per step: torch.nn.utils.clip_grad_norm_(model.parameters(), {clipping}); optimizer.step()"]
+    return "\n".join(lines) + "\n"
+
+
+def emit(result: Estimate, target: str, clipping: float = DEFAULT_CLIPPING) -> Emitted:
+    if target not in TARGETS:
+        raise ValueError(f"emit target {target!r} is not accepted; use one of {', '.join(TARGETS)}")
+    writer = {"zerokit": emit_zerokit, "deepspeed": emit_deepspeed, "fsdp": emit_fsdp}[target]
+    return Emitted(target, writer(result, clipping), _notes(result))

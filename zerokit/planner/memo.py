@@ -1,0 +1,196 @@
+"""The memo: a markdown page that answers the question and justifies the pick from the numbers."""
+
+from __future__ import annotations
+
+import json
+
+from zerokit.planner.advice import Plan, gb
+from zerokit.planner.emit import emit_zerokit
+from zerokit.planner.estimate import Estimate
+from zerokit.planner.memory import block_activation_bytes, optimizer_state_bytes, output_activation_bytes
+from zerokit.planner.peers import deepspeed_largest_layer, peer_estimates
+from zerokit.planner.spec import GB
+
+STAGE_COLUMNS = ("stage", "fits", "parameters", "gradients", "optimizer state", "activations", "buffers",
+                 "overhead", "total GB", "comm s", "exposed s", "compute s", "step s")
+
+
+def _table(header: tuple[str, ...], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def _g(n: float) -> str:
+    return f"{n / GB:.2f}"
+
+
+def stage_row(result: Estimate) -> list[str]:
+    m = result.memory
+    fits = "yes" if result.fits else ("GPU yes, host no" if result.fits_gpu else "no")
+    return [f"ZeRO-{result.stage}" + (f" ({result.offload.name})" if result.offload.any else ""), fits,
+            _g(m.parameters), _g(m.gradients), _g(m.optimizer_state), _g(m.activations), _g(m.buffers),
+            _g(m.overhead), _g(m.total), f"{result.comm.seconds:.3f}", f"{result.exposed_comm_seconds:.3f}",
+            f"{result.compute.seconds:.3f}", f"{result.step_seconds:.3f}"]
+
+
+def question(p: Plan) -> str:
+    s, t = p.scenario, p.scenario.training
+    counts = s.counts
+    trainable = "" if t.trainable.is_full else f", {counts.trainable / 1e9:.3g}B trainable"
+    layout = "" if s.layout.name == "flat data parallel" else f", layout {s.layout.name}"
+    return (f"Train {s.model.name} ({counts.total / 1e9:.3g}B parameters{trainable}) on {s.cluster.name}"
+            f"{layout}, {t.precision} {t.optimizer}, sequence {t.seq_len}, micro-batch {t.micro_batch}, "
+            f"gradient accumulation {t.grad_accum}: which ZeRO stage, will it fit, how long will communication "
+            "take, and why?")
+
+
+def answer(p: Plan) -> str:
+    if p.pick is None:
+        return "Nothing fits. " + p.reasons[0][0].upper() + p.reasons[0][1:] + "."
+    pick = p.pick
+    ckpt = "full activation checkpointing" if pick.training.checkpointing == "full" else "no activation checkpointing"
+    return (f"**ZeRO-{pick.stage}, {pick.offload.name}, {ckpt}, micro-batch {pick.training.micro_batch}** "
+            f"(largest that fits: {p.max_micro_batch}): {gb(pick.memory.total)} of the {gb(pick.usable)} usable "
+            f"per GPU; communication {pick.comm.seconds:.2f} s per step against {pick.compute.seconds:.2f} s of "
+            f"compute ({pick.exposed_comm_seconds:.2f} s exposed); predicted step {pick.step_seconds:.2f} s, "
+            f"{pick.tokens_per_second:,.0f} tokens/s.")
+
+
+def category_rows(result: Estimate) -> list[list[str]]:
+    """Each category with the arithmetic that produced it."""
+    s, t, m = result.scenario, result.training, result.memory
+    rank, stage, n = s.rank, result.stage, s.shard
+    k = optimizer_state_bytes(t)
+    by = f" / {n} ranks"
+    params = ("0 (on the host)" if result.offload.params != "none"
+              else f"{t.param_bytes} B x {rank.total:,}" + (by if stage == 3 else ""))
+    grads = ("0 (each reduced shard goes to the host)" if result.offload.optimizer != "none" and stage >= 2
+             else f"{t.grad_bytes} B x {rank.trainable:,}" + (by if m.gradients < t.grad_bytes * rank.trainable else ""))
+    optim = ("0 (on the host)" if result.offload.optimizer != "none"
+             else f"K={k} B x {rank.trainable:,}" + (by if stage >= 1 else ""))
+    return [["parameters", _g(m.parameters), params], ["gradients", _g(m.gradients), grads],
+            ["optimizer_state", _g(m.optimizer_state), optim],
+            ["activations", _g(m.activations), activation_how(result)],
+            ["buffers", _g(m.buffers), buffer_how(result)],
+            ["overhead", _g(m.overhead), "allowance for CUDA context, NCCL and workspaces (assumed)"],
+            ["**total**", f"**{_g(m.total)}**", f"of {_g(result.usable)} usable ({_g(result.capacity)} capacity)"]]
+
+
+def activation_how(result: Estimate) -> str:
+    arch, t = result.scenario.model.architecture, result.training
+    if arch is None:
+        return "not modelled (parameter count only)"
+    block = block_activation_bytes(arch, t)
+    output = output_activation_bytes(arch, t)
+    if t.checkpointing == "full":
+        stored = t.act_bytes * t.tokens_per_micro_batch * arch.hidden
+        return (f"{arch.n_layers} stored block inputs x {_g(stored)} + one recomputed block {_g(block)} "
+                f"+ head and fp32 logits {_g(output)}")
+    return f"{arch.n_layers} blocks x {_g(block)} + head and fp32 logits {_g(output)}"
+
+
+def buffer_how(result: Estimate) -> str:
+    t, rank = result.training, result.scenario.rank
+    if result.stage == 3:
+        return (f"gathered unit + prefetched unit ({rank.unit:,} params x {t.param_bytes} B each) and the unit's "
+                f"unsharded gradients")
+    return f"gradient buckets of {t.bucket_bytes / 2**20:.0f} MiB ({t.reduce_dtype}), up to 3 in flight"
+
+
+def comm_rows(result: Estimate) -> list[list[str]]:
+    return [[c.kind, f"{c.group} ({c.group_size})", c.link, c.phase, f"{c.calls:,}", f"{c.elements:,}",
+             _g(c.bytes), _g(c.wire_bytes), f"{c.seconds:.3f}"] for c in result.comm.collectives]
+
+
+def _pick_sections(p: Plan) -> list[str]:
+    pick = p.pick
+    out = ["", "## The pick, by category (bytes per GPU)", ""]
+    out += _table(("category", "GB", "how"), category_rows(pick))
+    out += ["", "## Communication per optimizer step", ""]
+    out += _table(("collective", "group (size)", "link", "phase", "calls", "elements", "GB (logical)",
+                   "GB sent per GPU", "seconds"), comm_rows(pick))
+    stats = json.dumps(pick.comm.by_kind())
+    c = pick.compute
+    out += ["", f"`engine.comm_stats()` should grow by this much per optimizer step: `{stats}`.", "",
+            f"Compute: {c.flops_per_token / 1e9:.1f} GFLOP per token, {c.flops / 1e12:.1f} TFLOP per GPU per step at "
+            f"{p.scenario.assumptions.mfu:.0%} of {pick.scenario.cluster.peak_flops(pick.training.precision) / 1e12:.0f} "
+            f"TFLOPS = {c.seconds:.3f} s; optimizer step on the GPU {c.optimizer_seconds:.3f} s. Communication "
+            f"{pick.comm.seconds:.3f} s, of which {pick.exposed_comm_seconds:.3f} s cannot hide behind compute."]
+    if pick.offload.any:
+        o, h = pick.offload_time, pick.host
+        out += ["", "## Offload", "",
+                f"- stays on the GPU: {gb(pick.memory.total)} (see the table above)",
+                f"- host RAM per node: {gb(h.ram)} of {gb(h.ram_capacity)} ({gb(h.usable_ram)} usable)",
+                f"- NVMe per node: {gb(h.nvme)} of {gb(h.nvme_capacity)}",
+                f"- PCIe per GPU per step: {gb(o.pcie_down)} down, {gb(o.pcie_up)} up, {o.pcie_seconds:.3f} s",
+                f"- NVMe per node per step: {gb(o.nvme_read)} read, {gb(o.nvme_write)} written, {o.nvme_seconds:.3f} s",
+                f"- CPU optimizer step: {o.cpu_optimizer_seconds:.3f} s; offload adds {o.exposed_seconds:.3f} s per step"]
+    return out
+
+
+def _attempt_rows(p: Plan) -> list[list[str]]:
+    return [[str(i + 1), a.label, f"mb {a.training.micro_batch}", _g(a.memory.total), _g(a.usable),
+             _g(a.host.ram), "yes" if a.fits else "no"] for i, a in enumerate(p.attempts)]
+
+
+def _alternative_rows(p: Plan) -> list[list[str]]:
+    return [[a.scenario.layout.name, a.label, "yes" if a.fits else "no", _g(a.memory.total),
+             f"{a.comm.seconds:.3f}", f"{a.step_seconds:.3f}", f"{a.tokens_per_second:,.0f}"] for a in p.alternatives]
+
+
+def _peer_rows(p: Plan) -> list[list[str]]:
+    s = p.scenario
+    arch = s.model.architecture
+    largest = deepspeed_largest_layer(arch) if arch else s.model.largest_unit
+    ours = {2: next((e for e in p.stages if e.stage == 2), None), 3: next((e for e in p.stages if e.stage == 3), None)}
+    rows = []
+    for peer in peer_estimates(s.counts.total, largest, s.cluster.gpus_per_node, s.cluster.nodes, s.training.precision):
+        stage = 2 if "zero2" in peer.tool else 3 if "zero3" in peer.tool else None
+        mine = ours.get(stage) if peer.options in ("offload_optimizer=none", "no offload") else None
+        rows.append([peer.tool, peer.options, _g(peer.gpu_bytes), "-" if peer.host_bytes is None else _g(peer.host_bytes),
+                     peer.formula, _g(mine.memory.model_states) if mine else "-"])
+    return rows
+
+
+def _assumptions(p: Plan) -> list[str]:
+    s, a = p.scenario, p.scenario.assumptions
+    c = s.cluster
+    return [f"- GPU {c.gpu.name}: {c.gpu.source}", f"- intra-node link {c.intra_link.name}: {c.intra_link.source}",
+            f"- inter-node link {c.inter_link.name} x {c.nics_per_node} per node: {c.inter_link.source}",
+            f"- PCIe {c.pcie.name}: {c.pcie.source}", f"- host {c.host.name}: {c.host.source}",
+            f"- model {s.model.name}: {s.model.source}",
+            f"- MFU {a.mfu:.0%}, bandwidth efficiency {a.bandwidth_efficiency:.0%}, overhead allowance "
+            f"{gb(a.overhead_bytes)} per GPU, headroom {p.policy.headroom:.0%} (all assumptions; override on the CLI)",
+            f"- bytes per trainable parameter: {s.training.param_bytes} parameter + {s.training.grad_bytes} gradient + "
+            f"K={optimizer_state_bytes(s.training)} optimizer state ({s.training.optimizer}, {s.training.precision})",
+            "- activations: Korthikanti et al. 2022 term-by-term count; compute: PaLM 6N + 12LHQT; communication: "
+            "ring alpha-beta model (docs/planner.md)"]
+
+
+def render_memo(p: Plan) -> str:
+    out = ["# ZeRO plan: " + p.scenario.model.name + " on " + p.scenario.cluster.name, "",
+           "**Question.** " + question(p), "", "**Answer.** " + answer(p), "", "## Why", ""]
+    out += [f"- {reason}" for reason in p.reasons] + [f"- note: {note}" for note in p.notes]
+    ckpt = p.stages[0].training.checkpointing if p.stages else "none"
+    out += ["", f"## Every stage (no offload, {'full' if ckpt == 'full' else 'no'} activation checkpointing, "
+                f"micro-batch {p.stages[0].training.micro_batch}; GB per GPU)", ""]
+    out += _table(STAGE_COLUMNS, [stage_row(e) for e in p.stages])
+    if p.pick is not None:
+        out += _pick_sections(p)
+    out += ["", "## Decision path", "", "See the tree in docs/planner.md; every configuration tried, in order:", ""]
+    out += _table(("#", "configuration", "batch", "GPU GB", "usable GB", "host RAM GB", "fits"), _attempt_rows(p))
+    if p.alternatives:
+        out += ["", "## Hybrid layouts on paper", ""]
+        out += _table(("layout", "configuration", "fits", "GPU GB", "comm s", "step s", "tokens/s"),
+                      _alternative_rows(p))
+    out += ["", "## How other estimators answer (model states only)", ""]
+    out += _table(("tool", "options", "GPU GB", "host GB", "formula", "ours (model states)"), _peer_rows(p))
+    out += ["", "They leave out activations, buffers and the CUDA context; DeepSpeed also counts an fp32 gradient "
+                "copy (18 bytes instead of our 16) and multiplies host memory by 1.5; accelerate reports the largest "
+                "component, not the sum, on one device. See docs/planner.md.", "", "## Assumptions and sources", ""]
+    out += _assumptions(p)
+    if p.pick is not None:
+        config = emit_zerokit(p.pick)
+        out += ["", "## Config (zerokit, DeepSpeed-style keys)", "", "```json", json.dumps(config, indent=2), "```"]
+    return "\n".join(out) + "\n"
+

@@ -1,0 +1,236 @@
+"""Bytes per rank, by the engine's categories (`engine.memory_stats()`): parameters, gradients,
+optimizer_state; plus activations, buffers and overhead, which only the planner predicts.
+
+[Note: bytes per parameter]
+Mixed precision (bf16/fp16) keeps 16-bit parameters and gradients and an fp32 master copy that the
+optimizer updates; the master is counted as optimizer state (ZeRO paper, Rajbhandari et al. 2019,
+Section 3.1: "2Psi + 2Psi + K Psi" with K = 12 for mixed-precision Adam). Per trainable parameter:
+
+    optimizer      mixed precision (K)              fp32 (K)
+    adam / adamw   12 = 4 master + 4 m + 4 v        8 = 4 m + 4 v (the parameter is the master)
+    sgd-momentum    8 = 4 master + 4 momentum       4 = 4 momentum
+    sgd             4 = 4 master                    0
+
+Frozen parameters (LoRA base, a trainable fraction < 1) cost only their 16-bit (or fp32) copy.
+Stage s shards, over the N_d ranks of the ZeRO group: s >= 1 optimizer state, s >= 2 gradients,
+s = 3 parameters (frozen ones too).
+
+[Note: activation accounting]
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Section 4:
+one GPT block stores s*b*h*(34 + 5*a*s/h) bytes with 16-bit activations and no recomputation, made of
+LayerNorm inputs 4sbh, attention 11sbh + 5as^2b (QKV input 2, Q and K 4, V 2, projection input 2,
+dropout mask 1; softmax 2as^2b, its dropout mask as^2b and output 2as^2b), MLP 19sbh (input 2,
+GELU input 8, GELU output 8, dropout mask 1), with e = 2 bytes per element and 1 byte per mask. We
+generalise the same term-by-term count: e*(q + 2kv) for Q, K, V under grouped-query attention, 4e*f
+for a SwiGLU MLP (gate input, SiLU output, up output, product), no masks without dropout, and for
+fused (flash) attention no s x s term but its fp32 log-sum-exp, 4*a*s*b bytes. The logits for the
+loss are 4*s*b*v bytes in fp32 plus 2e*s*b*h for the final norm and head inputs (Section 4.3).
+Full checkpointing stores only each block's input, e*s*b*h per layer (Korthikanti Table 2: 2sbhL),
+and we add one block's full activations, live while that block is recomputed and back-propagated.
+Tensor parallelism divides everything by t (sequence parallelism assumed, Section 4.2.2); 1F1B
+pipelining keeps min(p, m) micro-batches of L/p layers in flight on the first stage (Section 4.2.3).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from zerokit.planner.models import Architecture, ModelSpec, ParamCounts
+from zerokit.planner.spec import Assumptions, Layout, Offload, Training
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "buffers", "overhead")
+ENGINE_CATEGORIES = CATEGORIES[:3]
+
+# K of [Note: bytes per parameter], indexed (optimizer, mixed precision?).
+OPTIMIZER_STATE_BYTES = {
+    ("adamw", True): 12, ("adam", True): 12, ("sgd-momentum", True): 8, ("sgd", True): 4,
+    ("adamw", False): 8, ("adam", False): 8, ("sgd-momentum", False): 4, ("sgd", False): 0,
+}
+IN_FLIGHT_BUCKETS = 3  # the engine's BucketReducer: two buckets in flight while a third launches
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one GPU at the peak of a step (the sum of categories, which is conservative)."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    buffers: int
+    overhead: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.as_dict().values())
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in CATEGORIES}
+
+    def engine_dict(self) -> dict[str, int]:
+        """The keys and units of `engine.memory_stats()`, to compare a plan with a run."""
+        return {name: getattr(self, name) for name in ENGINE_CATEGORIES}
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """What one rank holds before ZeRO shards it (tensor/pipeline parallelism already applied)."""
+
+    total: int
+    trainable: int
+    unit: int
+    """Largest stage-3 gather unit on this rank, parameters (0 = unknown)."""
+    shard: int
+    """N_d, the ZeRO shard group size."""
+
+
+def rank_params(counts: ParamCounts, model: ModelSpec, layout: Layout, shard: int) -> RankParams:
+    """Tensor and pipeline parallelism split every parameter evenly (an approximation for the
+    embedding and head, which sit on the first and last pipeline stage)."""
+    split = layout.tp * layout.pp
+    return RankParams(total=math.ceil(counts.total / split), trainable=math.ceil(counts.trainable / split),
+                      unit=math.ceil(model.largest_unit / layout.tp), shard=shard)
+
+
+def optimizer_state_bytes(training: Training) -> int:
+    """K: optimizer-state bytes per trainable parameter, fp32 master included (mixed precision)."""
+    return OPTIMIZER_STATE_BYTES[(training.optimizer, training.mixed)]
+
+
+def gradients_sharded(stage: int, training: Training) -> bool:
+    return stage == 3 or (stage == 2 and training.reduce_every_micro_step)
+
+
+def model_states(rank: RankParams, training: Training, stage: int, offload: Offload) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer_state) bytes on the GPU."""
+    n = rank.shard
+    parameters = training.param_bytes * (math.ceil(rank.total / n) if stage == 3 else rank.total)
+    if offload.params != "none":
+        parameters = 0
+    grads_per_rank = math.ceil(rank.trainable / n) if gradients_sharded(stage, training) else rank.trainable
+    gradients = training.grad_bytes * grads_per_rank
+    if offload.optimizer != "none" and stage >= 2:
+        gradients = 0  # each reduced shard goes straight to the host (ZeRO-Offload)
+    optimizer = optimizer_state_bytes(training) * (math.ceil(rank.trainable / n) if stage >= 1 else rank.trainable)
+    if offload.optimizer != "none":
+        optimizer = 0
+    return parameters, gradients, optimizer
+
+
+# --- activations --------------------------------------------------------------------------------
+
+def block_activation_bytes(arch: Architecture, training: Training) -> int:
+    """One block, one micro-batch, nothing recomputed. See [Note: activation accounting]."""
+    e, h, f, a = training.act_bytes, arch.hidden, arch.ffn, arch.n_heads
+    tokens, s = training.tokens_per_micro_batch, training.seq_len
+    per_token = e * (2 * h + h + (arch.q_dim + 2 * arch.kv_dim) + arch.q_dim + h)  # norms, QKV in, Q K V, proj in, MLP in
+    per_token += e * (4 * f if arch.gated_mlp else 2 * f)
+    per_token += 2 * h if arch.dropout else 0  # attention-output and MLP-output dropout masks
+    if training.attention == "flash":
+        core = 4 * a * tokens  # fp32 log-sum-exp per head and token
+    else:
+        core = e * a * s * tokens + ((1 + e) * a * s * tokens if arch.dropout else 0)
+    return tokens * per_token + core
+
+
+def output_activation_bytes(arch: Architecture, training: Training) -> int:
+    """Final norm and head inputs plus fp32 logits for the loss (Korthikanti Section 4.3)."""
+    tokens = training.tokens_per_micro_batch
+    return tokens * (2 * training.act_bytes * arch.hidden + 4 * arch.vocab)
+
+
+def activation_bytes(model: ModelSpec, training: Training, layout: Layout) -> int:
+    """Peak activation bytes on the busiest rank; 0 when only a parameter count is known."""
+    arch = model.architecture
+    if arch is None:
+        return 0
+    t, p = layout.tp, layout.pp
+    block = math.ceil(block_activation_bytes(arch, training) / t)
+    tokens = training.tokens_per_micro_batch
+    stored = block if training.checkpointing == "none" else math.ceil(training.act_bytes * tokens * arch.hidden / t)
+    working = 0 if training.checkpointing == "none" else block  # the block being recomputed
+    layers = math.ceil(arch.n_layers / p)
+    in_flight = min(p, training.grad_accum)
+    embedding_mask = math.ceil(tokens * arch.hidden / t) if arch.dropout else 0
+    output = math.ceil(output_activation_bytes(arch, training) / t)
+    first_stage = in_flight * (layers * stored + embedding_mask) + working
+    last_stage = layers * stored + working + output + (embedding_mask if p == 1 else 0)
+    return max(first_stage, last_stage)
+
+
+# --- temporary buffers --------------------------------------------------------------------------
+
+def buffer_bytes(rank: RankParams, training: Training, stage: int) -> int:
+    """Communication staging: gradient buckets (stages 0-2), or for stage 3 the gathered unit, the
+    prefetched next unit and the unit's unsharded gradients before reduce-scatter."""
+    n = rank.shard
+    if stage == 3:
+        unit = rank.unit
+        live = 2 * unit * training.param_bytes  # current + prefetched unit, all-gathered
+        grads = unit * training.grad_bytes  # the unit's full gradients, then reduce-scattered
+        widened = unit * training.reduce_bytes if training.reduce_dtype != training.precision else 0
+        return live + grads + widened
+    bucket = min(training.bucket_bytes, rank.trainable * training.reduce_bytes)
+    in_flight = IN_FLIGHT_BUCKETS if training.overlap_comm else 1
+    widened = training.reduce_dtype != training.precision  # a reduce-dtype copy of each bucket
+    if stage == 0:
+        return in_flight * bucket if widened else 0  # same dtype: all-reduce in place
+    outputs = in_flight * math.ceil(bucket / n)  # each rank's reduce-scatter output shard
+    if stage == 1:
+        return (in_flight * bucket if widened else 0) + outputs
+    return in_flight * bucket + outputs  # stage 2 stages every bucket before it is reduced
+
+
+def memory_breakdown(model: ModelSpec, rank: RankParams, training: Training, layout: Layout, stage: int,
+                     offload: Offload, assumptions: Assumptions) -> MemoryBreakdown:
+    parameters, gradients, optimizer = model_states(rank, training, stage, offload)
+    return MemoryBreakdown(parameters=parameters, gradients=gradients, optimizer_state=optimizer,
+                           activations=activation_bytes(model, training, layout),
+                           buffers=buffer_bytes(rank, training, stage), overhead=assumptions.overhead_bytes)
+
+
+# --- host RAM and NVMe per node -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class HostUsage:
+    """What offload puts on each node (all its GPUs' shards together)."""
+
+    ram: int
+    nvme: int
+    ram_capacity: int
+    nvme_capacity: int
+    usable_ram: int
+
+    @property
+    def fits(self) -> bool:
+        return self.ram <= self.usable_ram and self.nvme <= self.nvme_capacity
+
+
+def host_usage(rank: RankParams, training: Training, offload: Offload, gpus_per_node: int,
+               ram_capacity: int, nvme_capacity: int, headroom: float, assumptions: Assumptions) -> HostUsage:
+    """Optimizer offload keeps K bytes of optimizer state, a 4-byte fp32 gradient and a 16-bit
+    parameter buffer per element of each rank's shard (DeepSpeed ZeRO-Offload); on NVMe the state
+    moves to disk and one sub-group stays staged in RAM. Parameter offload keeps the 16-bit shard."""
+    shard = math.ceil(rank.trainable / rank.shard)
+    param_shard = math.ceil(rank.total / rank.shard)
+    k = optimizer_state_bytes(training)
+    ram = nvme = 0
+    if offload.optimizer != "none":
+        ram += (4 + training.param_bytes) * shard
+        if offload.optimizer == "cpu":
+            ram += k * shard
+        else:
+            nvme += k * shard
+            ram += k * min(shard, assumptions.nvme_sub_group_elements)
+    if offload.params == "cpu":
+        ram += training.param_bytes * param_shard
+    elif offload.params == "nvme":
+        nvme += training.param_bytes * param_shard
+        ram += training.param_bytes * min(param_shard, assumptions.nvme_param_buffer_elements)
+    return HostUsage(ram=ram * gpus_per_node, nvme=nvme * gpus_per_node, ram_capacity=ram_capacity,
+                     nvme_capacity=nvme_capacity, usable_ram=int(ram_capacity * (1 - headroom)))

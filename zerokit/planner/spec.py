@@ -1,0 +1,233 @@
+"""What a plan is asked about: how the model is trained, laid out, offloaded, and what we assume.
+
+Every input is a frozen dataclass validated where it is built, so a bad value fails with one line
+naming the value and what is accepted, before any arithmetic runs (STYLE.md, example 7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRECISIONS = ("bf16", "fp16", "fp32")
+OPTIMIZERS = ("adamw", "adam", "sgd-momentum", "sgd")
+CHECKPOINTING = ("none", "full")
+ATTENTION = ("flash", "eager")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+BYTES_PER_ELEMENT = {"bf16": 2, "fp16": 2, "fp32": 4}
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # zerokit's engine default (torch DDP's bucket_cap_mb=25)
+GB = 10**9  # reports use decimal GB, as the ZeRO paper does; capacities are stored in bytes
+
+
+def _choice(name: str, value: str, accepted: tuple[str, ...]) -> None:
+    if value not in accepted:
+        raise ValueError(f"{name}={value!r} is not accepted; use one of {', '.join(accepted)}")
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def _fraction(name: str, value: float, *, low: float, high: float, closed_high: bool) -> None:
+    bad_high = value > high if closed_high else value >= high
+    if not isinstance(value, (int, float)) or value < low or bad_high:
+        bracket = "]" if closed_high else ")"
+        raise ValueError(f"{name}={value!r} must be in [{low}, {high}{bracket}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Trainable:
+    """Which parameters get gradients and optimizer state: all of them, a fraction, or LoRA adapters."""
+
+    fraction: float = 1.0
+    """Share of the model's parameters that train (1.0 = full fine-tune or pre-training)."""
+    lora_rank: int | None = None
+    """LoRA rank r: adapters of r x (d_in + d_out) parameters train, the base model is frozen."""
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    """Which projections of every block get an adapter (default: all linear layers)."""
+
+    def __post_init__(self) -> None:
+        _fraction("trainable fraction", self.fraction, low=0.0, high=1.0, closed_high=True)
+        if self.fraction == 0:
+            raise ValueError("trainable fraction=0 trains nothing; give a value in (0, 1] or a LoRA rank")
+        if self.lora_rank is not None:
+            _positive_int("lora rank", self.lora_rank)
+            if self.fraction != 1.0:
+                raise ValueError("give a trainable fraction or a LoRA rank, not both")
+        if not self.lora_targets:
+            raise ValueError("lora targets are empty; use some of " + ", ".join(LORA_TARGETS))
+        for target in self.lora_targets:
+            _choice("lora target", target, LORA_TARGETS)
+
+    @property
+    def is_full(self) -> bool:
+        return self.lora_rank is None and self.fraction == 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Training:
+    """How one optimizer step runs on every data-parallel rank."""
+
+    precision: str = "bf16"
+    """Compute dtype of parameters, gradients and activations; bf16/fp16 keep fp32 master weights."""
+    optimizer: str = "adamw"
+    seq_len: int = 2048
+    micro_batch: int = 1
+    """Sequences per rank per forward/backward."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    checkpointing: str = "none"
+    """Activation checkpointing: none, or full (store each block's input, recompute the block)."""
+    attention: str = "flash"
+    """flash: fused attention keeps no s x s matrix (PyTorch SDPA); eager: softmax is stored."""
+    reduce_dtype: str = "fp32"
+    """dtype gradients cross the wire in (zerokit's `communication_data_type`, fp32 by default)."""
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Gradient bucket size in bytes of reduce_dtype (DeepSpeed's reduce_bucket_size is elements)."""
+    overlap_comm: bool = True
+    """Reduce buckets during backward (the engine keeps up to two in flight)."""
+    reduce_every_micro_step: bool = True
+    """Stage 2 only: False accumulates full gradients and reduce-scatters once per optimizer step."""
+    trainable: Trainable = field(default_factory=Trainable)
+
+    def __post_init__(self) -> None:
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("checkpointing", self.checkpointing, CHECKPOINTING)
+        _choice("attention", self.attention, ATTENTION)
+        _choice("reduce dtype", self.reduce_dtype, PRECISIONS)
+        for name in ("seq_len", "micro_batch", "grad_accum", "bucket_bytes"):
+            _positive_int(name.replace("_", " "), getattr(self, name))
+
+    @property
+    def mixed(self) -> bool:
+        """16-bit compute with fp32 master weights."""
+        return self.precision != "fp32"
+
+    @property
+    def param_bytes(self) -> int:
+        return BYTES_PER_ELEMENT[self.precision]
+
+    @property
+    def grad_bytes(self) -> int:
+        return BYTES_PER_ELEMENT[self.precision]
+
+    @property
+    def act_bytes(self) -> int:
+        return BYTES_PER_ELEMENT[self.precision]
+
+    @property
+    def reduce_bytes(self) -> int:
+        return BYTES_PER_ELEMENT[self.reduce_dtype]
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq_len * self.micro_batch
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """How the world is cut: tensor parallel (innermost), ZeRO shard group, replicas, pipeline.
+
+    Ranks are ordered tp -> dp_shard -> replicas -> pp (Megatron's order, tp fastest), so a group
+    whose span fits in a node talks over the intra-node link. `dp_shard` is what is left of the world.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    replicas: int = 1
+    """Copies of the ZeRO shard group (HSDP): shard inside a group, all-reduce across groups."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "replicas"):
+            _positive_int(name, getattr(self, name))
+
+    def dp_shard(self, world: int) -> int:
+        """ZeRO's shard degree N_d for a world of `world` ranks; raises if the layout does not fit."""
+        cut = self.tp * self.pp * self.replicas
+        if world % cut:
+            raise ValueError(f"world size {world} does not fit the layout tp={self.tp} x pp={self.pp} x "
+                             f"replicas={self.replicas}: {world} is not divisible by {cut}")
+        return world // cut
+
+    @property
+    def name(self) -> str:
+        parts = [f"tp={self.tp}"] if self.tp > 1 else []
+        parts += [f"pp={self.pp}"] if self.pp > 1 else []
+        parts += [f"replicas={self.replicas} (HSDP)"] if self.replicas > 1 else []
+        return ", ".join(parts) or "flat data parallel"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Offload:
+    """Where the optimizer state and the 16-bit parameters live when not on the GPU."""
+
+    optimizer: str = "none"
+    """none | cpu | nvme: fp32 master, optimizer state and fp32 gradient shard leave the GPU."""
+    params: str = "none"
+    """none | cpu | nvme: the 16-bit parameter shard leaves the GPU (stage 3 only)."""
+
+    def __post_init__(self) -> None:
+        _choice("optimizer offload", self.optimizer, OFFLOAD_DEVICES)
+        _choice("parameter offload", self.params, OFFLOAD_DEVICES)
+        if self.params != "none" and self.optimizer == "none":
+            raise ValueError("parameter offload needs optimizer offload too (ZeRO-Infinity steps the "
+                             "optimizer where the parameters live); add optimizer offload")
+
+    @property
+    def any(self) -> bool:
+        return self.optimizer != "none" or self.params != "none"
+
+    @property
+    def name(self) -> str:
+        if not self.any:
+            return "no offload"
+        parts = [f"optimizer->{self.optimizer}"] + ([f"params->{self.params}"] if self.params != "none" else [])
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Assumptions:
+    """The numbers a plan assumes rather than derives; each one is printed in the memo."""
+
+    mfu: float = 0.40
+    """Model FLOPs utilisation: achieved / peak tensor FLOPS (PaLM reports 46.2% on TPU v4,
+    Chowdhery et al. 2022, Table 3; 35-50% is typical for dense transformers)."""
+    bandwidth_efficiency: float = 0.80
+    """Achieved / peak bandwidth of every link, PCIe, host memory and NVMe."""
+    overhead_bytes: int = 1 * GB
+    """Per-GPU allowance for the CUDA context, NCCL communicators and library workspaces (not measured)."""
+    nvme_sub_group_elements: int = 10**9
+    """DeepSpeed's `sub_group_size` default: optimizer elements staged in host RAM at a time (NVMe)."""
+    nvme_param_buffer_elements: int = 5 * 10**8
+    """DeepSpeed's offload_param buffer_count (5) x buffer_size (1e8): host staging for NVMe params."""
+
+    def __post_init__(self) -> None:
+        _fraction("mfu", self.mfu, low=0.0, high=1.0, closed_high=True)
+        _fraction("bandwidth efficiency", self.bandwidth_efficiency, low=0.0, high=1.0, closed_high=True)
+        if self.mfu == 0 or self.bandwidth_efficiency == 0:
+            raise ValueError("mfu and bandwidth efficiency must be > 0")
+        if isinstance(self.overhead_bytes, bool) or self.overhead_bytes < 0:
+            raise ValueError(f"overhead={self.overhead_bytes!r} bytes must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy:
+    """How the decision procedure may move (advice.py)."""
+
+    headroom: float = 0.10
+    """Fraction of GPU memory (and host RAM) left free: a plan fits if it uses at most (1 - headroom)."""
+    checkpointing: str = "auto"
+    """auto: turn on full activation checkpointing only if nothing fits without it; none | full: fixed."""
+    offload: str = "auto"
+    """auto: try CPU then NVMe offload if no stage fits on the GPU alone; none: never offload."""
+    max_micro_batch: int = 1024
+    """Upper bound of the largest-micro-batch search."""
+
+    def __post_init__(self) -> None:
+        _fraction("headroom", self.headroom, low=0.0, high=1.0, closed_high=False)
+        _choice("checkpointing policy", self.checkpointing, ("auto",) + CHECKPOINTING)
+        _choice("offload policy", self.offload, ("auto", "none"))
+        _positive_int("max micro batch", self.max_micro_batch)

@@ -1,0 +1,126 @@
+"""What every stage shares: flat parameters, fp32 master weights for the slice this rank updates,
+and the user's optimizer rebuilt over those masters. Subclasses decide only where gradients live
+and how a bucket of them is reduced (see stage0.py, stage1.py, stage2.py)."""
+
+from __future__ import annotations
+
+from typing import Callable, ClassVar, NamedTuple
+
+import torch
+from torch import nn
+
+from zerokit.comm import Communicator, Pending, wait
+from zerokit.config import ZeroConfig
+from zerokit.flat import Bucket, FlatParameters, bucket_view, build_layout, shard_view
+from zerokit.stages.optimizer import rebuild_optimizer
+
+
+class BucketReduction(NamedTuple):
+    """A bucket's reduction in flight: wait on `pending`, then call `finish` to store the result.
+    `staging` keeps the collective's input alive until then."""
+
+    pending: Pending
+    finish: Callable[[], None] | None
+    staging: torch.Tensor | None = None
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class ZeroStage:
+    shards_optimizer: ClassVar[bool] = True
+    """False only for stage 0, where every rank updates every parameter."""
+    reduces_every_micro_step: bool = False
+    """True where gradients must leave the rank on every micro-step (stage 2's default)."""
+
+    def __init__(self, params: list[nn.Parameter], groups: list[int], optimizer: torch.optim.Optimizer,
+                 config: ZeroConfig, comm: Communicator) -> None:
+        """`params` in expected backward order; `groups[i]` is params[i]'s optimizer param group."""
+        self.config, self.comm = config, comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.reduce_dtype = config.precision.reduce_dtype
+        element_bytes = torch.empty((), dtype=self.reduce_dtype).element_size()
+        self.layout = build_layout([(p.numel(), g) for p, g in zip(params, groups)],
+                                   world_size=self.world_size if self.shards_optimizer else 1,
+                                   bucket_numel=max(1, config.reduce_bucket_bytes // element_bytes))
+        self.flat = FlatParameters(params, self.layout, config.precision.param_dtype)
+        self.separate_masters = self.flat.dtype != torch.float32
+        # Masters come from the parameters as given (fp32), before the cast to a 16-bit param dtype,
+        # so mixed precision starts from exactly the user's weights, not from their bf16 rounding.
+        full_precision = self.flat.pack()
+        self.flat.adopt(full_precision)
+        self.masters = [self._make_master(full_precision, bucket) for bucket in self.layout.buckets]
+        del full_precision
+        masters_by_group: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
+        for bucket, master in zip(self.layout.buckets, self.masters):
+            masters_by_group[bucket.group].append(master)
+        self.optimizer = rebuild_optimizer(optimizer, masters_by_group)
+
+    # --- what a subclass provides -------------------------------------------------------------
+    def prepare_backward(self) -> None:
+        """Called before every backward."""
+
+    def on_grad_ready(self, param_index: int) -> None:
+        """params[param_index]'s gradient for this backward is complete (autograd hook)."""
+
+    def reduce_bucket(self, bucket: Bucket) -> BucketReduction:
+        raise NotImplementedError
+
+    def owned_grad(self, bucket: Bucket) -> torch.Tensor:
+        """The reduced gradient of the slice of `bucket` this rank updates (param or reduce dtype)."""
+        raise NotImplementedError
+
+    def zero_grads(self) -> None:
+        raise NotImplementedError
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    # --- shared --------------------------------------------------------------------------------
+    def owned_range(self, bucket: Bucket) -> tuple[int, int]:
+        return bucket.shard_range(self.rank) if self.shards_optimizer else (bucket.start, bucket.end)
+
+    def _make_master(self, full_precision: torch.Tensor, bucket: Bucket) -> nn.Parameter:
+        begin, end = self.owned_range(bucket)
+        if self.separate_masters:
+            return nn.Parameter(full_precision[begin:end].clone())
+        # fp32 training updates the flat buffer in place: See [Note: flat buffer aliasing].
+        return nn.Parameter(self.flat.buffer[begin:end])
+
+    def attach_master_grads(self) -> list[torch.Tensor]:
+        """Give each master its fp32 gradient (a transient copy only if gradients are 16-bit)."""
+        grads = []
+        for bucket, master in zip(self.layout.buckets, self.masters):
+            grad = self.owned_grad(bucket)
+            master.grad = grad if grad.dtype == torch.float32 else grad.float()
+            grads.append(master.grad)
+        return grads
+
+    def release_grads(self) -> None:
+        for master in self.masters:
+            master.grad = None
+        self.zero_grads()
+
+    def publish_params(self) -> None:
+        """After the optimizer step: masters -> compute-dtype params, then all-gather the shards."""
+        if self.separate_masters:
+            for bucket, master in zip(self.layout.buckets, self.masters):
+                begin, end = self.owned_range(bucket)
+                self.flat.buffer[begin:end].copy_(master.detach())
+        if self.shards_optimizer:
+            buffer = self.flat.buffer
+            pending = [self.comm.all_gather(bucket_view(buffer, b), shard_view(buffer, b, self.rank), async_op=True)
+                       for b in self.layout.buckets]
+            for item in pending:
+                wait(item)
+
+    def memory_by_category(self) -> dict[str, int]:
+        """Bytes this rank holds for trainable parameters, their gradients and optimizer state."""
+        state = [t for per_param in self.optimizer.state.values() for t in per_param.values()]
+        masters = self.masters if self.separate_masters else []
+        return {
+            "parameters": tensor_bytes([self.flat.buffer]),
+            "gradients": tensor_bytes(self.gradient_tensors()),
+            "optimizer_state": tensor_bytes(masters) + tensor_bytes(state),
+        }

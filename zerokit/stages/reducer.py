@@ -1,0 +1,106 @@
+"""When gradient buckets are reduced: as soon as each is complete, in one fixed order on all ranks.
+
+The state object here only tracks readiness and issues reductions; *what* a reduction does belongs
+to the stage (`stage.reduce_bucket`). Parameters that will get no gradient in a step (an unused
+branch, possibly on one rank only) are found before backward starts by walking the loss's autograd
+graph, as torch DDP's find_unused_parameters does, and count as ready at once; otherwise one unused
+parameter would hold back every later bucket. Whatever is still pending after backward is launched
+by `flush()`, always in bucket order, so no rank waits for a collective another rank never issues.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from zerokit.comm import wait
+from zerokit.stages.base import BucketReduction, ZeroStage
+
+
+class BucketReducer:
+    def __init__(self, stage: ZeroStage, max_in_flight: int = 2) -> None:
+        self.stage = stage
+        self.buckets = stage.layout.buckets
+        self.overlap = stage.config.overlap_comm
+        self.max_in_flight = max_in_flight  # bounds staging memory to this many full buckets
+        self.bucket_of = {slot.param_index: bucket.index for bucket in self.buckets for slot in bucket.slots}
+        self.index_of = {id(param): index for index, param in enumerate(stage.flat.params)}
+        self.in_flight: deque[BucketReduction] = deque()
+        self.armed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.waiting = [len(bucket.slots) for bucket in self.buckets]  # params still without a gradient
+        self.ready = [False] * len(self.bucket_of)
+        self.next_bucket = 0  # buckets before this one are launched
+        self.launched_in_backward = 0  # how many were overlapped with backward (the rest waited for flush)
+
+    def arm(self, loss: torch.Tensor) -> None:
+        """The coming backward of `loss` must reduce gradients (an accumulation boundary, or stage 2)."""
+        self._reset()
+        self.armed = True
+        used = params_in_graph(loss)
+        for param_id, index in self.index_of.items():
+            if param_id not in used:
+                self.grad_ready(index)
+
+    def grad_ready(self, param_index: int) -> None:
+        if not self.armed:
+            return  # gradients accumulate locally on this micro-step
+        bucket_index = self.bucket_of[param_index]
+        if bucket_index < self.next_bucket:
+            raise RuntimeError(
+                f"rank {self.stage.rank}: parameter {param_index} received a second gradient after its bucket was "
+                "reduced; use torch.utils.checkpoint(..., use_reentrant=False) for checkpointed modules")
+        self.stage.on_grad_ready(param_index)
+        if not self.ready[param_index]:
+            self.ready[param_index] = True
+            self.waiting[bucket_index] -= 1
+        if self.overlap:
+            while self.next_bucket < len(self.buckets) and self.waiting[self.next_bucket] == 0:
+                self._launch_next()
+                self.launched_in_backward += 1
+
+    def _launch_next(self) -> None:
+        bucket = self.buckets[self.next_bucket]
+        self.next_bucket += 1
+        self.in_flight.append(self.stage.reduce_bucket(bucket))
+        if len(self.in_flight) > self.max_in_flight:
+            self._complete(self.in_flight.popleft())
+
+    @staticmethod
+    def _complete(reduction: BucketReduction) -> None:
+        wait(reduction.pending)
+        if reduction.finish is not None:
+            reduction.finish()
+
+    def flush(self) -> None:
+        """After backward: launch what is left (parameters without gradients count as zero) and wait."""
+        if not self.armed:
+            return
+        while self.next_bucket < len(self.buckets):
+            for slot in self.buckets[self.next_bucket].slots:
+                if not self.ready[slot.param_index]:
+                    self.stage.on_grad_ready(slot.param_index)
+            self._launch_next()
+        while self.in_flight:
+            self._complete(self.in_flight.popleft())
+        self.armed = False
+
+
+def params_in_graph(loss: torch.Tensor) -> set[int]:
+    """ids of the leaf tensors whose gradients backward of `loss` will produce."""
+    found: set[int] = set()
+    seen: set = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found

@@ -1,0 +1,43 @@
+"""Stage 0: plain data parallel. Every rank keeps full parameters, gradients and optimizer state;
+gradients are all-reduced bucket by bucket. The baseline every other stage is measured against."""
+
+from __future__ import annotations
+
+import torch
+
+from zerokit.flat import Bucket, bucket_view
+from zerokit.stages.base import BucketReduction, ZeroStage
+
+
+class DataParallel(ZeroStage):
+    shards_optimizer = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.grad_buffer = self.flat.new_buffer()  # 1-D, param dtype; See [Note: flat buffer aliasing]
+        self.grad_views = self.flat.views(self.grad_buffer)
+        # bucket index -> reduced gradient (reduce dtype), held from backward to the optimizer step
+        # when it cannot live in grad_buffer (another dtype; or a shard, since gloo cannot reduce-scatter
+        # in place). Keeping it in reduce dtype is what makes an fp32 reduction worth doing.
+        self.reduced: dict[int, torch.Tensor] = {}
+
+    def prepare_backward(self) -> None:
+        # Re-attach every time: a user's zero_grad(set_to_none=True) would otherwise detach the views.
+        for param, view in zip(self.flat.params, self.grad_views):
+            param.grad = view
+
+    def reduce_bucket(self, bucket: Bucket) -> BucketReduction:
+        grads = bucket_view(self.grad_buffer, bucket)
+        if grads.dtype != self.reduce_dtype:
+            grads = self.reduced[bucket.index] = grads.to(self.reduce_dtype)
+        return BucketReduction(self.comm.all_reduce(grads, async_op=True), None)
+
+    def owned_grad(self, bucket: Bucket) -> torch.Tensor:
+        return self.reduced.get(bucket.index, bucket_view(self.grad_buffer, bucket))
+
+    def zero_grads(self) -> None:
+        self.grad_buffer.zero_()
+        self.reduced.clear()
+
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        return [self.grad_buffer, *self.reduced.values()]

@@ -1,0 +1,166 @@
+"""Parity: train the same model with zerokit on N ranks and naively in one process; compare.
+
+[Note: what the single-process reference computes]
+The reference sees the union of the ranks' batches, in one process, with the same torch optimizer:
+for every micro-step it runs each rank's batch through the model in turn (so a data-dependent branch
+sees exactly the batch it saw on that rank), backpropagates `loss / accumulation`, adds each batch's
+gradient into fp32 master gradients and divides their sum by N: the gradient of the mean loss over
+the union. (Dividing by N after the 16-bit backward, not before, is also what the ranks do; it keeps
+the comparison about distribution, not about where a 16-bit rounding happens.) It clips with
+`torch.nn.utils.clip_grad_norm_` and, for fp16, uses DeepSpeed's dynamic loss-scaling policy. A
+parameter that gets no gradient is stepped with a zero gradient (torch's `zero_grad(set_to_none=False)`
+semantics), which is what any flat-buffer data-parallel engine does.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass
+
+import torch
+
+from zerokit.config import DTYPES_BY_NAME, LossScaling
+from zerokit.precision import make_loss_scaler
+from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    stage: int
+    dtype: str = "fp32"
+    optimizer: str = "adamw"  # adamw | adam | sgd
+    steps: int = 5
+    accumulation: int = 1
+    clip: float = 0.5
+    bucket_bytes: int = 8192  # small, so the model spans many buckets
+    reduce_every_micro_step: bool = True
+    checkpoint: bool = False
+    micro_batch: int = 2
+    initial_scale_power: int = 16  # fp16 only
+
+
+def make_model(case: Case) -> TinyGPT:
+    torch.manual_seed(1234)
+    return TinyGPT(TinyGPTConfig(checkpoint_blocks=case.checkpoint))
+
+
+def make_optimizer(case: Case, model: torch.nn.Module) -> torch.optim.Optimizer:
+    groups = param_groups(model, weight_decay=0.1)
+    if case.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
+    if case.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=3e-3)
+    if case.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    raise ValueError(f"unknown optimizer {case.optimizer!r}")
+
+
+def make_batch(case: Case, step: int, micro: int, rank: int, vocab: int = 67, block: int = 16) -> torch.Tensor:
+    """(B, T+1) tokens for one rank's micro-step. The first token decides whether the model's
+    sometimes-used layer runs (token % 3 == 0): it is set so ranks disagree on some steps."""
+    generator = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    tokens = torch.randint(0, vocab, (case.micro_batch, block + 1), generator=generator)
+    tokens[0, 0] = (step + micro + rank) % 3
+    return tokens
+
+
+def engine_config(case: Case) -> dict:
+    """DeepSpeed-style dict, so the parity tests exercise the config reader too."""
+    config = {
+        "zero_optimization": {"stage": case.stage, "reduce_bucket_bytes": case.bucket_bytes},
+        "gradient_accumulation_steps": case.accumulation,
+        "gradient_clipping": case.clip,
+    }
+    if case.stage == 2:
+        config["zero_optimization"]["reduce_every_micro_step"] = case.reduce_every_micro_step
+    if case.dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    if case.dtype == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": case.initial_scale_power, "hysteresis": 1}
+    return config
+
+
+def fp32_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().float().clone() for name, p in model.named_parameters()}
+
+
+def run_engine(rank: int, world_size: int, case: Case) -> dict:
+    """One rank's side of a parity case (call inside an initialised process group)."""
+    import zerokit
+
+    model = make_model(case)
+    engine = zerokit.initialize(model, make_optimizer(case, model), engine_config(case))
+    losses, results, comm_per_step, overlapped = [], [], [], []
+    for step in range(case.steps):
+        before = engine.comm_stats()
+        for micro in range(case.accumulation):
+            tokens = make_batch(case, step, micro, rank)
+            loss = lm_loss(engine(tokens[:, :-1]), tokens)
+            engine.backward(loss)
+            overlapped.append(engine.reducer.launched_in_backward)
+            result = engine.step()
+            losses.append(loss.item())
+        results.append(asdict(result))
+        after = engine.comm_stats()
+        comm_per_step.append({kind: {k: after[kind][k] - before[kind][k] for k in after[kind]} for kind in after})
+    return {
+        "case": asdict(case), "losses": losses, "results": results, "comm_per_step": comm_per_step,
+        "params": fp32_state(model), "memory": engine.memory_stats(),
+        "layout_numel": engine.stage.layout.numel, "buckets": len(engine.stage.layout.buckets),
+        "trainable_numel": engine.trainable_numel(), "launched_in_backward": overlapped,
+    }
+
+
+def run_reference(case: Case, world_size: int) -> dict:
+    """The same training in one process, naively. See [Note: what the single-process reference computes]."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as on each rank: CPU kernels may round differently with other thread counts
+    try:
+        return _run_reference(case, world_size)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_reference(case: Case, world_size: int) -> dict:
+    dtype = DTYPES_BY_NAME[case.dtype]
+    master = make_model(case)
+    optimizer = make_optimizer(case, master)
+    compute = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
+    pairs = [(m, c) for m, c in zip(master.parameters(), compute.parameters()) if m.requires_grad]
+    scaler = make_loss_scaler(LossScaling(initial_scale_power=case.initial_scale_power, hysteresis=1)
+                              if case.dtype == "fp16" else None)
+    master_grads = [torch.zeros_like(m) for m, _ in pairs]
+    losses, skipped = [], []
+    for step in range(case.steps):
+        for micro in range(case.accumulation):
+            for rank in range(world_size):
+                tokens = make_batch(case, step, micro, rank)
+                loss = lm_loss(compute(tokens[:, :-1]), tokens)
+                (loss * scaler.scale / case.accumulation).backward()
+                losses.append((micro, rank, loss.item()))
+                for grad, (_, c) in zip(master_grads, pairs):
+                    if c.grad is not None:
+                        grad += c.grad.float()
+                        c.grad = None
+        for grad, (m, _) in zip(master_grads, pairs):
+            m.grad = grad / world_size / scaler.scale  # the mean over the union's N batches
+        norm = torch.nn.utils.clip_grad_norm_([m for m, _ in pairs], case.clip if case.clip > 0 else float("inf"))
+        overflow = not torch.isfinite(norm)
+        scaler.update(overflow)
+        skipped.append(overflow)
+        if not overflow:
+            optimizer.step()
+        for grad, (m, _) in zip(master_grads, pairs):
+            grad.zero_()
+            m.grad = None  # in fp32 the master is the compute parameter: start the next step clean
+        if compute is not master:
+            with torch.no_grad():
+                for m, c in pairs:
+                    c.copy_(m)
+    return {"losses": losses, "skipped": skipped, "params": fp32_state(compute), "master": fp32_state(master)}
+
+
+def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:
+    """Every case on this rank, one after another: one spawn serves a whole sweep."""
+    return {case.name: run_engine(rank, world_size, case) for case in cases}

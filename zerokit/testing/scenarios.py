@@ -1,0 +1,47 @@
+"""Multi-rank scenarios beyond parity: overflow on one rank's shard only, and failing loudly."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+
+import zerokit
+from zerokit.testing.parity import Case, engine_config, fp32_state, make_batch, make_model, make_optimizer
+from zerokit.testing.models import lm_loss
+
+
+def _poison_on_rank0(model: torch.nn.Module, rank: int, steps: set[int], clock: list[int]) -> None:
+    """Make one gradient element inf on rank 0 only, on the given steps. At stage 2 only the rank
+    owning that element sees the inf after reduce-scatter, so every rank skipping proves agreement."""
+    target = model.blocks[0].ln_1.bias
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        if rank == 0 and clock[0] in steps:
+            grad = grad.clone()
+            grad[0] = float("inf")
+        return grad
+
+    target.register_hook(poison)
+
+
+def run_overflow_scenarios(rank: int, world_size: int, stage: int = 2) -> dict:
+    case = Case("overflow", stage=stage, dtype="bf16", steps=4)
+    out = {}
+    for name, poisoned, limit in (("agree", {1}, 20), ("fail_loud", set(range(100)), 3)):
+        model = make_model(case)
+        engine = zerokit.initialize(model, make_optimizer(case, model),
+                                    {**engine_config(case), "max_consecutive_skipped_steps": limit})
+        clock, results, error, snapshots = [0], [], None, []
+        _poison_on_rank0(model, rank, poisoned, clock)
+        try:
+            for step in range(case.steps):
+                clock[0] = step
+                tokens = make_batch(case, step, 0, rank)
+                engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))
+                results.append(asdict(engine.step()))
+                snapshots.append(fp32_state(model))
+        except zerokit.SkippedStepsError as raised:
+            error = str(raised)
+        out[name] = {"results": results, "error": error, "snapshots": snapshots}
+    return out

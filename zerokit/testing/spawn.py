@@ -1,0 +1,41 @@
+"""Run a function on N real gloo ranks on this machine (127.0.0.1, file rendezvous) and collect
+what each rank returns. One spawn costs seconds on 2 cores, so tests run a whole sweep per spawn."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, args: tuple) -> None:
+    torch.set_num_threads(1)  # N ranks share 2 cores; more threads only thrash
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(workdir) / f"result_{rank}.pt")
+    except BaseException:
+        (Path(workdir) / f"error_{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()  # gloo can abort at exit without it
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """`fn(rank, world_size, *args)` on `world_size` processes; returns each rank's result, in rank order.
+    `fn` must be a module-level function (it is pickled to the children)."""
+    with tempfile.TemporaryDirectory(prefix="zerokit-spawn-") as workdir:
+        try:
+            mp.spawn(_worker, args=(fn, world_size, workdir, args), nprocs=world_size, join=True)
+        except Exception as error:
+            errors = sorted(Path(workdir).glob("error_*.txt"))
+            detail = errors[0].read_text() if errors else ""
+            raise RuntimeError(f"a rank failed:\n{detail}") from error
+        return [torch.load(Path(workdir) / f"result_{rank}.pt", weights_only=False) for rank in range(world_size)]

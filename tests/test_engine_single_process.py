@@ -1,0 +1,78 @@
+"""The engine in one plain process (world size 1) and under a fake 1024-rank group: user errors,
+and shard arithmetic at a world size CI cannot spawn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import zerokit
+from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups
+
+
+@pytest.fixture
+def no_process_group():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def tiny() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(TinyGPTConfig())
+
+
+def test_plain_process_trains_with_world_size_one(no_process_group) -> None:
+    model = tiny()
+    engine = zerokit.initialize(model, torch.optim.AdamW(param_groups(model), lr=1e-2),
+                                {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 2})
+    assert dist.get_world_size() == 1
+    tokens = torch.randint(0, 67, (4, 17))
+    results = []
+    for _ in range(6):
+        engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))
+        results.append(engine.step())
+    assert [r.stepped for r in results] == [False, True] * 3  # steps only at accumulation boundaries
+    assert results[-1].optimizer_step == 3 and results[-1].grad_norm > 0
+    assert lm_loss(engine(tokens[:, :-1]), tokens).item() < lm_loss(tiny()(tokens[:, :-1]), tokens).item()
+
+
+@pytest.mark.parametrize("mistake,message", [
+    ("foreign", "holds a parameter of shape (3,) that is not in the model"),
+    ("orphan", "requires grad but is in no optimizer param group"),
+    ("stateful", "already has state"),
+])
+def test_optimizer_mistakes_are_named(no_process_group, mistake, message) -> None:
+    model = tiny()
+    groups = param_groups(model)
+    if mistake == "foreign":
+        groups[1]["params"].append(torch.nn.Parameter(torch.zeros(3)))
+    if mistake == "orphan":
+        groups[1]["params"] = groups[1]["params"][:-1]
+    optimizer = torch.optim.AdamW(groups)
+    if mistake == "stateful":
+        optimizer.state[groups[0]["params"][0]]["step"] = torch.tensor(1.0)
+    with pytest.raises(ValueError) as error:
+        zerokit.initialize(model, optimizer, {"zero_optimization": {"stage": 1}})
+    assert message in str(error.value)
+
+
+def test_fake_1024_ranks_shard_as_the_formula_says(no_process_group) -> None:
+    """Construction and accounting at N=1024 with torch's fake backend (collectives do nothing)."""
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=1024)
+    for stage in (0, 1, 2):
+        model = tiny()
+        engine = zerokit.initialize(model, torch.optim.AdamW(param_groups(model)),
+                                    {"zero_optimization": {"stage": stage, "reduce_bucket_bytes": 2**30},
+                                     "bf16": {"enabled": True}})
+        padded = engine.stage.layout.numel
+        shards = 1 if stage == 0 else 1024
+        assert padded % shards == 0 and padded - engine.trainable_numel() < 2 * shards  # 2 buckets (2 groups)
+        memory = engine.memory_stats()
+        assert memory["gradients"] == (2 * padded if stage < 2 else 4 * padded // 1024)
+        assert memory["optimizer_state"] == 4 * padded // shards  # fp32 masters; Adam state starts at the 1st step
+        assert sum(m.numel() for m in engine.stage.masters) == padded // shards

@@ -1,0 +1,57 @@
+"""Loss scaling policy, norm and clipping arithmetic (single process, no ranks)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zerokit.config import LossScaling
+from zerokit.precision import DynamicLossScaler, clip_coefficient, global_grad_norm, unscale_
+
+
+def test_dynamic_scale_halves_after_hysteresis_and_doubles_after_window() -> None:
+    scaler = DynamicLossScaler(LossScaling(initial_scale_power=4, window=3, hysteresis=2, min_scale=2))
+    assert scaler.scale == 16
+    scaler.update(overflow=True)  # first overflow uses up the hysteresis: step skipped, scale kept
+    assert scaler.scale == 16
+    scaler.update(overflow=True)
+    assert scaler.scale == 8
+    for _ in range(3):
+        scaler.update(overflow=False)
+    assert scaler.scale == 16  # three clean steps double it and restore the hysteresis
+    for _ in range(10):
+        scaler.update(overflow=True)
+    assert scaler.scale == 2  # never below min_loss_scale
+
+
+def test_static_scale_never_moves() -> None:
+    scaler = DynamicLossScaler(LossScaling(static_scale=128.0))
+    scaler.update(overflow=True)
+    assert scaler.scale == 128.0 and not scaler.is_dynamic
+
+
+def test_norm_and_clip_match_torch() -> None:
+    torch.manual_seed(0)
+    grads = [torch.randn(7, 3), torch.randn(11)]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for param, grad in zip(params, grads):
+        param.grad = grad.clone()
+    torch_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=0.5)
+    norm = global_grad_norm(grads, comm=None)
+    assert math.isclose(norm, torch_norm.item(), rel_tol=1e-6)
+    coefficient = clip_coefficient(norm, 0.5)
+    for param, grad in zip(params, grads):
+        torch.testing.assert_close(grad * coefficient, param.grad)
+    assert clip_coefficient(0.1, 0.5) == 1.0 and clip_coefficient(9.0, 0.0) == 1.0
+
+
+def test_non_finite_gradients_give_nan_norm() -> None:
+    assert math.isnan(global_grad_norm([torch.tensor([1.0, float("inf")])], comm=None))
+    assert math.isnan(global_grad_norm([torch.tensor([float("nan")])], comm=None))
+
+
+def test_unscale() -> None:
+    grads = [torch.tensor([4.0, 8.0])]
+    unscale_(grads, 4.0)
+    assert grads[0].tolist() == [1.0, 2.0]

@@ -1,0 +1,226 @@
+"""`zerokit plan`: which ZeRO stage, will it fit, how long communication takes, and why.
+
+Presentation only: the numbers come from zerokit.planner (pure functions, no torch).
+With --emit, stdout holds exactly the config (JSON, or Python for fsdp) and the summary goes to
+stderr, so `zerokit plan ... --emit deepspeed > ds_config.json` works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from zerokit.planner import GPUS, HOSTS, LINKS, PRESETS, Architecture, Policy, emit, make_scenario, plan, plan_dict
+from zerokit.planner.advice import Plan
+from zerokit.planner.catalogue import GiB
+from zerokit.planner.emit import DEFAULT_CLIPPING, TARGETS
+from zerokit.planner.memo import render_memo
+from zerokit.planner.spec import ATTENTION, GB, LORA_TARGETS, OPTIMIZERS, PRECISIONS
+
+ARCH_KEYS = {"layers": "n_layers", "hidden": "hidden", "heads": "n_heads", "kv_heads": "n_kv_heads", "ffn": "ffn",
+             "vocab": "vocab", "head_dim": "head_dim", "positions": "max_positions", "tied": "tied_embeddings",
+             "gated": "gated_mlp", "layernorm": "layernorm", "bias": None, "dropout": "dropout"}
+ARCH_REQUIRED = ("layers", "hidden", "heads", "ffn", "vocab")
+
+
+def parse_arch(text: str) -> Architecture:
+    """`layers=40,hidden=5120,heads=40,kv_heads=40,ffn=13824,vocab=32000[,gated=1,tied=0,...]`."""
+    values: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep or key not in ARCH_KEYS:
+            raise ValueError(f"--arch item {item!r} is not key=value with a key among {', '.join(ARCH_KEYS)}")
+        try:
+            values[key] = int(float(raw))
+        except ValueError:
+            raise ValueError(f"--arch {key}={raw!r} must be a number") from None
+    missing = [key for key in ARCH_REQUIRED if key not in values]
+    if missing:
+        raise ValueError(f"--arch is missing {', '.join(missing)} (required: {', '.join(ARCH_REQUIRED)})")
+    fields = {ARCH_KEYS[k]: v for k, v in values.items() if ARCH_KEYS[k] is not None}
+    fields.setdefault("n_kv_heads", values["heads"])
+    for flag in ("tied_embeddings", "gated_mlp", "layernorm", "dropout"):
+        if flag in fields:
+            fields[flag] = bool(fields[flag])
+    bias = bool(values.get("bias", 0))
+    return Architecture(**fields, qkv_bias=bias, out_bias=bias, mlp_bias=bias)
+
+
+def _float_or_none(value: float | None, scale: float) -> float | None:
+    return None if value is None else value * scale
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="pick a ZeRO stage and explain it (no GPU needed)",
+                              description="Predict memory and communication per ZeRO stage, pick one, justify it.")
+    model = p.add_argument_group("model (give one of --model, --params, --arch)")
+    which = model.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a local config.json path")
+    which.add_argument("--params", type=float, help="parameter count, e.g. 13e9 (no activations then)")
+    which.add_argument("--arch", help="shapes: layers=,hidden=,heads=,kv_heads=,ffn=,vocab=[,gated=1,tied=0,...]")
+    model.add_argument("--trainable-fraction", type=float, default=1.0, help="share of parameters that train")
+    model.add_argument("--lora-rank", type=int, help="LoRA rank r; the base model is frozen")
+    model.add_argument("--lora-targets", help=f"comma list of {','.join(LORA_TARGETS)} (default: all)")
+    hw = p.add_argument_group("hardware (catalogue keys; numbers override them)")
+    hw.add_argument("--gpu", default="a100-80gb", choices=list(GPUS))
+    hw.add_argument("--gpus-per-node", type=int, default=8)
+    hw.add_argument("--nodes", type=int, default=1)
+    hw.add_argument("--intra-link", choices=list(LINKS), help="default: the GPU's (NVLink or PCIe)")
+    hw.add_argument("--inter-link", choices=list(LINKS), help="default: the GPU's usual fabric")
+    hw.add_argument("--nics-per-node", type=int, help="inter-node ports per node (default: one per GPU)")
+    hw.add_argument("--host", choices=list(HOSTS), help="node type for RAM/NVMe (default: the GPU's DGX)")
+    hw.add_argument("--gpu-memory-gib", type=float)
+    hw.add_argument("--peak-tflops", type=float, help="dense peak for the chosen dtype")
+    hw.add_argument("--intra-gb-per-s", type=float, help="per GPU, per direction")
+    hw.add_argument("--inter-gb-per-s", type=float, help="per port, per direction")
+    hw.add_argument("--intra-latency-us", type=float)
+    hw.add_argument("--inter-latency-us", type=float)
+    hw.add_argument("--host-ram-gib", type=float)
+    hw.add_argument("--host-mem-gb-per-s", type=float, help="host RAM bandwidth, all sockets")
+    hw.add_argument("--nvme-tb", type=float)
+    hw.add_argument("--nvme-read-gb-per-s", type=float)
+    hw.add_argument("--nvme-write-gb-per-s", type=float)
+    train = p.add_argument_group("training")
+    train.add_argument("--dtype", default="bf16", choices=PRECISIONS)
+    train.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    train.add_argument("--seq-len", type=int, help="default: the model's context, at most 2048")
+    train.add_argument("--micro-batch", type=int, default=1)
+    train.add_argument("--grad-accum", type=int, default=1)
+    train.add_argument("--checkpointing", default="auto", choices=("auto", "none", "full"),
+                       help="auto: only if nothing fits without it")
+    train.add_argument("--attention", default="flash", choices=ATTENTION)
+    train.add_argument("--reduce-dtype", default="fp32", choices=PRECISIONS, help="gradient communication dtype")
+    train.add_argument("--bucket-mib", type=float, default=25.0, help="gradient bucket size")
+    train.add_argument("--no-overlap", action="store_true", help="reduce after backward, not during it")
+    train.add_argument("--reduce-once-per-step", action="store_true",
+                       help="stage 2: accumulate full gradients, reduce-scatter once per step")
+    lay = p.add_argument_group("layout (default: flat data parallel over all GPUs)")
+    lay.add_argument("--tp", type=int, default=1, help="tensor parallel degree (inside a node)")
+    lay.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    lay.add_argument("--replicas", type=int, default=1, help="HSDP: copies of the shard group")
+    pol = p.add_argument_group("policy and assumptions")
+    pol.add_argument("--headroom", type=float, default=0.10, help="fraction of GPU memory left free")
+    pol.add_argument("--offload", default="auto", choices=("auto", "none"))
+    pol.add_argument("--max-micro-batch", type=int, default=1024)
+    pol.add_argument("--mfu", type=float, default=0.40, help="achieved / peak FLOPS")
+    pol.add_argument("--bandwidth-efficiency", type=float, default=0.80)
+    pol.add_argument("--overhead-gb", type=float, default=1.0, help="per-GPU allowance (CUDA context, NCCL)")
+    out = p.add_argument_group("output")
+    out.add_argument("--memo", metavar="PATH", help="write the markdown memo here")
+    out.add_argument("--plot", metavar="PATH", help="write stacked bars per stage (needs matplotlib)")
+    out.add_argument("--json", action="store_true", help="print the plan as JSON")
+    out.add_argument("--emit", choices=TARGETS, help="print the config that implements the pick")
+    out.add_argument("--gradient-clipping", type=float, default=DEFAULT_CLIPPING, help="written by --emit")
+    return p
+
+
+def _model(args: argparse.Namespace):
+    if args.model is not None:
+        return args.model
+    if args.arch is not None:
+        return parse_arch(args.arch)
+    return args.params
+
+
+def scenario_from_args(args: argparse.Namespace):
+    targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
+    if args.bucket_mib <= 0 or args.overhead_gb < 0:
+        raise ValueError("--bucket-mib must be > 0 and --overhead-gb >= 0")
+    return make_scenario(
+        _model(args), gpu=args.gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes, precision=args.dtype,
+        optimizer=args.optimizer, seq_len=args.seq_len, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
+        checkpointing="none" if args.checkpointing == "auto" else args.checkpointing, attention=args.attention,
+        reduce_dtype=args.reduce_dtype, bucket_bytes=int(args.bucket_mib * 2**20), overlap_comm=not args.no_overlap,
+        reduce_every_micro_step=not args.reduce_once_per_step, trainable_fraction=args.trainable_fraction,
+        lora_rank=args.lora_rank, lora_targets=targets, tp=args.tp, pp=args.pp, replicas=args.replicas,
+        mfu=args.mfu, bandwidth_efficiency=args.bandwidth_efficiency, overhead_bytes=int(args.overhead_gb * GB),
+        intra_link=args.intra_link, inter_link=args.inter_link, host_key=args.host, nics_per_node=args.nics_per_node,
+        gpu_memory=None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GiB),
+        peak_tflops=args.peak_tflops, intra_bandwidth=_float_or_none(args.intra_gb_per_s, 1e9),
+        inter_bandwidth=_float_or_none(args.inter_gb_per_s, 1e9),
+        intra_latency=_float_or_none(args.intra_latency_us, 1e-6),
+        inter_latency=_float_or_none(args.inter_latency_us, 1e-6),
+        host_ram=None if args.host_ram_gib is None else int(args.host_ram_gib * GiB),
+        nvme_capacity=None if args.nvme_tb is None else int(args.nvme_tb * 1e12),
+        nvme_read=_float_or_none(args.nvme_read_gb_per_s, 1e9), nvme_write=_float_or_none(args.nvme_write_gb_per_s, 1e9),
+        ram_bandwidth=_float_or_none(args.host_mem_gb_per_s, 1e9))
+
+
+HEADER = ("", "fits", "params", "grads", "optim", "activ", "buffers", "overhd", "total", "comm s", "exposed",
+          "compute", "step s")
+
+
+def format_table(p: Plan) -> list[str]:
+    rows = [HEADER]
+    shown = list(p.stages) + ([p.pick] if p.pick is not None and p.pick.offload.any else [])
+    for e in shown:
+        m = e.memory
+        name = f"ZeRO-{e.stage}" + ("+offload" if e.offload.any else "")
+        rows.append((name, "yes" if e.fits else "no", *(f"{v / GB:.2f}" for v in m.as_dict().values()),
+                     f"{m.total / GB:.2f}", f"{e.comm.seconds:.3f}", f"{e.exposed_comm_seconds:.3f}",
+                     f"{e.compute.seconds:.3f}", f"{e.step_seconds:.3f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+            for row in rows]
+
+
+def summary(p: Plan) -> list[str]:
+    s, t = p.scenario, p.scenario.training
+    reference = p.stages[0]
+    ckpt = reference.training.checkpointing
+    lines = [f"zerokit plan: {s.model.name} ({s.counts.total / 1e9:.3g}B parameters, "
+             f"{s.counts.trainable / 1e9:.3g}B trainable) on {s.cluster.name}",
+             f"{t.precision} {t.optimizer}, seq {t.seq_len}, micro-batch {reference.training.micro_batch}, "
+             f"grad-accum {t.grad_accum}, layout {s.layout.name}; usable per GPU {reference.usable / GB:.1f} GB = "
+             f"{reference.capacity / GB:.1f} GB x (1 - {p.policy.headroom:.2f})", "",
+             f"GB per GPU by category, {'full' if ckpt == 'full' else 'no'} activation checkpointing, no offload:"]
+    lines += format_table(p) + [""]
+    if p.pick is None:
+        lines.append("pick: nothing fits")
+    else:
+        lines.append(f"pick: {p.pick.label}, micro-batch {p.pick.training.micro_batch} "
+                     f"(largest that fits: {p.max_micro_batch})")
+    lines += ["why:"] + [f"  - {r}" for r in p.reasons]
+    lines += (["notes:"] + [f"  - {n}" for n in p.notes]) if p.notes else []
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    scenario = scenario_from_args(args)
+    policy = Policy(headroom=args.headroom, checkpointing=args.checkpointing, offload=args.offload,
+                    max_micro_batch=args.max_micro_batch)
+    result = plan(scenario, policy)
+    emitted = None
+    if args.emit:
+        if result.pick is None:
+            raise ValueError("nothing fits, so there is no config to emit; see `zerokit plan` without --emit")
+        emitted = emit(result.pick, args.emit, args.gradient_clipping)
+    if args.memo:
+        with open(args.memo, "w") as handle:
+            handle.write(render_memo(result))
+    if args.plot:
+        from zerokit.planner.plot import plot_plan  # matplotlib only when asked for
+        plot_plan(result, args.plot)
+    _print(result, args, emitted)
+    return 0 if result.pick is not None else 1
+
+
+def _print(result: Plan, args: argparse.Namespace, emitted) -> None:
+    if args.json:
+        document = plan_dict(result)
+        if emitted is not None:
+            document["config"] = {"target": emitted.target, "config": emitted.config, "notes": list(emitted.notes)}
+        print(json.dumps(document, indent=2))
+        return
+    human = sys.stderr if emitted is not None else sys.stdout
+    print("\n".join(summary(result)), file=human)
+    for path, what in ((args.memo, "memo"), (args.plot, "plot")):
+        if path:
+            print(f"wrote {what}: {path}", file=human)
+    if emitted is not None:
+        for note in emitted.notes:
+            print(f"note: {note}", file=sys.stderr)
+        config = emitted.config
+        print(config if isinstance(config, str) else json.dumps(config, indent=2), end="" if isinstance(config, str)
+              else "\n")

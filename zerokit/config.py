@@ -64,6 +64,30 @@ class LossScaling:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Stage3Policy:
+    """How stage 3 splits the model into units and how many full parameters may be live at once.
+    Sizes are in elements, like DeepSpeed's stage3_* keys."""
+
+    unit_classes: tuple[str, ...] = ()
+    """Module class names that become units (e.g. "LlamaDecoderLayer"). Empty: the auto-wrap policy,
+    which makes a unit of every module with at least min_unit_params parameters whose parent is not
+    itself small enough to be one unit (transformer blocks, typically); the root takes the rest."""
+    min_unit_params: int = 100_000
+    max_live_parameters: int = 1_000_000_000
+    """Never hold more than this many unsharded parameter elements at once (DeepSpeed
+    stage3_max_live_parameters); prefetches that would exceed it wait."""
+    prefetch_numel: int = 50_000_000
+    """Gather the next units ahead of use while their total stays under this (stage3_prefetch_bucket_size)."""
+    persistence_threshold: int = 100_000
+    """Units with fewer parameters stay unsharded for the whole step (stage3_param_persistence_threshold)."""
+
+    def __post_init__(self) -> None:
+        for name in ("min_unit_params", "max_live_parameters", "prefetch_numel", "persistence_threshold"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"stage3 {name}={getattr(self, name)} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     """Everything `zerokit.initialize` needs to know about how to train."""
 
@@ -85,6 +109,7 @@ class ZeroConfig:
     gradient shard plus in-flight buckets (the ZeRO-2 memory promise; costs one reduce-scatter per
     micro-step). False: accumulate full gradients locally and reduce once per optimizer step (stage-1
     gradient memory during accumulation; one reduce-scatter per step)."""
+    stage3: Stage3Policy = field(default_factory=Stage3Policy)
     max_consecutive_skipped_steps: int = 20
     """Training raises after this many optimizer steps in a row were skipped for inf/nan gradients."""
     train_batch_size: int | None = None
@@ -107,6 +132,8 @@ class ZeroConfig:
             object.__setattr__(self, "loss_scaling", LossScaling())
         if not is_fp16 and self.loss_scaling is not None:
             raise ValueError("loss scaling is only for fp16; bf16 and fp32 gradients do not underflow that way")
+        if self.stage == 3 and not self.overlap_comm:
+            raise ValueError("overlap_comm=false is not supported at stage 3, which reduces each unit in backward")
         if not self.reduce_every_micro_step and self.stage != 2:
             raise ValueError("reduce_every_micro_step=False is a stage-2 choice; stages 0-1 never reduce "
                              "before the accumulation boundary and stage 3 always reduces every micro-step")
@@ -136,9 +163,17 @@ TOP_LEVEL_KEYS = {
     "communication_data_type", "train_batch_size", "train_micro_batch_size_per_gpu",
     "max_consecutive_skipped_steps",
 }
+# DeepSpeed spells the stage-3 keys with or without the stage3_ prefix.
+STAGE3_KEYS = {
+    "max_live_parameters": "max_live_parameters", "stage3_max_live_parameters": "max_live_parameters",
+    "prefetch_bucket_size": "prefetch_numel", "stage3_prefetch_bucket_size": "prefetch_numel",
+    "param_persistence_threshold": "persistence_threshold",
+    "stage3_param_persistence_threshold": "persistence_threshold",
+    "stage3_unit_classes": "unit_classes", "stage3_min_unit_params": "min_unit_params",
+}
 ZERO_KEYS = {
     "stage", "reduce_bucket_size", "reduce_bucket_bytes", "overlap_comm", "contiguous_gradients",
-    "reduce_scatter", "reduce_every_micro_step",
+    "reduce_scatter", "reduce_every_micro_step", *STAGE3_KEYS,
 }
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
 BF16_KEYS = {"enabled"}
@@ -197,6 +232,18 @@ def _bucket_bytes(zero: Mapping[str, Any], reduce_dtype: torch.dtype) -> int:
     return int(zero.get("reduce_bucket_bytes", DEFAULT_BUCKET_BYTES))
 
 
+def _stage3(zero: Mapping[str, Any]) -> Stage3Policy:
+    fields: dict[str, Any] = {}
+    for key, name in STAGE3_KEYS.items():
+        if key not in zero:
+            continue
+        if name in fields:
+            raise ValueError(f"zero_optimization has both spellings of {name}; keep one")
+        value = zero[key]
+        fields[name] = tuple(value) if name == "unit_classes" else int(float(value))
+    return Stage3Policy(**fields)
+
+
 def from_dict(raw: Mapping[str, Any]) -> ZeroConfig:
     """Build a ZeroConfig from DeepSpeed-style keys."""
     _reject_unknown("", raw, TOP_LEVEL_KEYS)
@@ -216,6 +263,7 @@ def from_dict(raw: Mapping[str, Any]) -> ZeroConfig:
         reduce_bucket_bytes=_bucket_bytes(zero, precision.reduce_dtype),
         overlap_comm=bool(zero.get("overlap_comm", True)),
         reduce_every_micro_step=bool(zero.get("reduce_every_micro_step", True)),
+        stage3=_stage3(zero),
         max_consecutive_skipped_steps=int(raw.get("max_consecutive_skipped_steps", 20)),
         train_batch_size=raw.get("train_batch_size"),
         train_micro_batch_size_per_gpu=raw.get("train_micro_batch_size_per_gpu"),
@@ -244,4 +292,4 @@ def load_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None) -> Z
     raise ValueError(f"config must be a ZeroConfig, a dict or a JSON file path, not {type(config).__name__}")
 
 
-__all__ = ["ZeroConfig", "MixedPrecision", "LossScaling", "load_config", "from_dict", "replace"]
+__all__ = ["ZeroConfig", "MixedPrecision", "LossScaling", "Stage3Policy", "load_config", "from_dict", "replace"]

@@ -44,7 +44,7 @@ class Engine:
         self.module = model.to(device=self.device)
         self._broadcast_from_rank0()
         params, groups = _backward_ordered(model, trainable_groups(model, optimizer))
-        self.stage = STAGES[config.stage](params, groups, optimizer, config, self.comm)
+        self.stage = STAGES[config.stage](model, params, groups, optimizer, config, self.comm)
         model.to(dtype=config.precision.param_dtype)  # frozen parameters and buffers; trainable ones are cast
         self.optimizer = self.stage.optimizer
         self.reducer = BucketReducer(self.stage)
@@ -81,6 +81,7 @@ class Engine:
             self.reducer.arm(scaled)
         scaled.backward()
         self.reducer.flush()
+        self.stage.finish_backward()
         self.micro_step += 1
 
     def step(self) -> StepResult:
@@ -134,6 +135,30 @@ class Engine:
         trainable = {id(p) for p in self.stage.flat.params}
         stats["parameters"] += tensor_bytes(p for p in self.module.parameters() if id(p) not in trainable)
         return stats
+
+    def unsharded(self, params: list[nn.Parameter] | None = None, write_back: bool = False):
+        """Context: the given parameters (default: all) hold their full values until exit, as
+        DeepSpeed's GatheredParameters does. At stage 3 this costs their full size in memory for the
+        duration (generation inside it gathers nothing per token); stages 0-2 hold them anyway.
+        write_back=True: in-place edits made inside (identically on every rank) are kept, masters included."""
+        units = self.stage.units_of(list(params)) if params is not None else None
+        return self.stage.gathered(units, write_back=write_back)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict on CPU in fp32 (parameters at their compute precision), gathered
+        one unit at a time at stage 3 so the extra peak is the largest unit, not the model."""
+        names = {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        state: dict[str, torch.Tensor] = {}
+        for units, params in self.stage.saving_plan(self.module):
+            with self.stage.gathered(units):
+                for param in params:
+                    for name in names[id(param)]:
+                        state[name] = param.detach().float().cpu().clone()
+        for name, buffer in self.module.named_buffers():
+            state[name] = buffer.detach().cpu().clone()
+        return state
 
     def trainable_numel(self) -> int:
         """Ψ: trainable parameters, without padding."""

@@ -24,8 +24,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Subcommands that hand unknown flags on to the program they launch.
+PASSTHROUGH = {"demo"}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command not in PASSTHROUGH:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.passthrough = extra
     try:
         return args.run(args)
     except ValueError as error:  # user errors: one line, no traceback

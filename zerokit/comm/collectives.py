@@ -70,11 +70,20 @@ class Pending(NamedTuple):
 class Communicator:
     """Collectives over one process group, counted. A rename in torch touches only this class."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None) -> None:
+        """Pass the `stats` of another Communicator to count two process groups as one."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.stats = CommStats(self.world_size)
+        self.stats = stats or CommStats(self.world_size)
+
+    def twin(self) -> "Communicator":
+        """A Communicator over a new group with the same ranks, counted in the same stats. Collectives on
+        one group are matched by issue order; two groups let two streams of collectives (parameter
+        gathers from forward/backward hooks, gradient reductions from grad hooks) interleave differently
+        on different ranks without pairing the wrong calls."""
+        return Communicator(dist.new_group(dist.get_process_group_ranks(self.group or dist.group.WORLD)),
+                            self.stats)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.AVG,
                    async_op: bool = False) -> Pending:

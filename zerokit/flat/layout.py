@@ -33,7 +33,7 @@ class Slot:
 @dataclass(frozen=True)
 class Bucket:
     index: int  # position in launch order
-    group: int  # the optimizer param group all its parameters belong to
+    group: int  # the key its parameters share (optimizer param group; at stage 3 also the unit)
     start: int  # first element in the flat buffer
     numel: int  # padded size, a multiple of world_size
     slots: tuple[Slot, ...]

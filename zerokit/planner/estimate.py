@@ -155,7 +155,8 @@ def make_scenario(model: ModelSpec | str | int | float = "llama2-13b", *, gpu: s
     spec = resolve_model(model)
     trainable = Trainable(fraction=trainable_fraction, lora_rank=lora_rank,
                           **({"lora_targets": tuple(lora_targets)} if lora_targets else {}))
-    training = Training(precision=precision, optimizer=optimizer, seq_len=seq_len or min(spec.context or 2048, 2048),
+    seq_len = seq_len if seq_len is not None else min(spec.context or 2048, 2048)
+    training = Training(precision=precision, optimizer=optimizer, seq_len=seq_len,
                         micro_batch=micro_batch, grad_accum=grad_accum, checkpointing=checkpointing,
                         attention=attention, reduce_dtype=reduce_dtype,
                         **({"bucket_bytes": bucket_bytes} if bucket_bytes is not None else {}),

@@ -4,7 +4,8 @@ and how a bucket of them is reduced (see stage0.py, stage1.py, stage2.py)."""
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar, NamedTuple
+from contextlib import contextmanager
+from typing import Any, Callable, ClassVar, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -34,16 +35,17 @@ class ZeroStage:
     reduces_every_micro_step: bool = False
     """True where gradients must leave the rank on every micro-step (stage 2's default)."""
 
-    def __init__(self, params: list[nn.Parameter], groups: list[int], optimizer: torch.optim.Optimizer,
-                 config: ZeroConfig, comm: Communicator) -> None:
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], groups: list[int],
+                 optimizer: torch.optim.Optimizer, config: ZeroConfig, comm: Communicator) -> None:
         """`params` in expected backward order; `groups[i]` is params[i]'s optimizer param group."""
         self.config, self.comm = config, comm
         self.rank, self.world_size = comm.rank, comm.world_size
         self.reduce_dtype = config.precision.reduce_dtype
-        element_bytes = torch.empty((), dtype=self.reduce_dtype).element_size()
-        self.layout = build_layout([(p.numel(), g) for p, g in zip(params, groups)],
+        keys, bucket_numel = self.bucket_keys(model, params, groups)
+        self.layout = build_layout([(p.numel(), key) for p, key in zip(params, keys)],
                                    world_size=self.world_size if self.shards_optimizer else 1,
-                                   bucket_numel=max(1, config.reduce_bucket_bytes // element_bytes))
+                                   bucket_numel=bucket_numel)
+        self.group_of_bucket = [groups[b.slots[0].param_index] for b in self.layout.buckets]
         self.flat = FlatParameters(params, self.layout, config.precision.param_dtype)
         self.separate_masters = self.flat.dtype != torch.float32
         # Masters come from the parameters as given (fp32), before the cast to a 16-bit param dtype,
@@ -52,14 +54,27 @@ class ZeroStage:
         self.flat.adopt(full_precision)
         self.masters = [self._make_master(full_precision, bucket) for bucket in self.layout.buckets]
         del full_precision
+        self.place_parameters()
         masters_by_group: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
-        for bucket, master in zip(self.layout.buckets, self.masters):
-            masters_by_group[bucket.group].append(master)
+        for group, master in zip(self.group_of_bucket, self.masters):
+            masters_by_group[group].append(master)
         self.optimizer = rebuild_optimizer(optimizer, masters_by_group)
 
+    def bucket_keys(self, model: nn.Module, params: list[nn.Parameter], groups: list[int]) -> tuple[list[int], int]:
+        """Parameters with the same key may share a bucket, and a bucket holds about this many elements.
+        Stages 0-2: one key per optimizer param group, buckets of reduce_bucket_bytes."""
+        element_bytes = torch.empty((), dtype=self.reduce_dtype).element_size()
+        return groups, max(1, self.config.reduce_bucket_bytes // element_bytes)
+
     # --- what a subclass provides -------------------------------------------------------------
+    def place_parameters(self) -> None:
+        """After construction: stage 3 keeps only its shards here."""
+
     def prepare_backward(self) -> None:
         """Called before every backward."""
+
+    def finish_backward(self) -> None:
+        """Called after every backward, once its reductions are done."""
 
     def on_grad_ready(self, param_index: int) -> None:
         """params[param_index]'s gradient for this backward is complete (autograd hook)."""
@@ -114,6 +129,29 @@ class ZeroStage:
                        for b in self.layout.buckets]
             for item in pending:
                 wait(item)
+
+    def write_back_params(self) -> None:
+        """The user changed parameters in place: make the fp32 masters agree (they are views in fp32)."""
+        if self.separate_masters:
+            for bucket, master in zip(self.layout.buckets, self.masters):
+                begin, end = self.owned_range(bucket)
+                master.data.copy_(self.flat.buffer[begin:end])
+
+    @contextmanager
+    def gathered(self, units: Any = None, write_back: bool = False) -> Iterator[None]:
+        """Stages 0-2 always hold full parameters; only edits need handing back to the masters."""
+        try:
+            yield
+        finally:
+            if write_back:
+                self.write_back_params()
+
+    def units_of(self, params: list[nn.Parameter]) -> None:
+        return None
+
+    def saving_plan(self, model: nn.Module) -> list[tuple[Any, list[nn.Parameter]]]:
+        """What to gather together when saving: (units, their parameters); here all at once."""
+        return [(None, list(model.parameters()))]
 
     def memory_by_category(self) -> dict[str, int]:
         """Bytes this rank holds for trainable parameters, their gradients and optimizer state."""

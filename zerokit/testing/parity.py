@@ -38,6 +38,9 @@ class Case:
     checkpoint: bool = False
     micro_batch: int = 2
     initial_scale_power: int = 16  # fp16 only
+    min_unit_params: int = 1000  # stage 3: TinyGPT's blocks (~7k parameters each) become units
+    persistence_threshold: int = 0  # stage 3: units smaller than this stay gathered
+    max_live_parameters: int = 10**9  # stage 3
 
 
 def make_model(case: Case) -> TinyGPT:
@@ -74,6 +77,11 @@ def engine_config(case: Case) -> dict:
     }
     if case.stage == 2:
         config["zero_optimization"]["reduce_every_micro_step"] = case.reduce_every_micro_step
+    if case.stage == 3:
+        config["zero_optimization"].update({
+            "stage3_min_unit_params": case.min_unit_params,
+            "stage3_param_persistence_threshold": case.persistence_threshold,
+            "stage3_max_live_parameters": case.max_live_parameters})
     if case.dtype == "bf16":
         config["bf16"] = {"enabled": True}
     if case.dtype == "fp16":
@@ -106,7 +114,8 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
         comm_per_step.append({kind: {k: after[kind][k] - before[kind][k] for k in after[kind]} for kind in after})
     return {
         "case": asdict(case), "losses": losses, "results": results, "comm_per_step": comm_per_step,
-        "params": fp32_state(model), "memory": engine.memory_stats(),
+        "params": {name: value for name, value in engine.full_state_dict().items() if name in dict(model.named_parameters())},
+        "memory": engine.memory_stats(),
         "layout_numel": engine.stage.layout.numel, "buckets": len(engine.stage.layout.buckets),
         "trainable_numel": engine.trainable_numel(), "launched_in_backward": overlapped,
     }

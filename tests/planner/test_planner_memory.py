@@ -1,0 +1,160 @@
+"""Memory per rank: each formula against a hand calculation written out in the test."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from zerokit.planner import Layout, Offload, estimate, make_scenario
+from zerokit.planner.memory import (activation_bytes, block_activation_bytes, buffer_bytes, host_usage,
+                                    optimizer_state_bytes)
+from zerokit.planner.models import Architecture, from_architecture, preset
+from zerokit.planner.spec import Assumptions, Trainable, Training
+
+GB = 10**9
+
+
+def states(params, stage, gpus_per_node=8, nodes=1, **training):
+    scenario = make_scenario(params, gpu="a100-80gb", gpus_per_node=gpus_per_node, nodes=nodes, **training)
+    return estimate(scenario, stage).memory
+
+
+@pytest.mark.parametrize("stage, expected", [
+    (0, (2 + 2 + 12) * 7.5e9),                       # baseline: 16 bytes x 7.5B = 120 GB
+    (1, 2 * 7.5e9 + 2 * 7.5e9 + 12 * 7.5e9 / 64),    # P_os: 15 + 15 + 1.40625 = 31.40625 GB
+    (2, 2 * 7.5e9 + (2 + 12) * 7.5e9 / 64),          # P_os+g: 15 + 1.640625 = 16.640625 GB
+    (3, (2 + 2 + 12) * 7.5e9 / 64),                  # P_os+g+p: 1.875 GB
+])
+def test_zero_paper_figure_1(stage, expected):
+    """ZeRO paper (Rajbhandari et al. 2019) Figure 1: Psi = 7.5B, N_d = 64, K = 12."""
+    memory = states(7.5e9, stage, gpus_per_node=8, nodes=8)
+    assert memory.model_states == expected
+    assert round(memory.model_states / GB, 1) == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}[stage]
+
+
+@pytest.mark.parametrize("stage, expected_gb", [(1, 71.5), (2, 48.75), (3, 26.0)])
+def test_anchor_13b_on_8_a100(stage, expected_gb):
+    """anchors.md section 5, ZeRO-paper row: P = 13e9, N = 8, 2 + 2 + 12 bytes per parameter.
+    Z1: 26 + 26 + 12 x 13 / 8 = 26 + 26 + 19.5 = 71.5; Z2: 26 + 2 x 13 / 8 + 19.5 = 48.75; Z3: 16 x 13 / 8 = 26."""
+    assert states(13e9, stage).model_states == expected_gb * GB
+
+
+def test_optimizer_bytes_per_parameter():
+    k = {(o, p): optimizer_state_bytes(Training(optimizer=o, precision=p))
+         for o in ("adamw", "adam", "sgd-momentum", "sgd") for p in ("bf16", "fp32")}
+    # mixed precision: 4 master + 4 m + 4 v = 12; 4 master + 4 momentum = 8; 4 master = 4
+    assert (k["adamw", "bf16"], k["adam", "bf16"], k["sgd-momentum", "bf16"], k["sgd", "bf16"]) == (12, 12, 8, 4)
+    # fp32: the parameter is the master: m + v = 8; momentum = 4; nothing = 0
+    assert (k["adamw", "fp32"], k["adam", "fp32"], k["sgd-momentum", "fp32"], k["sgd", "fp32"]) == (8, 8, 4, 0)
+
+
+def test_fp32_adam_and_sgd_model_states():
+    # fp32 Adam, stage 0, 1e9 parameters: 4 + 4 + 8 = 16 bytes -> 16e9
+    assert states(1e9, 0, precision="fp32").model_states == 16e9
+    # SGD with momentum in bf16, stage 1, N = 8: 2 + 2 + 8 / 8 = 5 bytes -> 5e9
+    assert states(1e9, 1, optimizer="sgd-momentum").model_states == 5e9
+
+
+def test_frozen_parameters_cost_only_their_copy():
+    # a quarter trains: params 2 x 1e9, grads 2 x 0.25e9, optimizer 12 x 0.25e9 / 8 (stage 1)
+    memory = states(1e9, 1, trainable_fraction=0.25)
+    assert (memory.parameters, memory.gradients, memory.optimizer_state) == (2e9, 0.5e9, 12 * 0.25e9 / 8)
+    # stage 3 shards frozen parameters too: 2 x 1e9 / 8
+    assert states(1e9, 3, trainable_fraction=0.25).parameters == 2e9 / 8
+
+
+def test_lora_model_states():
+    """Llama-2-7B, LoRA r=16 on all seven projections: 39,976,960 adapter parameters (see models test)."""
+    memory = states("llama2-7b", 0, lora_rank=16, seq_len=512)
+    adapters = 39_976_960
+    assert memory.parameters == 2 * (6_738_415_616 + adapters)
+    assert memory.gradients == 2 * adapters
+    assert memory.optimizer_state == 12 * adapters
+
+
+def test_optimizer_offload_moves_state_and_sharded_gradients():
+    scenario = make_scenario(13e9)
+    z2 = estimate(scenario, 2, Offload(optimizer="cpu")).memory
+    assert (z2.parameters, z2.gradients, z2.optimizer_state) == (26e9, 0, 0)  # only 2P stays on the GPU
+    z1 = estimate(scenario, 1, Offload(optimizer="cpu")).memory
+    assert z1.gradients == 26e9  # stage 1 accumulates full gradients on the GPU
+    z3 = estimate(scenario, 3, Offload(optimizer="cpu", params="cpu")).memory
+    assert z3.model_states == 0
+
+
+def test_korthikanti_block_formula_exactly():
+    """GPT block with dropout, eager attention, 16-bit: s b h (34 + 5 a s / h) bytes (Korthikanti 2022, eq. 1).
+    h = 1024, a = 16, s = 2048, b = 2: s b h = 4,194,304; 34 + 5 x 16 x 2048 / 1024 = 194 -> 813,694,976."""
+    arch = Architecture(n_layers=1, hidden=1024, n_heads=16, n_kv_heads=16, ffn=4096, vocab=1000, gated_mlp=False,
+                        layernorm=True, dropout=True)
+    training = Training(seq_len=2048, micro_batch=2, attention="eager")
+    assert block_activation_bytes(arch, training) == 2048 * 2 * 1024 * (34 + 5 * 16 * 2048 // 1024) == 813_694_976
+
+
+def test_llama2_13b_activations_by_hand():
+    """Flash attention, SwiGLU, no dropout, bf16, s = 4096, b = 1. Per token and block:
+    norms 2x2h + QKV input 2h + Q,K,V 2(h + 2h) + projection input 2h + MLP input 2h = 2 x 8h = 81,920
+    plus SwiGLU 4 x 2 x f = 8 x 13,824 = 110,592 -> 192,512 bytes; fp32 log-sum-exp 4 a = 160 bytes.
+    Block: 4096 x 192,672 = 789,184,512. Output: 4096 x (2 x 2 x 5120 + 4 x 32,000) = 608,174,080.
+    40 blocks + output = 31,567,380,480 + 608,174,080 = 32,175,554,560."""
+    model, training = preset("llama2-13b"), Training(seq_len=4096)
+    assert block_activation_bytes(model.architecture, training) == 4096 * 192_672 == 789_184_512
+    assert activation_bytes(model, training, Layout()) == 32_175_554_560
+
+
+def test_full_checkpointing_stores_block_inputs_plus_one_block():
+    """Korthikanti Table 2: full recomputation stores 2 s b h L; we add one recomputed block.
+    13B: 40 x 2 x 4096 x 5120 = 1,677,721,600 + 789,184,512 + 608,174,080 = 3,075,080,192."""
+    model, training = preset("llama2-13b"), Training(seq_len=4096, checkpointing="full")
+    assert activation_bytes(model, training, Layout()) == 40 * 2 * 4096 * 5120 + 789_184_512 + 608_174_080
+
+
+def test_tensor_and_pipeline_parallel_activations():
+    """tp = 4 divides everything (sequence parallel). pp = 4 with 8 micro-batches: the first stage keeps
+    min(4, 8) = 4 micro-batches of 40 / 4 = 10 blocks = the whole model's block activations."""
+    model, training = preset("llama2-13b"), Training(seq_len=4096, grad_accum=8)
+    block, output = 789_184_512, 608_174_080
+    assert activation_bytes(model, training, Layout(tp=4)) == 40 * math.ceil(block / 4) + output // 4
+    assert activation_bytes(model, training, Layout(pp=4)) == 4 * 10 * block
+
+
+def test_param_count_only_has_no_activations():
+    assert states(13e9, 3, seq_len=4096).activations == 0
+
+
+def test_buffers_by_hand():
+    rank13 = make_scenario("llama2-13b", seq_len=4096).rank
+    # stage 3: current + prefetched unit in bf16, the unit's bf16 gradients and their fp32 copy:
+    # one Llama-2-13B block = 317,204,480 parameters -> (2 + 2 + 2 + 4) x 317,204,480 = 3,172,044,800
+    assert buffer_bytes(rank13, Training(), 3) == 10 * 317_204_480 == 3_172_044_800
+    # stage 2: three 25 MiB fp32 staging buckets and their reduce-scatter outputs (1/8 each)
+    bucket = 25 * 2**20
+    assert buffer_bytes(rank13, Training(), 2) == 3 * bucket + 3 * math.ceil(bucket / 8)
+    # stage 0 reducing in the compute dtype all-reduces in place: nothing extra
+    assert buffer_bytes(rank13, Training(reduce_dtype="bf16"), 0) == 0
+
+
+def test_host_usage_by_hand():
+    """Optimizer offload, stage 2, 8 GPUs on a DGX A100: (K 12 + fp32 grad 4 + 16-bit copy 2) bytes per
+    shard element, 8 shards per node -> 18 x 13e9 = 234 GB of the 2 TiB host."""
+    scenario = make_scenario(13e9)
+    host = host_usage(scenario.rank, scenario.training, Offload(optimizer="cpu"), 8, 2048 * 2**30, 30 * 10**12,
+                      0.1, Assumptions())
+    assert host.ram == 18 * 13e9 and host.nvme == 0 and host.fits
+    # NVMe: the 12 K bytes go to disk, 6 bytes stay in RAM plus one staged sub-group of 1e9 x 12
+    nvme = host_usage(scenario.rank, scenario.training, Offload(optimizer="nvme"), 8, 2048 * 2**30, 30 * 10**12,
+                      0.1, Assumptions())
+    assert nvme.nvme == 12 * 13e9 and nvme.ram == 8 * (6 * 13e9 / 8 + 12 * 1e9)
+
+
+def test_trainable_spec_validation():
+    with pytest.raises(ValueError, match="fraction"):
+        Trainable(fraction=1.5)
+    with pytest.raises(ValueError, match="not both"):
+        Trainable(fraction=0.5, lora_rank=8)
+
+
+def test_from_architecture_matches_preset_counts():
+    arch = preset("gpt2").architecture
+    assert from_architecture(arch).total_params == 124_439_808

@@ -1,0 +1,59 @@
+"""The peers' estimators, re-implemented: they must reproduce anchors.md section 5 for 13B on 8 GPUs."""
+
+from __future__ import annotations
+
+import pytest
+
+from zerokit.planner import estimate, make_scenario
+from zerokit.planner.models import preset
+from zerokit.planner.peers import (accelerate_training, deepspeed_largest_layer, deepspeed_zero2, deepspeed_zero3,
+                                   peer_estimates)
+
+P, L = 13 * 10**9, 32_000 * 5_120  # anchors: P = 13e9, largest layer = the Llama-2-13B embedding
+GB = 1e9
+
+
+def test_deepspeed_zero2_by_hand():
+    # no offload: 2P + 18P/8 = 26 + 29.25 = 55.25 GB; host 4P x 8 x 1.5 = 624 GB
+    host, gpu = deepspeed_zero2(P, 8, 1, cpu_offload=False)
+    assert (gpu / GB, host / GB) == (55.25, 624.0)
+    # optimizer offload: GPU 2P = 26 GB; host P x max(4 x 8, 16) x 1.5 = 624 GB
+    host, gpu = deepspeed_zero2(P, 8, 1, cpu_offload=True)
+    assert (gpu / GB, host / GB) == (26.0, 624.0)
+
+
+def test_deepspeed_zero3_by_hand():
+    # no offload: 4L + 18P/8 = 0.65536 + 29.25 = 29.9 GB
+    assert round(deepspeed_zero3(P, L, 8, 1, False, False)[1] / GB, 1) == 29.9
+    # optimizer offload: 4L + 2P/8 = 3.9 GB GPU; host 16P x 1.5 = 312 GB
+    host, gpu = deepspeed_zero3(P, L, 8, 1, True, False)
+    assert (round(gpu / GB, 1), host / GB) == (3.9, 312.0)
+    # optimizer and parameter offload: 4L = 0.66 GB GPU; host 18P x 1.5 = 351 GB
+    host, gpu = deepspeed_zero3(P, L, 8, 1, True, True)
+    assert (round(gpu / GB, 2), host / GB) == (0.66, 351.0)
+
+
+def test_accelerate_reports_the_largest_component():
+    # 16-bit: max(4P, 6P, 8P, 8P) = 8P = 104 GB for 13e9; fp32: 16P
+    assert accelerate_training(P, "bf16") == 104 * GB
+    assert accelerate_training(P, "fp32") == 16 * P
+
+
+def test_largest_layer_is_the_embedding_for_llama2_13b():
+    assert deepspeed_largest_layer(preset("llama2-13b").architecture) == L
+
+
+def test_ours_against_theirs_for_the_anchor():
+    """Ours is the ZeRO paper's 2 + 2 + 12: below DeepSpeed's by its fp32 gradient copy (2 bytes/N more
+    per parameter: 18 vs 16) and the 2P it keeps for stage 2's full parameters; the same model states
+    as the paper's 48.75 / 26.0 GB."""
+    scenario = make_scenario(P)
+    ours2, ours3 = (estimate(scenario, s).memory.model_states for s in (2, 3))
+    assert deepspeed_zero2(P, 8, 1, False)[1] - ours2 == P * (2 + 18 / 8) - P * (2 + 2 / 8 + 12 / 8)
+    assert deepspeed_zero3(P, L, 8, 1, False, False)[1] - ours3 == pytest.approx(4 * L + P * (18 - 16) / 8)
+
+
+def test_peer_table_rows():
+    rows = peer_estimates(P, L, 8, 1, "bf16")
+    assert [r.options for r in rows][:2] == ["offload_optimizer=none", "offload_optimizer=cpu"]
+    assert rows[-1].tool == "accelerate estimate-memory" and rows[-1].gpu_bytes == 104 * GB

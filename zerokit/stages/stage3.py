@@ -1,0 +1,263 @@
+"""Stage 3: shard the parameters too. Each rank stores only its shard of every unit's parameters;
+a unit is all-gathered right before it runs (forward, and again before its backward) and freed
+right after, so full parameters exist only while the module that uses them computes.
+
+[Note: the stage-3 step]
+  root pre-forward: gather the root unit (kept for the whole step; it owns the tied weights)
+  unit pre-forward: gather it (or wait for its prefetch), prefetch the next unit in last step's order
+  unit post-forward: free it; hook its outputs so that their gradient re-gathers it
+  unit pre-backward (output gradient ready): gather it, prefetch the unit before it in this forward
+  gradients ready: stage 2's buckets (one per unit and param group) reduce-scatter them; once all of a
+    unit's buckets are launched the unit is freed again
+  end of backward: free whatever is still gathered
+The gathers run on their own process group: see Communicator.twin for why.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from enum import Enum, auto
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from zerokit.comm import Pending, wait
+from zerokit.flat import Bucket, shard_view
+from zerokit.stages.base import BucketReduction, tensor_bytes
+from zerokit.stages.stage2 import ShardedGradients
+from zerokit.stages.units import Unit, find_units
+
+
+class TrainingState(Enum):
+    IDLE = auto()  # between steps: only the persistent units are gathered
+    FORWARD = auto()  # in forward: units are gathered before they run and freed after
+    BACKWARD = auto()  # in backward: units are re-gathered before their backward, freed once reduced
+    PINNED = auto()  # in engine.unsharded(): every unit stays gathered
+
+
+class ShardedParameters(ShardedGradients):
+    def bucket_keys(self, model: nn.Module, params: list[nn.Parameter], groups: list[int]) -> tuple[list[int], int]:
+        """One bucket per (unit, optimizer param group): a unit's gradients are reduced together."""
+        self.units: list[Unit] = find_units(model, self.config.stage3)
+        unit_of = {param_id: unit.index for unit in self.units for param_id in unit.param_ids}
+        self.groups_per_unit = max(groups, default=0) + 1
+        return [unit_of[id(p)] * self.groups_per_unit + g for p, g in zip(params, groups)], sys.maxsize
+
+    def place_parameters(self) -> None:
+        self.reduces_every_micro_step = True
+        self.gather_comm = self.comm.twin()
+        self.unit_buckets: list[list[Bucket]] = [[] for _ in self.units]
+        for bucket in self.layout.buckets:
+            self.unit_buckets[bucket.group // self.groups_per_unit].append(bucket)
+        self.unit_numel = [sum(b.numel for b in buckets) for buckets in self.unit_buckets]
+        # 1-D, param dtype: this rank's shard of every bucket, back to back (bucket b at b.start / N).
+        self.shards = torch.empty(self.layout.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
+        for bucket in self.layout.buckets:
+            self._shard(bucket).copy_(shard_view(self.flat.buffer, bucket, self.rank))
+        self.flat.buffer = self.flat.buffer.new_empty(0)  # the full copy goes; only shards stay
+        if not self.separate_masters:  # fp32: the optimizer steps the shards themselves
+            self.masters = [nn.Parameter(self._shard(bucket)) for bucket in self.layout.buckets]
+        self.full: dict[int, torch.Tensor] = {}  # bucket index -> gathered bucket (1-D, param dtype)
+        self.in_flight: dict[int, Pending] = {}
+        self.live_numel = self.peak_live_numel = 0
+        self.placeholder = torch.full((1,), float("nan"), dtype=self.flat.dtype, device=self.flat.device)
+        policy = self.config.stage3
+        self.persistent = {u.index for u in self.units if 0 < self.unit_numel[u.index] < policy.persistence_threshold}
+        self._check_live_limit()
+        self.state = TrainingState.IDLE
+        self.forward_order: list[int] = []
+        self.last_forward_order: list[int] = []
+        self.reduced: set[int] = set()
+        for unit in self.units:
+            self._release_params(unit)
+            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
+            unit.module.register_forward_hook(partial(self._post_forward, unit))
+        for index in sorted(self.persistent):
+            self.unshard(self.units[index])
+
+    def _check_live_limit(self) -> None:
+        """Root and persistent units stay gathered; at worst two other units are live at once (the one
+        computing and the one whose gradients are not all in yet)."""
+        largest = sorted((n for i, n in enumerate(self.unit_numel) if i and i not in self.persistent), reverse=True)
+        needed = self.unit_numel[0] + sum(self.unit_numel[i] for i in self.persistent if i) + sum(largest[:2])
+        limit = self.config.stage3.max_live_parameters
+        if needed > limit:
+            raise ValueError(f"stage3_max_live_parameters={limit} is below the {needed} elements this model needs "
+                             "live at once (root + persistent units + the two largest units); raise it or use "
+                             "smaller units (stage3_unit_classes)")
+
+    # --- gather and free ---------------------------------------------------------------------------
+    def _shard(self, bucket: Bucket) -> torch.Tensor:
+        begin = bucket.start // self.world_size
+        return self.shards[begin:begin + bucket.shard_numel]
+
+    def is_gathered(self, unit: Unit) -> bool:
+        return all(b.index in self.full and b.index not in self.in_flight for b in self.unit_buckets[unit.index])
+
+    def unshard(self, unit: Unit, async_op: bool = False) -> None:
+        for bucket in self.unit_buckets[unit.index]:
+            if bucket.index in self.full:
+                continue
+            if not async_op and self.live_numel + bucket.numel > self.config.stage3.max_live_parameters:
+                raise RuntimeError(f"rank {self.rank}: gathering unit {unit.name!r} would hold "
+                                   f"{self.live_numel + bucket.numel} unsharded elements, over "
+                                   f"stage3_max_live_parameters={self.config.stage3.max_live_parameters}")
+            full = torch.empty(bucket.numel, dtype=self.flat.dtype, device=self.flat.device)
+            self.in_flight[bucket.index] = self.gather_comm.all_gather(full, self._shard(bucket), async_op=True)
+            self.full[bucket.index] = full
+            self.live_numel += bucket.numel
+            self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+        if not async_op:
+            for bucket in self.unit_buckets[unit.index]:
+                if bucket.index in self.in_flight:
+                    wait(self.in_flight.pop(bucket.index))
+            self._point_params(unit)
+
+    def reshard(self, unit: Unit) -> None:
+        if unit.index in self.persistent or self.state == TrainingState.PINNED:
+            return
+        for bucket in self.unit_buckets[unit.index]:
+            if bucket.index in self.in_flight:
+                wait(self.in_flight.pop(bucket.index))
+            if self.full.pop(bucket.index, None) is not None:
+                self.live_numel -= bucket.numel
+        self._release_params(unit)
+
+    def _point_params(self, unit: Unit) -> None:
+        for bucket in self.unit_buckets[unit.index]:
+            full = self.full[bucket.index]
+            for slot in bucket.slots:
+                param = self.flat.params[slot.param_index]
+                begin = slot.offset - bucket.start
+                param.data = full[begin:begin + slot.numel].view(param.shape)
+
+    def _release_params(self, unit: Unit) -> None:
+        """A sharded parameter keeps its true shape and dtype (no torch.Size([0]) surprise): its data is
+        one NaN broadcast to that shape, so code that computes with it outside its unit's forward gets
+        NaN (and zerokit skips and reports the step) rather than plausible zeros, and code that writes to
+        it in place gets an error. Gather with engine.unsharded() first."""
+        for bucket in self.unit_buckets[unit.index]:
+            for slot in bucket.slots:
+                param = self.flat.params[slot.param_index]
+                param.data = self.placeholder.expand(param.shape)
+
+    def _prefetch(self, unit_index: int | None) -> None:
+        if unit_index is None:
+            return
+        unit = self.units[unit_index]
+        numel = self.unit_numel[unit_index]
+        fits = self.live_numel + numel <= self.config.stage3.max_live_parameters
+        if fits and numel <= self.config.stage3.prefetch_numel and not any(
+                b.index in self.full for b in self.unit_buckets[unit_index]):
+            self.unshard(unit, async_op=True)
+
+    # --- hooks ---------------------------------------------------------------------------------------
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
+        if unit.index == 0 and self.state in (TrainingState.IDLE, TrainingState.FORWARD):
+            self.state = TrainingState.FORWARD
+            self.forward_order = []
+        if self.state == TrainingState.FORWARD:
+            self.forward_order.append(unit.index)
+        self.unshard(unit)
+        if self.state == TrainingState.FORWARD:
+            self._prefetch(_neighbour(self.last_forward_order, unit.index, +1))
+
+    def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        if self.state == TrainingState.FORWARD and unit.index != 0:
+            self.reshard(unit)
+        if unit.index == 0 and self.state == TrainingState.FORWARD:
+            self.last_forward_order = self.forward_order
+            if not torch.is_grad_enabled():  # no backward will follow (eval, generation)
+                self.reshard(unit)
+                self.state = TrainingState.IDLE
+        if torch.is_grad_enabled():
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(partial(self._pre_backward, unit))
+
+    def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        if self.state == TrainingState.PINNED:
+            return
+        self.state = TrainingState.BACKWARD
+        if not self.is_gathered(unit):
+            self.unshard(unit)
+        self._prefetch(_neighbour(self.forward_order, unit.index, -1))
+
+    # --- gradients, step -----------------------------------------------------------------------------
+    def reduce_bucket(self, bucket: Bucket) -> BucketReduction:
+        reduction = super().reduce_bucket(bucket)
+        self.reduced.add(bucket.index)
+        unit = self.units[bucket.group // self.groups_per_unit]
+        if unit.index and all(b.index in self.reduced for b in self.unit_buckets[unit.index]):
+            self.reshard(unit)  # its gradients are staged and on their way: the full parameters can go
+        return reduction
+
+    def finish_backward(self) -> None:
+        self.reduced.clear()
+        if self.state != TrainingState.PINNED:
+            for unit in self.units:
+                self.reshard(unit)
+            self.state = TrainingState.IDLE
+
+    def publish_params(self) -> None:
+        """Masters -> shards; units that stay gathered (persistent, or all while pinned) are re-gathered."""
+        if self.separate_masters:
+            for bucket, master in zip(self.layout.buckets, self.masters):
+                self._shard(bucket).copy_(master.detach())
+        for bucket in self.layout.buckets:
+            if bucket.index in self.full:
+                wait(self.gather_comm.all_gather(self.full[bucket.index], self._shard(bucket)))
+
+    def write_back_params(self) -> None:
+        """The user changed gathered parameters in place: keep this rank's slice of each, in the shard
+        and in the fp32 master."""
+        for bucket, master in zip(self.layout.buckets, self.masters):
+            if bucket.index in self.full:
+                own = self.full[bucket.index][self.rank * bucket.shard_numel:(self.rank + 1) * bucket.shard_numel]
+                self._shard(bucket).copy_(own)
+                if self.separate_masters:
+                    master.data.copy_(own)
+
+    def memory_by_category(self) -> dict[str, int]:
+        stats = super().memory_by_category()
+        stats["parameters"] = tensor_bytes([self.shards, *self.full.values()])
+        return stats
+
+    @contextmanager
+    def gathered(self, units: list[Unit] | None = None, write_back: bool = False) -> Iterator[None]:
+        """`units` (default: all) gathered until exit, for inference or to read or edit full weights."""
+        if self.state not in (TrainingState.IDLE, TrainingState.PINNED):
+            raise RuntimeError("gather parameters between steps, not inside forward or backward")
+        outer = self.state == TrainingState.PINNED
+        for unit in units or self.units:
+            self.unshard(unit)
+        self.state = TrainingState.PINNED
+        try:
+            yield
+        finally:
+            if write_back:
+                self.write_back_params()
+            if not outer:
+                self.state = TrainingState.IDLE
+                for unit in units or self.units:
+                    self.reshard(unit)
+
+    def saving_plan(self, model: nn.Module) -> list[tuple[list[Unit], list[nn.Parameter]]]:
+        """One unit at a time: saving never holds more than one unit's full parameters."""
+        return [([unit], [p for p in model.parameters() if id(p) in unit.param_ids]) for unit in self.units]
+
+    def units_of(self, params: list[nn.Parameter]) -> list[Unit]:
+        wanted = {id(p) for p in params}
+        return [unit for unit in self.units if unit.param_ids & wanted]
+
+
+def _neighbour(order: list[int], unit_index: int, step: int) -> int | None:
+    """The unit next to (the last call of) unit_index in a recorded order; None off either end."""
+    if unit_index not in order:
+        return None
+    position = len(order) - 1 - order[::-1].index(unit_index) + step
+    return order[position] if 0 <= position < len(order) and order[position] != unit_index else None

@@ -17,11 +17,11 @@ def cases_for(world_size: int) -> list[Case]:
     """The matrix: every stage x {fp32, bf16}, plus fp16 with loss scaling, gradient accumulation
     (both stage-2 policies), SGD with momentum, Adam, activation checkpointing and an fp16 run that
     starts with an overflowing loss scale. World size 5 runs the core of it (5 ranks on 2 cores)."""
-    base = [Case(f"stage{s}-{d}", stage=s, dtype=d) for s in (0, 1, 2) for d in ("fp32", "bf16")]
+    base = [Case(f"stage{s}-{d}", stage=s, dtype=d) for s in (0, 1, 2, 3) for d in ("fp32", "bf16")]
     if world_size == 5:
         return base
     # Without clipping, 1 or 2 ranks add and halve exactly what one process does: bit-exact even at 16 bits.
-    exact = [Case(f"stage{s}-{d}-noclip", stage=s, dtype=d, clip=0.0) for s in (0, 1, 2) for d in ("bf16", "fp16")]
+    exact = [Case(f"stage{s}-{d}-noclip", stage=s, dtype=d, clip=0.0) for s in (0, 1, 2, 3) for d in ("bf16", "fp16")]
     return base + (exact if world_size <= 2 else []) + [
         *[Case(f"stage{s}-fp16-accum2", stage=s, dtype="fp16", accumulation=2) for s in (0, 1, 2)],
         Case("stage0-fp32-accum3", stage=0, accumulation=3),
@@ -33,7 +33,24 @@ def cases_for(world_size: int) -> list[Case]:
         Case("stage2-fp32-adam-checkpointed", stage=2, optimizer="adam", checkpoint=True),
         Case("stage1-fp16-overflowing-scale", stage=1, dtype="fp16", initial_scale_power=19, steps=6),
         Case("stage2-fp32-one-bucket", stage=2, bucket_bytes=2**30),
+        *STAGE3_EXTRAS,
     ]
+
+
+# Stage 3 with what its gather/free hooks must survive. The limit case: root (2.6k) + two 7.2k blocks
+# fit under 17.5k elements, a third gathered block would not; four blocks make prefetch want one.
+STAGE3_EXTRAS = [
+    Case("stage3-fp16-accum2", stage=3, dtype="fp16", accumulation=2),
+    Case("stage3-fp32-accum2", stage=3, accumulation=2),
+    Case("stage3-bf16-checkpointed", stage=3, dtype="bf16", checkpoint=True),
+    Case("stage3-fp32-block-called-twice", stage=3, reuse_first_block=True),
+    Case("stage3-fp32-norms-only-finetune", stage=3, freeze_matrices=True, min_unit_params=100),
+    Case("stage3-fp32-persistent-small-units", stage=3, persistence_threshold=8000, n_layer=3),
+    Case("stage3-fp32-live-limit", stage=3, n_layer=4, max_live_parameters=17_500),
+    Case("stage3-sgd-no-prefetch-room", stage=3, optimizer="sgd", clip=0.0, n_layer=4, max_live_parameters=17_100),
+    *[Case(f"stage3-{m}-{d}", stage=3, dtype=d, model=m, min_unit_params=100)
+      for m in ("hf-gpt2", "hf-llama") for d in ("fp32", "bf16")],
+]
 
 
 @functools.lru_cache(maxsize=None)

@@ -71,11 +71,12 @@ def make_loss_scaler(policy: LossScaling | None) -> DynamicLossScaler | NoLossSc
 def global_grad_norm(grads: list[torch.Tensor], comm: Communicator | None) -> float:
     """L2 norm over all gradient elements of all ranks. Pass `comm` when each rank holds a different
     shard (their squares are summed across ranks), None when every rank holds the same full gradients.
-    See [Note: one scalar decides overflow and norm]."""
+    Squares are summed in float64, so the norm (and the clip coefficient) does not depend on how the
+    parameters happen to be split into shards and buckets. See [Note: one scalar decides overflow and norm]."""
     device = grads[0].device if grads else torch.device("cpu")
-    squares = torch.zeros((), dtype=torch.float32, device=device)
-    for grad in grads:
-        squares += grad.float().pow(2).sum()
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    for grad in grads:  # one tensor at a time: the float64 copy is transient and bucket-sized
+        squares += grad.double().square().sum()
     if comm is not None:
         comm.sum_scalar(squares)
     return math.sqrt(squares.item()) if math.isfinite(squares.item()) else float("nan")

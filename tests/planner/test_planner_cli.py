@@ -33,24 +33,40 @@ def test_readme_example_is_the_documented_command():
     assert README_EXAMPLE in (ROOT / "docs" / "planner.md").read_text()
 
 
+def test_documented_output_is_what_the_command_prints(tmp_path, monkeypatch, capsys):
+    """docs/planner.md shows the example's output verbatim; it must not drift from the code."""
+    docs = (ROOT / "docs" / "planner.md").read_text()
+    shown = docs.split("prints\n\n```\n", 1)[1].split("```\n", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    assert cli(*shlex.split(README_EXAMPLE)[1:]) == 0
+    assert capsys.readouterr().out == shown
+
+
 def test_readme_example_writes_the_13b_memo(tmp_path, monkeypatch, capsys):
-    """The README's command: pick ZeRO-3 without offload or recomputation, 62.38 of 77.31 GB usable."""
+    """The README's command: pick ZeRO-3 without offload or recomputation, 69.50 of 77.31 GB usable."""
     monkeypatch.chdir(tmp_path)
     assert cli(*shlex.split(README_EXAMPLE)[1:]) == 0
     memo = (tmp_path / "memo.md").read_text()
     assert "**ZeRO-3, no offload, no activation checkpointing, micro-batch 1** (largest that fits: 1)" in memo
-    assert "62.4 GB of the 77.3 GB usable per GPU" in memo
+    assert "69.5 GB of the 77.3 GB usable per GPU" in memo
     rows = {row.split(" | ")[0].strip("| "): row for row in memo.splitlines() if row.startswith("| ZeRO-")}
-    # model states per stage for 13,015,864,320 parameters, N = 8 (the anchors' 71.5 / 48.75 / 26.0 at P = 13e9):
+    # model states per stage for P = 13,015,864,320 parameters, N = 8, fp32 gradient shards:
     assert "| 26.03 | 26.03 | 19.52 |" in rows["ZeRO-1"]  # 2P + 2P + 12P/8
-    assert "| 26.03 | 3.25 | 19.52 |" in rows["ZeRO-2"]  # 2P + 2P/8 + 12P/8
-    assert "| 3.25 | 3.25 | 19.52 | 32.18 |" in rows["ZeRO-3"]  # 16P/8 and the activations by hand
+    assert "| 26.03 | 6.51 | 19.52 |" in rows["ZeRO-2"]  # 2P + 4P/8 + 12P/8
+    assert "| 3.25 | 6.51 | 19.52 | 32.18 | 7.04 |" in rows["ZeRO-3"]  # (2 + 4 + 12)P/8, activations, buffers
     assert rows["ZeRO-3"].split(" | ")[1] == "yes" and rows["ZeRO-2"].split(" | ")[1] == "no"
     assert "`engine.comm_stats()` should grow by this much per optimizer step" in memo
     assert '"stage": 3' in memo  # the config that implements the pick
     out = capsys.readouterr().out
     assert "pick: ZeRO-3, no offload, no checkpointing, micro-batch 1" in out
-    assert re.search(r"ZeRO-3\s+yes\s+3\.25\s+3\.25\s+19\.52\s+32\.18", out)
+    assert re.search(r"ZeRO-3\s+yes\s+3\.25\s+6\.51\s+19\.52\s+32\.18\s+7\.04\s+1\.00\s+69\.50", out)
+
+
+@pytest.mark.parametrize("command", ["plan", "translate"])
+def test_help_renders(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli(command, "--help")
+    assert exit_info.value.code == 0 and f"usage: zerokit {command}" in capsys.readouterr().out
 
 
 def test_json_output(capsys):
@@ -58,7 +74,7 @@ def test_json_output(capsys):
     document = json.loads(capsys.readouterr().out)
     assert document["pick"]["stage"] == 3
     assert document["pick"]["memory_bytes"]["optimizer_state"] == 12 * 13_015_864_320 // 8
-    assert document["pick"]["comm_stats_per_step"]["all_gather"]["elements"] == 2 * 13_015_864_320
+    assert document["pick"]["comm_stats_per_step"]["all_gather"]["elements"] == 2 * 13_015_864_320 - 327_685_120
 
 
 @pytest.mark.parametrize("target, marker", [("zerokit", '"stage": 3'), ("deepspeed", "stage3_prefetch_bucket_size"),

@@ -62,13 +62,14 @@ def test_cpu_update_bytes():
 def test_cpu_optimizer_offload_time_by_hand():
     """ZeRO-2 + optimizer on the CPU of a DGX A100, 13,015,864,320 parameters:
     CPU step 13,015,864,320 x 30 bytes / (409.6 GB/s x 0.8) = 1.19163 s;
-    PCIe per GPU: down 2 x P / 8 = 3,253,966,080 bytes, up the same, at 31.5 GB/s x 0.8 = 25.2 GB/s."""
+    PCIe per GPU at 31.5 GB/s x 0.8 = 25.2 GB/s: down the fp32 reduced shard 4 x P / 8 = 6,507,932,160
+    bytes, up the bf16 shard 2 x P / 8 = 3,253,966,080 bytes."""
     result = estimate(make_scenario("llama2-13b", seq_len=4096), 2, Offload(optimizer="cpu"))
     o = result.offload_time
     assert o.cpu_optimizer_seconds == pytest.approx(13_015_864_320 * 30 / (409.6e9 * 0.8))
-    assert o.pcie_down == o.pcie_up == 3_253_966_080
-    assert o.pcie_seconds == pytest.approx(2 * 3_253_966_080 / 25.2e9)
-    down_hidden = max(0.0, 3_253_966_080 / 25.2e9 - result.compute.backward_seconds)
+    assert (o.pcie_down, o.pcie_up) == (6_507_932_160, 3_253_966_080)
+    assert o.pcie_seconds == pytest.approx((6_507_932_160 + 3_253_966_080) / 25.2e9)
+    down_hidden = max(0.0, 6_507_932_160 / 25.2e9 - result.compute.backward_seconds)
     assert o.exposed_seconds == pytest.approx(down_hidden + o.cpu_optimizer_seconds + 3_253_966_080 / 25.2e9)
     assert result.compute.optimizer_seconds == 0  # the GPU does not step
 

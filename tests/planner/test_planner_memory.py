@@ -7,8 +7,13 @@ import math
 import pytest
 
 from zerokit.planner import Layout, Offload, estimate, make_scenario
-from zerokit.planner.memory import (activation_bytes, block_activation_bytes, buffer_bytes, host_usage,
-                                    optimizer_state_bytes)
+from zerokit.planner.memory import (
+    activation_bytes,
+    block_activation_bytes,
+    buffer_bytes,
+    host_usage,
+    optimizer_state_bytes,
+)
 from zerokit.planner.models import Architecture, from_architecture, preset
 from zerokit.planner.spec import Assumptions, Trainable, Training
 
@@ -27,8 +32,9 @@ def states(params, stage, gpus_per_node=8, nodes=1, **training):
     (3, (2 + 2 + 12) * 7.5e9 / 64),                  # P_os+g+p: 1.875 GB
 ])
 def test_zero_paper_figure_1(stage, expected):
-    """ZeRO paper (Rajbhandari et al. 2019) Figure 1: Psi = 7.5B, N_d = 64, K = 12."""
-    memory = states(7.5e9, stage, gpus_per_node=8, nodes=8)
+    """ZeRO paper (Rajbhandari et al. 2019) Figure 1: Psi = 7.5B, N_d = 64, K = 12, and, as in the paper,
+    16-bit gradients throughout (reduce dtype bf16)."""
+    memory = states(7.5e9, stage, gpus_per_node=8, nodes=8, reduce_dtype="bf16")
     assert memory.model_states == expected
     assert round(memory.model_states / GB, 1) == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}[stage]
 
@@ -37,7 +43,16 @@ def test_zero_paper_figure_1(stage, expected):
 def test_anchor_13b_on_8_a100(stage, expected_gb):
     """anchors.md section 5, ZeRO-paper row: P = 13e9, N = 8, 2 + 2 + 12 bytes per parameter.
     Z1: 26 + 26 + 12 x 13 / 8 = 26 + 26 + 19.5 = 71.5; Z2: 26 + 2 x 13 / 8 + 19.5 = 48.75; Z3: 16 x 13 / 8 = 26."""
-    assert states(13e9, stage).model_states == expected_gb * GB
+    assert states(13e9, stage, reduce_dtype="bf16").model_states == expected_gb * GB
+
+
+def test_default_fp32_reduction_keeps_4_byte_gradient_shards():
+    """zerokit reduces in fp32 by default and keeps the reduced shards in fp32 (the engine's
+    `gradients` category): Z2 = 26 + 4 x 13 / 8 + 19.5 = 52.0; Z3 = (2 + 4 + 12) x 13 / 8 = 29.25."""
+    assert states(13e9, 2).model_states == 52.0 * GB
+    assert states(13e9, 3).model_states == 29.25 * GB
+    # stage 2 reducing once per step: full bf16 gradients while accumulating, plus the fp32 shards
+    assert states(13e9, 2, reduce_every_micro_step=False).gradients == 2 * 13e9 + 4 * 13e9 / 8
 
 
 def test_optimizer_bytes_per_parameter():
@@ -119,15 +134,25 @@ def test_tensor_and_pipeline_parallel_activations():
     assert activation_bytes(model, training, Layout(pp=4)) == 4 * 10 * block
 
 
+def test_lora_adds_its_rank_r_intermediates():
+    """LoRA r = 16 on 7 projections keeps 2 x 16 x 7 = 224 more bytes per token and block."""
+    model = preset("llama2-7b")
+    plain = block_activation_bytes(model.architecture, Training(seq_len=512))
+    lora = block_activation_bytes(model.architecture, Training(seq_len=512, trainable=Trainable(lora_rank=16)))
+    assert lora - plain == 512 * 2 * 16 * 7
+
+
 def test_param_count_only_has_no_activations():
     assert states(13e9, 3, seq_len=4096).activations == 0
 
 
 def test_buffers_by_hand():
     rank13 = make_scenario("llama2-13b", seq_len=4096).rank
-    # stage 3: current + prefetched unit in bf16, the unit's bf16 gradients and their fp32 copy:
-    # one Llama-2-13B block = 317,204,480 parameters -> (2 + 2 + 2 + 4) x 317,204,480 = 3,172,044,800
-    assert buffer_bytes(rank13, Training(), 3) == 10 * 317_204_480 == 3_172_044_800
+    # stage 3 (zerokit/stages/stage3.py): the root (327,685,120: embedding, head, final norm) and two
+    # blocks of 317,204,480 gathered in bf16, the root's and three blocks' gradients staged in fp32:
+    # (327,685,120 + 2 x 317,204,480) x 2 + (327,685,120 + 3 x 317,204,480) x 4 = 7,041,382,400
+    assert (rank13.root, rank13.unit) == (327_685_120, 317_204_480)
+    assert buffer_bytes(rank13, Training(), 3) == 962_094_080 * 2 + 1_279_298_560 * 4 == 7_041_382_400
     # stage 2: three 25 MiB fp32 staging buckets and their reduce-scatter outputs (1/8 each)
     bucket = 25 * 2**20
     assert buffer_bytes(rank13, Training(), 2) == 3 * bucket + 3 * math.ceil(bucket / 8)

@@ -6,8 +6,16 @@ import json
 
 import pytest
 
-from zerokit.planner.models import (PRESETS, Architecture, from_hf_config, from_param_count, lora_params,
-                                    param_counts, preset, resolve_model)
+from zerokit.planner.models import (
+    PRESETS,
+    Architecture,
+    from_hf_config,
+    from_param_count,
+    lora_params,
+    param_counts,
+    preset,
+    resolve_model,
+)
 from zerokit.planner.spec import Trainable
 
 # Parameter counts the Hugging Face checkpoints report (tied GPT-2 embeddings counted once).
@@ -37,9 +45,11 @@ def test_llama2_7b_by_hand():
     assert 262_144_000 + 32 * 202_383_360 + 4_096 == 6_738_415_616
 
 
-def test_largest_unit_is_a_block_or_the_embedding():
-    assert preset("llama2-13b").largest_unit == 317_204_480  # one block > 32,000 x 5,120 embedding
-    assert preset("gpt2").largest_unit == 50_257 * 768 + 1_024 * 768  # GPT-2's embedding beats a 7.1M block
+def test_root_is_what_the_blocks_leave():
+    """Stage 3 keeps the root gathered: Llama-2-13B embedding + head 2 x 32,000 x 5,120 + final norm 5,120;
+    GPT-2 token and position embeddings 50,257 x 768 + 1,024 x 768 + final LayerNorm 2 x 768 (head tied)."""
+    assert preset("llama2-13b").architecture.root_params() == 2 * 163_840_000 + 5_120 == 327_685_120
+    assert preset("gpt2").architecture.root_params() == 38_597_376 + 786_432 + 1_536
 
 
 def test_lora_rank_16_on_llama2_7b():

@@ -7,9 +7,19 @@ import pytest
 from zerokit.planner import estimate, make_scenario
 from zerokit.planner.emit import emit, emit_zerokit
 from zerokit.planner.spec import Offload
-from zerokit.planner.translate import (APPROXIMATE, DROPPED, EXACT, NONE, ZEROKIT_KEYS, FsdpTerms, deepspeed_to_fsdp,
-                                       deepspeed_to_zerokit, fsdp_to_deepspeed, parse_fsdp_terms,
-                                       zerokit_to_deepspeed)
+from zerokit.planner.translate import (
+    APPROXIMATE,
+    DROPPED,
+    EXACT,
+    NONE,
+    ZEROKIT_KEYS,
+    FsdpTerms,
+    deepspeed_to_fsdp,
+    deepspeed_to_zerokit,
+    fsdp_to_deepspeed,
+    parse_fsdp_terms,
+    zerokit_to_deepspeed,
+)
 
 
 def ds(stage, precision="bf16", **zero):

@@ -14,8 +14,14 @@ import argparse
 import json
 from pathlib import Path
 
-from zerokit.planner.translate import (Translation, deepspeed_to_fsdp, deepspeed_to_zerokit, fsdp_to_deepspeed,
-                                       parse_fsdp_terms, zerokit_to_deepspeed)
+from zerokit.planner.translate import (
+    Translation,
+    deepspeed_to_fsdp,
+    deepspeed_to_zerokit,
+    fsdp_to_deepspeed,
+    parse_fsdp_terms,
+    zerokit_to_deepspeed,
+)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -15,8 +15,8 @@ pick; the reasons quote the numbers of everything tried before it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Iterator
 
 from zerokit.planner.estimate import STAGES, Estimate, Scenario, estimate, make_scenario
 from zerokit.planner.spec import GB, Layout, Offload, Policy
@@ -56,7 +56,7 @@ def allowed_stages(layout: Layout) -> tuple[int, ...]:
     return (0, 1) if layout.pp > 1 else STAGES
 
 
-def _candidates(scenario: Scenario, policy: Policy, checkpointing: str) -> Iterator[tuple[int, Offload]]:
+def _candidates(scenario: Scenario, policy: Policy) -> Iterator[tuple[int, Offload]]:
     stages = allowed_stages(scenario.layout)
     for stage in stages:
         yield stage, Offload()
@@ -75,7 +75,7 @@ def _search(scenario: Scenario, policy: Policy, orders: tuple[str, ...]) -> tupl
     attempts = []
     for checkpointing in orders:
         trial = scenario.with_training(checkpointing=checkpointing)
-        for stage, offload in _candidates(trial, policy, checkpointing):
+        for stage, offload in _candidates(trial, policy):
             result = estimate(trial, stage, offload, headroom=policy.headroom)
             attempts.append(result)
             if result.fits:

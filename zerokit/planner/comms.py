@@ -16,9 +16,12 @@ Per step with m micro-steps, trainable Psi_t and all parameters Psi on a rank, N
     stage 1  reduce-scatter Psi_t once; all-gather Psi_t updated parameters after the step
     stage 2  reduce-scatter Psi_t every micro-step (or once, see Training.reduce_every_micro_step);
              all-gather Psi_t after the step
-    stage 3  every micro-step: all-gather Psi in forward, again in backward, reduce-scatter Psi_t
-Stages 0-2 move 2 Psi per step and stage 3 3 Psi (ZeRO paper Section 7: 1.5x), before the ring
-factor. HSDP adds an all-reduce of each gradient shard (Psi_t / N_d) across replicas.
+    stage 3  every micro-step: all-gather Psi in forward, again in backward (all but the root unit,
+             which stays gathered for the step), reduce-scatter Psi_t one unit at a time
+Stages 0-2 move 2 Psi per step and stage 3 3 Psi less the root (ZeRO paper Section 7: 1.5x), before
+the ring factor. HSDP adds an all-reduce of each gradient shard (Psi_t / N_d) across replicas. Sharded stages also
+all-reduce one fp32 scalar per step, the squared gradient norm. The engine pads each bucket to a
+multiple of N_d, so its counts exceed these by at most N_d - 1 elements per bucket.
 """
 
 from __future__ import annotations
@@ -132,18 +135,29 @@ def _collective(kind: str, group: Group, phase: str, calls: int, elements: int, 
     return Collective(kind, group.name, group.size, group.link.name, phase, calls, elements, logical, wire, seconds)
 
 
-def stage3_units(model: ModelSpec, layout: Layout, bucket_elements: int, total: int) -> int:
-    """Gather calls per pass: one per block plus embedding and head; buckets for a bare count."""
+def stage3_blocks(model: ModelSpec, layout: Layout, bucket_elements: int, total: int) -> int:
+    """Blocks (units other than the root) on a rank; buckets stand in for them for a bare count."""
     if model.architecture is None:
         return max(1, math.ceil(total / bucket_elements))
-    return math.ceil(model.architecture.n_layers / layout.pp) + 2
+    return math.ceil(model.architecture.n_layers / layout.pp)
+
+
+def _stage3(rank: RankParams, training: Training, group: Group, blocks: int) -> list[Collective]:
+    """Per micro-step: the root once and every block before its forward; every block again before its
+    backward; one reduce-scatter per unit (zerokit/stages/stage3.py)."""
+    m, p, r = training.grad_accum, training.param_bytes, training.reduce_bytes
+    root = 1 if rank.root else 0
+    in_blocks = rank.total - rank.root
+    return [_collective("all_gather", group, "forward", m * (root + blocks), m * rank.total, p),
+            _collective("all_gather", group, "backward", m * blocks, m * in_blocks, p),
+            _collective("reduce_scatter", group, "backward", m * (root + blocks), m * rank.trainable, r)]
 
 
 def data_parallel(rank: RankParams, training: Training, stage: int, groups: dict[str, Group],
-                  units: int) -> list[Collective]:
+                  blocks: int) -> list[Collective]:
     """The ZeRO collectives of one optimizer step (see [Note: communication model])."""
     m, r, g, p = training.grad_accum, training.reduce_bytes, groups, training.param_bytes
-    trainable, total = rank.trainable, rank.total
+    trainable = rank.trainable
     buckets = max(1, math.ceil(trainable / max(1, training.bucket_bytes // r)))
     out: list[Collective] = []
     if stage == 0:
@@ -152,15 +166,15 @@ def data_parallel(rank: RankParams, training: Training, stage: int, groups: dict
         return out
     if g["dp_shard"].size > 1:
         if stage == 3:
-            out.append(_collective("all_gather", g["dp_shard"], "forward", m * units, m * total, p))
-            out.append(_collective("all_gather", g["dp_shard"], "backward", m * units, m * total, p))
-            out.append(_collective("reduce_scatter", g["dp_shard"], "backward", m * units, m * trainable, r))
+            out += _stage3(rank, training, g["dp_shard"], blocks)
         elif stage == 2 and training.reduce_every_micro_step:
             out.append(_collective("reduce_scatter", g["dp_shard"], "backward", m * buckets, m * trainable, r))
         else:
             out.append(_collective("reduce_scatter", g["dp_shard"], "boundary", buckets, trainable, r))
         if stage < 3:
             out.append(_collective("all_gather", g["dp_shard"], "after_step", buckets, trainable, p))
+        # the global gradient norm over shards: one fp32 scalar (the engine reports it every step)
+        out.append(_collective("all_reduce", g["dp_shard"], "after_step", 1, 1, 4))
     if g["dp_replicate"].size > 1:
         shard = math.ceil(trainable / g["dp_shard"].size)
         out.append(_collective("all_reduce", g["dp_replicate"], "boundary", buckets, shard, r))
@@ -189,8 +203,8 @@ def model_parallel(model: ModelSpec, training: Training, layout: Layout, groups:
 def communication(model: ModelSpec, rank: RankParams, training: Training, layout: Layout, stage: int,
                   cluster: Cluster, efficiency: float) -> CommEstimate:
     groups = make_groups(cluster, layout, rank.shard, efficiency)
-    units = stage3_units(model, layout, max(1, training.bucket_bytes // training.reduce_bytes), rank.total)
-    collectives = data_parallel(rank, training, stage, groups, units)
+    blocks = stage3_blocks(model, layout, max(1, training.bucket_bytes // training.reduce_bytes), rank.total)
+    collectives = data_parallel(rank, training, stage, groups, blocks)
     collectives += model_parallel(model, training, layout, groups)
     if groups["dp"].size > 1:  # rank 0's parameters reach every replica once, before training
         collectives.append(_collective("broadcast", groups["dp"], "init", 1, rank.total, training.param_bytes))

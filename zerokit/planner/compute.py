@@ -106,7 +106,7 @@ class OffloadEstimate:
     """What the step waits for: PCIe beyond the backward it overlaps, CPU step, NVMe."""
 
     @staticmethod
-    def none() -> "OffloadEstimate":
+    def none() -> OffloadEstimate:
         return OffloadEstimate(0, 0, 0.0, 0, 0, 0.0, 0.0, 0.0)
 
 
@@ -123,7 +123,7 @@ def offload_estimate(rank: RankParams, training: Training, stage: int, offload: 
     shard = math.ceil(rank.trainable / rank.shard)
     param_shard = math.ceil(rank.total / rank.shard)
     reductions = m if stage >= 2 and (stage == 3 or training.reduce_every_micro_step) else 1
-    down = reductions * shard * training.grad_bytes
+    down = reductions * shard * training.reduce_bytes  # the reduced shard, in the reduce dtype
     up = shard * training.param_bytes
     nvme_read = nvme_write = 0
     if offload.optimizer == "nvme":

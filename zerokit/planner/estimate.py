@@ -11,8 +11,7 @@ from dataclasses import dataclass, field, replace
 from zerokit.planner.catalogue import Cluster, make_cluster
 from zerokit.planner.comms import CommEstimate, communication, exposed_seconds
 from zerokit.planner.compute import ComputeEstimate, OffloadEstimate, compute_estimate, offload_estimate
-from zerokit.planner.memory import (HostUsage, MemoryBreakdown, RankParams, host_usage, memory_breakdown,
-                                    rank_params)
+from zerokit.planner.memory import HostUsage, MemoryBreakdown, RankParams, host_usage, memory_breakdown, rank_params
 from zerokit.planner.models import ModelSpec, ParamCounts, param_counts, resolve_model
 from zerokit.planner.spec import Assumptions, Layout, Offload, Policy, Trainable, Training
 
@@ -54,7 +53,7 @@ class Scenario:
     def rank(self) -> RankParams:
         return rank_params(self.counts, self.model, self.layout, self.shard)
 
-    def with_training(self, **changes) -> "Scenario":
+    def with_training(self, **changes) -> Scenario:
         return replace(self, training=replace(self.training, **changes))
 
 
@@ -153,6 +152,8 @@ def make_scenario(model: ModelSpec | str | int | float = "llama2-13b", *, gpu: s
     """A Scenario from plain values: catalogue keys, preset names, numbers (bytes, bytes/s, seconds).
     `seq_len` defaults to the model's context, capped at 2048. `cluster_overrides` go to make_cluster."""
     spec = resolve_model(model)
+    if lora_targets and lora_rank is None:
+        raise ValueError("lora targets need a lora rank (--lora-rank)")
     trainable = Trainable(fraction=trainable_fraction, lora_rank=lora_rank,
                           **({"lora_targets": tuple(lora_targets)} if lora_targets else {}))
     seq_len = seq_len if seq_len is not None else min(spec.context or 2048, 2048)

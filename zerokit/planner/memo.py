@@ -7,7 +7,13 @@ import json
 from zerokit.planner.advice import Plan, gb
 from zerokit.planner.emit import emit_zerokit
 from zerokit.planner.estimate import Estimate
-from zerokit.planner.memory import block_activation_bytes, optimizer_state_bytes, output_activation_bytes
+from zerokit.planner.memory import (
+    block_activation_bytes,
+    gradients_on_host,
+    gradients_sharded,
+    optimizer_state_bytes,
+    output_activation_bytes,
+)
 from zerokit.planner.peers import deepspeed_largest_layer, peer_estimates
 from zerokit.planner.spec import GB
 
@@ -64,8 +70,11 @@ def category_rows(result: Estimate) -> list[list[str]]:
     by = f" / {n} ranks"
     params = ("0 (on the host)" if result.offload.params != "none"
               else f"{t.param_bytes} B x {rank.total:,}" + (by if stage == 3 else ""))
-    grads = ("0 (each reduced shard goes to the host)" if result.offload.optimizer != "none" and stage >= 2
-             else f"{t.grad_bytes} B x {rank.trainable:,}" + (by if m.gradients < t.grad_bytes * rank.trainable else ""))
+    sharded = gradients_sharded(stage, t)
+    grads = ("0 (each reduced shard goes to the host)" if gradients_on_host(stage, t, result.offload)
+             else f"{t.reduce_bytes} B ({t.reduce_dtype}) x {rank.trainable:,}{by}" if sharded
+             else f"{t.grad_bytes} B x {rank.trainable:,}" + (f" + reduced shards {t.reduce_bytes} B x "
+                                                              f"{rank.trainable:,}{by}" if stage == 2 else ""))
     optim = ("0 (on the host)" if result.offload.optimizer != "none"
              else f"K={k} B x {rank.trainable:,}" + (by if stage >= 1 else ""))
     return [["parameters", _g(m.parameters), params], ["gradients", _g(m.gradients), grads],
@@ -92,8 +101,8 @@ def activation_how(result: Estimate) -> str:
 def buffer_how(result: Estimate) -> str:
     t, rank = result.training, result.scenario.rank
     if result.stage == 3:
-        return (f"gathered unit + prefetched unit ({rank.unit:,} params x {t.param_bytes} B each) and the unit's "
-                f"unsharded gradients")
+        return (f"root unit {rank.root:,} + two blocks of {rank.unit:,} params gathered ({t.param_bytes} B); "
+                f"root and up to 3 blocks of gradients staged ({t.reduce_bytes} B)")
     return f"gradient buckets of {t.bucket_bytes / 2**20:.0f} MiB ({t.reduce_dtype}), up to 3 in flight"
 
 
@@ -141,7 +150,7 @@ def _alternative_rows(p: Plan) -> list[list[str]]:
 def _peer_rows(p: Plan) -> list[list[str]]:
     s = p.scenario
     arch = s.model.architecture
-    largest = deepspeed_largest_layer(arch) if arch else s.model.largest_unit
+    largest = deepspeed_largest_layer(arch) if arch else 0
     ours = {2: next((e for e in p.stages if e.stage == 2), None), 3: next((e for e in p.stages if e.stage == 3), None)}
     rows = []
     for peer in peer_estimates(s.counts.total, largest, s.cluster.gpus_per_node, s.cluster.nodes, s.training.precision):
@@ -185,9 +194,10 @@ def render_memo(p: Plan) -> str:
                       _alternative_rows(p))
     out += ["", "## How other estimators answer (model states only)", ""]
     out += _table(("tool", "options", "GPU GB", "host GB", "formula", "ours (model states)"), _peer_rows(p))
-    out += ["", "They leave out activations, buffers and the CUDA context; DeepSpeed also counts an fp32 gradient "
-                "copy (18 bytes instead of our 16) and multiplies host memory by 1.5; accelerate reports the largest "
-                "component, not the sum, on one device. See docs/planner.md.", "", "## Assumptions and sources", ""]
+    out += ["", "They leave out activations, buffers and the CUDA context. DeepSpeed counts 18 bytes per sharded "
+                "parameter (16-bit and fp32 gradient partitions; ours: reduce dtype + K), 4 bytes x its largest "
+                "module at stage 3, and multiplies host memory by 1.5; accelerate reports the largest component, "
+                "not the sum, on one device. See docs/planner.md.", "", "## Assumptions and sources", ""]
     out += _assumptions(p)
     if p.pick is not None:
         config = emit_zerokit(p.pick)

@@ -13,7 +13,9 @@ Section 3.1: "2Psi + 2Psi + K Psi" with K = 12 for mixed-precision Adam). Per tr
 
 Frozen parameters (LoRA base, a trainable fraction < 1) cost only their 16-bit (or fp32) copy.
 Stage s shards, over the N_d ranks of the ZeRO group: s >= 1 optimizer state, s >= 2 gradients,
-s = 3 parameters (frozen ones too).
+s = 3 parameters (frozen ones too). Sharded gradients are the reduced shards, which zerokit keeps in
+the reduce dtype (fp32 by default, `communication_data_type`): 4 bytes, or the paper's 2 with a 16-bit
+reduce dtype. Unsharded gradients (stages 0-1) are in the compute dtype.
 
 [Note: activation accounting]
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Section 4:
@@ -23,8 +25,9 @@ dropout mask 1; softmax 2as^2b, its dropout mask as^2b and output 2as^2b), MLP 1
 GELU input 8, GELU output 8, dropout mask 1), with e = 2 bytes per element and 1 byte per mask. We
 generalise the same term-by-term count: e*(q + 2kv) for Q, K, V under grouped-query attention, 4e*f
 for a SwiGLU MLP (gate input, SiLU output, up output, product), no masks without dropout, and for
-fused (flash) attention no s x s term but its fp32 log-sum-exp, 4*a*s*b bytes. The logits for the
-loss are 4*s*b*v bytes in fp32 plus 2e*s*b*h for the final norm and head inputs (Section 4.3).
+fused (flash) attention no s x s term but its fp32 log-sum-exp, 4*a*s*b bytes; each LoRA adapter adds
+its rank-r intermediate, e*r per token. The logits for the loss are 4*s*b*v bytes in fp32, plus
+2e*s*b*h for the final norm and head inputs (Section 4.3).
 Full checkpointing stores only each block's input, e*s*b*h per layer (Korthikanti Table 2: 2sbhL),
 and we add one block's full activations, live while that block is recomputed and back-propagated.
 Tensor parallelism divides everything by t (sequence parallelism assumed, Section 4.2.2); 1F1B
@@ -84,7 +87,9 @@ class RankParams:
     total: int
     trainable: int
     unit: int
-    """Largest stage-3 gather unit on this rank, parameters (0 = unknown)."""
+    """Parameters of one stage-3 unit (a transformer block) on this rank; 0 = unknown."""
+    root: int
+    """Parameters outside the blocks (embeddings, final norm, head), which stage 3 keeps gathered."""
     shard: int
     """N_d, the ZeRO shard group size."""
 
@@ -92,9 +97,11 @@ class RankParams:
 def rank_params(counts: ParamCounts, model: ModelSpec, layout: Layout, shard: int) -> RankParams:
     """Tensor and pipeline parallelism split every parameter evenly (an approximation for the
     embedding and head, which sit on the first and last pipeline stage)."""
-    split = layout.tp * layout.pp
+    split, arch = layout.tp * layout.pp, model.architecture
+    unit = math.ceil(arch.block_params() / layout.tp) if arch else 0
+    root = math.ceil(arch.root_params() / layout.tp) if arch else 0
     return RankParams(total=math.ceil(counts.total / split), trainable=math.ceil(counts.trainable / split),
-                      unit=math.ceil(model.largest_unit / layout.tp), shard=shard)
+                      unit=unit, root=root, shard=shard)
 
 
 def optimizer_state_bytes(training: Training) -> int:
@@ -106,16 +113,25 @@ def gradients_sharded(stage: int, training: Training) -> bool:
     return stage == 3 or (stage == 2 and training.reduce_every_micro_step)
 
 
+def gradients_on_host(stage: int, training: Training, offload: Offload) -> bool:
+    """With the optimizer offloaded, each reduced gradient shard goes straight to the host
+    (ZeRO-Offload); only where gradients are sharded as they are produced."""
+    return offload.optimizer != "none" and gradients_sharded(stage, training)
+
+
 def model_states(rank: RankParams, training: Training, stage: int, offload: Offload) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer_state) bytes on the GPU."""
     n = rank.shard
     parameters = training.param_bytes * (math.ceil(rank.total / n) if stage == 3 else rank.total)
     if offload.params != "none":
         parameters = 0
-    grads_per_rank = math.ceil(rank.trainable / n) if gradients_sharded(stage, training) else rank.trainable
-    gradients = training.grad_bytes * grads_per_rank
-    if offload.optimizer != "none" and stage >= 2:
-        gradients = 0  # each reduced shard goes straight to the host (ZeRO-Offload)
+    shard_bytes = training.reduce_bytes * math.ceil(rank.trainable / n)
+    if gradients_sharded(stage, training):
+        gradients = shard_bytes
+    else:  # stage 2 reducing once per step also keeps its reduced shards
+        gradients = training.grad_bytes * rank.trainable + (shard_bytes if stage == 2 else 0)
+    if gradients_on_host(stage, training, offload):
+        gradients = 0
     optimizer = optimizer_state_bytes(training) * (math.ceil(rank.trainable / n) if stage >= 1 else rank.trainable)
     if offload.optimizer != "none":
         optimizer = 0
@@ -131,6 +147,9 @@ def block_activation_bytes(arch: Architecture, training: Training) -> int:
     per_token = e * (2 * h + h + (arch.q_dim + 2 * arch.kv_dim) + arch.q_dim + h)  # norms, QKV in, Q K V, proj in, MLP in
     per_token += e * (4 * f if arch.gated_mlp else 2 * f)
     per_token += 2 * h if arch.dropout else 0  # attention-output and MLP-output dropout masks
+    lora = training.trainable
+    if lora.lora_rank is not None:  # each adapter keeps its rank-r intermediate for B's gradient
+        per_token += e * lora.lora_rank * len(lora.lora_targets)
     if training.attention == "flash":
         core = 4 * a * tokens  # fp32 log-sum-exp per head and token
     else:
@@ -166,15 +185,16 @@ def activation_bytes(model: ModelSpec, training: Training, layout: Layout) -> in
 # --- temporary buffers --------------------------------------------------------------------------
 
 def buffer_bytes(rank: RankParams, training: Training, stage: int) -> int:
-    """Communication staging: gradient buckets (stages 0-2), or for stage 3 the gathered unit, the
-    prefetched next unit and the unit's unsharded gradients before reduce-scatter."""
+    """Communication staging: gradient buckets (stages 0-2); for stage 3 the engine's design
+    (zerokit/stages/stage3.py): the root stays gathered all step, at most two blocks are live (the
+    one computing and the prefetched or not-yet-reduced one), the root's gradients are staged in the
+    reduce dtype through backward, and up to three block buckets are staged or in flight."""
     n = rank.shard
     if stage == 3:
-        unit = rank.unit
-        live = 2 * unit * training.param_bytes  # current + prefetched unit, all-gathered
-        grads = unit * training.grad_bytes  # the unit's full gradients, then reduce-scattered
-        widened = unit * training.reduce_bytes if training.reduce_dtype != training.precision else 0
-        return live + grads + widened
+        in_flight = IN_FLIGHT_BUCKETS if training.overlap_comm else 1
+        live = (rank.root + 2 * rank.unit) * training.param_bytes
+        staged = (rank.root + in_flight * rank.unit) * training.reduce_bytes
+        return live + staged
     bucket = min(training.bucket_bytes, rank.trainable * training.reduce_bytes)
     in_flight = IN_FLIGHT_BUCKETS if training.overlap_comm else 1
     widened = training.reduce_dtype != training.precision  # a reduce-dtype copy of each bucket

@@ -88,10 +88,10 @@ class Architecture:
         return (self.embedding_params() + self.n_layers * self.block_params() + self.norm_params()
                 + self.head_params())
 
-    def largest_unit_params(self) -> int:
-        """Parameters of the biggest unit stage 3 gathers at once: one block, or the embedding/head
-        when they are bigger (a unit per block, as FSDP2 wraps them and DeepSpeed fetches them)."""
-        return max(self.block_params(), self.embedding_params(), self.head_params())
+    def root_params(self) -> int:
+        """Everything outside the repeated blocks: embeddings, final norm, head. Stage 3 keeps this
+        root unit gathered for the whole step (zerokit/stages/units.py; torchtitan does the same)."""
+        return self.total_params() - self.n_layers * self.block_params()
 
     def matmul_params(self) -> int:
         """Parameters that multiply every token (all but the embedding lookup; the output
@@ -105,30 +105,26 @@ class ModelSpec:
     total_params: int
     source: str
     architecture: Architecture | None = None
-    largest_unit: int = 0
-    """Stage-3 gather unit in parameters; 0 = unknown (a bare parameter count)."""
+    """None for a bare parameter count: no activations, no stage-3 units."""
     context: int = 0
     """Longest sequence the model was trained for (0 = not known)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.total_params, bool) or not isinstance(self.total_params, int) or self.total_params < 1:
             raise ValueError(f"parameter count {self.total_params!r} must be a positive integer")
-        if not 0 <= self.largest_unit <= self.total_params:
-            raise ValueError(f"largest unit {self.largest_unit} must be between 0 and the parameter count")
 
 
 def from_architecture(arch: Architecture, name: str = "custom", source: str = "given shapes",
                       context: int = 0) -> ModelSpec:
     return ModelSpec(name=name, total_params=arch.total_params(), source=source, architecture=arch,
-                     largest_unit=arch.largest_unit_params(), context=context)
+                     context=context)
 
 
-def from_param_count(params: float, largest_unit: int = 0) -> ModelSpec:
+def from_param_count(params: float) -> ModelSpec:
     if isinstance(params, bool) or not isinstance(params, (int, float)) or params < 1 or params != int(params):
         raise ValueError(f"parameter count {params!r} must be a positive whole number (e.g. 13e9)")
     return ModelSpec(name=f"{_short(int(params))} parameters", total_params=int(params),
-                     source="parameter count given; no shapes, so activations are not modelled",
-                     largest_unit=largest_unit)
+                     source="parameter count given; no shapes, so activations are not modelled")
 
 
 def _short(n: int) -> str:

@@ -39,8 +39,9 @@ def plot_plan(plan: Plan, path: str) -> None:
         top = min(max(max(bottoms), capacity), 3 * capacity) * 1.12  # very tall bars are clipped, labelled
         axes.set_ylim(0, top)
         for x, total in enumerate(bottoms):
-            axes.text(x, min(total, top / 1.12) + top * 0.01, f"{total:.1f} GB" + (" (clipped)" if total > top else ""),
-                      ha="center", va="bottom", fontsize=8)
+            clipped = total > 0.94 * top
+            axes.text(x, 0.94 * top if clipped else total + 0.01 * top,
+                      f"{total:.1f} GB" + (" (clipped)" if total > top else ""), ha="center", va="bottom", fontsize=8)
     pick = plan.pick.label if plan.pick else "nothing fits"
     axes.set_title(f"{plan.scenario.model.name} on {plan.scenario.cluster.gpu.name}: pick {pick}", fontsize=10)
     axes.set_ylabel("GB per GPU (1 GB = 1e9 bytes)")

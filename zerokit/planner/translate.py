@@ -98,7 +98,7 @@ class Translation:
     def unmapped(self) -> tuple[Mapping, ...]:
         return tuple(m for m in self.mappings if m.kind == NONE)
 
-    def check(self) -> "Translation":
+    def check(self) -> Translation:
         if self.unmapped:
             items = "; ".join(f"{m.source} ({m.why})" for m in self.unmapped)
             raise ValueError(f"no {self.target} equivalent for {items}")

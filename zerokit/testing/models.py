@@ -22,6 +22,7 @@ class TinyGPTConfig:
     n_embd: int = 24
     checkpoint_blocks: bool = False
     with_test_features: bool = True  # the frozen and the sometimes-unused layers
+    reuse_first_block: bool = False  # run blocks[0] a second time at the end (a module called twice)
 
 
 class CausalSelfAttention(nn.Module):
@@ -77,7 +78,8 @@ class TinyGPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.size(1), device=idx.device)
         x = self.wte(idx) + self.wpe(positions)
-        for block in self.blocks:
+        blocks = [*self.blocks, self.blocks[0]] if self.config.reuse_first_block else self.blocks
+        for block in blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.config.checkpoint_blocks else block(x)
         if self.config.with_test_features:
             x = x + 0.5 * torch.tanh(self.frozen(x))

@@ -6,8 +6,8 @@ for every micro-step it runs each rank's batch through the model in turn (so a d
 sees exactly the batch it saw on that rank), backpropagates `loss / accumulation`, adds each batch's
 gradient into fp32 master gradients and divides their sum by N: the gradient of the mean loss over
 the union. (Dividing by N after the 16-bit backward, not before, is also what the ranks do; it keeps
-the comparison about distribution, not about where a 16-bit rounding happens.) It clips with
-`torch.nn.utils.clip_grad_norm_` and, for fp16, uses DeepSpeed's dynamic loss-scaling policy. A
+the comparison about distribution, not about where a 16-bit rounding happens.) It clips by the global
+norm with torch's formula (squares summed in float64, as zerokit does) and, for fp16, uses DeepSpeed's dynamic loss-scaling policy. A
 parameter that gets no gradient is stepped with a zero gradient (torch's `zero_grad(set_to_none=False)`
 semantics), which is what any flat-buffer data-parallel engine does.
 """
@@ -15,6 +15,7 @@ semantics), which is what any flat-buffer data-parallel engine does.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -28,6 +29,7 @@ from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups
 class Case:
     name: str
     stage: int
+    model: str = "tiny"  # tiny | hf-gpt2 | hf-llama (Hugging Face transformers, built from a tiny config)
     dtype: str = "fp32"
     optimizer: str = "adamw"  # adamw | adam | sgd
     steps: int = 5
@@ -41,11 +43,38 @@ class Case:
     min_unit_params: int = 1000  # stage 3: TinyGPT's blocks (~7k parameters each) become units
     persistence_threshold: int = 0  # stage 3: units smaller than this stay gathered
     max_live_parameters: int = 10**9  # stage 3
+    n_layer: int = 2
+    reuse_first_block: bool = False  # a module called twice in one forward
+    freeze_matrices: bool = False  # an adapter-style fine-tune: only 1-D parameters (norms, biases) train
 
 
-def make_model(case: Case) -> TinyGPT:
+def make_model(case: Case) -> torch.nn.Module:
     torch.manual_seed(1234)
-    return TinyGPT(TinyGPTConfig(checkpoint_blocks=case.checkpoint))
+    if case.model == "tiny":
+        model = TinyGPT(TinyGPTConfig(checkpoint_blocks=case.checkpoint, n_layer=case.n_layer,
+                                      reuse_first_block=case.reuse_first_block))
+        if case.freeze_matrices:
+            for param in model.parameters():
+                param.requires_grad_(param.dim() < 2)
+        return model
+    import transformers  # an optional test dependency
+
+    if case.model == "hf-gpt2":
+        config = transformers.GPT2Config(vocab_size=67, n_positions=16, n_embd=32, n_layer=2, n_head=2,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                         bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(config)
+    if case.model == "hf-llama":
+        config = transformers.LlamaConfig(vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+        return transformers.LlamaForCausalLM(config)
+    raise ValueError(f"unknown model {case.model!r}")
+
+
+def forward_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    output = model(tokens[:, :-1])
+    return lm_loss(output if isinstance(output, torch.Tensor) else output.logits, tokens)
 
 
 def make_optimizer(case: Case, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -104,7 +133,7 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
         before = engine.comm_stats()
         for micro in range(case.accumulation):
             tokens = make_batch(case, step, micro, rank)
-            loss = lm_loss(engine(tokens[:, :-1]), tokens)
+            loss = forward_loss(engine, tokens)
             engine.backward(loss)
             overlapped.append(engine.reducer.launched_in_backward)
             result = engine.step()
@@ -118,6 +147,9 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
         "memory": engine.memory_stats(),
         "layout_numel": engine.stage.layout.numel, "buckets": len(engine.stage.layout.buckets),
         "trainable_numel": engine.trainable_numel(), "launched_in_backward": overlapped,
+        "unit_numel": getattr(engine.stage, "unit_numel", None),
+        "frozen_numel": sum(p.numel() for p in model.parameters() if not p.requires_grad),
+        "peak_live_numel": getattr(engine.stage, "peak_live_numel", None),
     }
 
 
@@ -145,7 +177,7 @@ def _run_reference(case: Case, world_size: int) -> dict:
         for micro in range(case.accumulation):
             for rank in range(world_size):
                 tokens = make_batch(case, step, micro, rank)
-                loss = lm_loss(compute(tokens[:, :-1]), tokens)
+                loss = forward_loss(compute, tokens)
                 (loss * scaler.scale / case.accumulation).backward()
                 losses.append((micro, rank, loss.item()))
                 for grad, (_, c) in zip(master_grads, pairs):
@@ -154,8 +186,11 @@ def _run_reference(case: Case, world_size: int) -> dict:
                         c.grad = None
         for grad, (m, _) in zip(master_grads, pairs):
             m.grad = grad / world_size / scaler.scale  # the mean over the union's N batches
-        norm = torch.nn.utils.clip_grad_norm_([m for m, _ in pairs], case.clip if case.clip > 0 else float("inf"))
-        overflow = not torch.isfinite(norm)
+        grads = [m.grad for m, _ in pairs]
+        norm = math.sqrt(sum(g.double().square().sum().item() for g in grads))  # clipping, naively
+        overflow = not math.isfinite(norm)
+        if case.clip > 0 and not overflow and case.clip / (norm + 1e-6) < 1:
+            torch._foreach_mul_(grads, case.clip / (norm + 1e-6))
         scaler.update(overflow)
         skipped.append(overflow)
         if not overflow:

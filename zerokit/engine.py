@@ -156,9 +156,11 @@ class Engine:
                 for param in params:
                     for name in names[id(param)]:
                         state[name] = param.detach().float().cpu().clone()
+        saved = self.module.state_dict(keep_vars=True)  # which buffers are persistent, and the key order
         for name, buffer in self.module.named_buffers():
-            state[name] = buffer.detach().cpu().clone()
-        return state
+            if name in saved:
+                state[name] = buffer.detach().cpu().clone()
+        return {name: state[name] for name in saved}
 
     def trainable_numel(self) -> int:
         """Ψ: trainable parameters, without padding."""

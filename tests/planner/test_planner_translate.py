@@ -142,6 +142,11 @@ def test_zerokit_keys_are_what_the_engine_reads():
     assert set(emitted) <= config.TOP_LEVEL_KEYS
     loaded = config.load_config(emitted)
     assert loaded.stage == 3 and loaded.reduce_bucket_bytes == 25 * 2**20
+    # Llama-2-70B: root 2 x 32,000 x 8,192 + 8,192 = 524,296,192 and blocks of 855,654,400 parameters;
+    # the engine's default 1e9 live elements could not hold root + two blocks, so the config raises it.
+    big = config.load_config(emit_zerokit(estimate(make_scenario("llama2-70b", seq_len=4096), 3)))
+    assert big.stage3.max_live_parameters == 524_296_192 + 2 * 855_654_400
+    assert big.stage3.prefetch_numel == 855_654_400
 
 
 def test_emitted_fsdp_code_compiles_and_names_real_apis():

@@ -125,8 +125,10 @@ def _model(args: argparse.Namespace):
 
 def scenario_from_args(args: argparse.Namespace):
     targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
-    if args.bucket_mib <= 0 or args.overhead_gb < 0:
-        raise ValueError("--bucket-mib must be > 0 and --overhead-gb >= 0")
+    if args.bucket_mib <= 0:
+        raise ValueError(f"--bucket-mib={args.bucket_mib:g} must be > 0")
+    if args.overhead_gb < 0:
+        raise ValueError(f"--overhead-gb={args.overhead_gb:g} must be >= 0")
     return make_scenario(
         _model(args), gpu=args.gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes, precision=args.dtype,
         optimizer=args.optimizer, seq_len=args.seq_len, micro_batch=args.micro_batch, grad_accum=args.grad_accum,

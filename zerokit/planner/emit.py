@@ -73,8 +73,19 @@ def emit_zerokit(result: Estimate, clipping: float = DEFAULT_CLIPPING) -> dict:
             "overlap_comm": t.overlap_comm}
     if result.stage == 2 and not t.reduce_every_micro_step:
         zero["reduce_every_micro_step"] = False
+    zero.update(_stage3_limits(result))
     zero.update(_offload_blocks(result, {}))
     return {**_common(result, clipping), "zero_optimization": zero}
+
+
+def _stage3_limits(result: Estimate) -> dict:
+    """Let one block be prefetched and hold exactly what the plan counts live: the root and two blocks
+    (see memory.buffer_bytes). DeepSpeed's defaults (5e7 prefetch, 1e9 live) would stop a 317M-parameter
+    block from being prefetched, and a 70B model from being gathered at all."""
+    rank = result.scenario.rank
+    if result.stage != 3 or not rank.unit:
+        return {}
+    return {"stage3_prefetch_bucket_size": rank.unit, "stage3_max_live_parameters": rank.root + 2 * rank.unit}
 
 
 def emit_deepspeed(result: Estimate, clipping: float = DEFAULT_CLIPPING) -> dict:
@@ -86,8 +97,7 @@ def emit_deepspeed(result: Estimate, clipping: float = DEFAULT_CLIPPING) -> dict
     t = result.training
     zero = {"stage": result.stage, "overlap_comm": t.overlap_comm, "contiguous_gradients": True,
             "reduce_bucket_size": max(1, t.bucket_bytes // t.reduce_bytes)}
-    if result.stage == 3:
-        zero["stage3_prefetch_bucket_size"] = max(1, result.scenario.rank.unit)
+    zero.update(_stage3_limits(result))
     zero.update(_offload_blocks(result, {"pin_memory": True}))
     return {**_common(result, clipping), "zero_optimization": zero}
 

@@ -170,7 +170,8 @@ def _assumptions(p: Plan) -> list[str]:
             f"- model {s.model.name}: {s.model.source}",
             f"- MFU {a.mfu:.0%}, bandwidth efficiency {a.bandwidth_efficiency:.0%}, overhead allowance "
             f"{gb(a.overhead_bytes)} per GPU, headroom {p.policy.headroom:.0%} (all assumptions; override on the CLI)",
-            f"- bytes per trainable parameter: {s.training.param_bytes} parameter + {s.training.grad_bytes} gradient + "
+            f"- bytes per trainable parameter: {s.training.param_bytes} parameter + {s.training.grad_bytes} gradient "
+            f"({s.training.reduce_bytes} once reduced and sharded, {s.training.reduce_dtype}) + "
             f"K={optimizer_state_bytes(s.training)} optimizer state ({s.training.optimizer}, {s.training.precision})",
             "- activations: Korthikanti et al. 2022 term-by-term count; compute: PaLM 6N + 12LHQT; communication: "
             "ring alpha-beta model (docs/planner.md)"]

@@ -73,8 +73,11 @@ FSDP_KNOBS = {
 }
 SEMANTIC = ("stage", "offload_optimizer", "offload_param", "zero_hpz_partition_size")
 ZERO_KEYS = SEMANTIC + tuple(FSDP_KNOBS) + tuple(DEPRECATED)
-ZEROKIT_KEYS = ("stage", "reduce_bucket_size", "overlap_comm", "contiguous_gradients", "reduce_scatter",
-                "reduce_every_micro_step", "offload_optimizer", "offload_param")
+ZEROKIT_SAME = ("stage", "reduce_bucket_size", "overlap_comm", "prefetch_bucket_size", "max_live_parameters",
+                "param_persistence_threshold")
+"""Keys zerokit reads with DeepSpeed's meaning (stage-3 ones with or without the stage3_ prefix)."""
+ZEROKIT_KEYS = ZEROKIT_SAME + ("contiguous_gradients", "reduce_scatter", "reduce_every_micro_step",
+                               "offload_optimizer", "offload_param")
 TOP_LEVEL = ("zero_optimization", "bf16", "fp16", "gradient_clipping", "gradient_accumulation_steps",
              "communication_data_type", "train_batch_size", "train_micro_batch_size_per_gpu")
 
@@ -327,7 +330,7 @@ ZEROKIT_DROPS = {
 
 
 def _to_zerokit_mapping(key: str, value) -> Mapping:
-    if key in ("stage", "reduce_bucket_size", "overlap_comm"):
+    if key in ZEROKIT_SAME:
         return Mapping(f"{key}={value}", f"zero_optimization.{key}={value}", EXACT, "same key, same meaning")
     if key in ("contiguous_gradients", "reduce_scatter"):
         ok = value is not False

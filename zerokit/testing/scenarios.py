@@ -45,3 +45,33 @@ def run_overflow_scenarios(rank: int, world_size: int, stage: int = 2) -> dict:
             error = str(raised)
         out[name] = {"results": results, "error": error, "snapshots": snapshots}
     return out
+
+
+def run_stage3_access(rank: int, world_size: int) -> dict:
+    """What a user can do with sharded parameters between steps: ask their shape, gather them to read
+    or edit, run inference, save a full state dict."""
+    case = Case("access", stage=3)
+    model = make_model(case)
+    engine = zerokit.initialize(model, make_optimizer(case, model), engine_config(case))
+    weight = model.blocks[0].mlp[0].weight
+    out = {"shape": tuple(weight.shape), "dtype": str(weight.dtype), "sharded_is_nan": bool(weight.isnan().all())}
+    before = engine.comm_stats()["all_gather"]["calls"]
+    with engine.unsharded():
+        out["gathered"] = weight.detach().clone()
+        tokens = make_batch(case, 0, 0, rank)
+        with torch.no_grad():
+            out["logits_in_context"] = engine(tokens[:, :-1]).clone()
+            engine(tokens[:, :-1])  # a second "token": nothing more is gathered
+    out["gathers_in_context"] = engine.comm_stats()["all_gather"]["calls"] - before
+    out["state"] = engine.full_state_dict()
+    with torch.no_grad():
+        out["logits_eval"] = engine(tokens[:, :-1]).clone()  # plain no-grad forward: gather, use, free
+    out["memory_after_eval"] = engine.memory_stats()
+    out["shard_bytes"] = engine.stage.shards.numel() * engine.stage.shards.element_size()
+    with engine.unsharded([model.ln_f.bias], write_back=True):
+        model.ln_f.bias.data.fill_(0.25)  # every rank makes the same edit
+    out["after_edit"] = engine.full_state_dict()["ln_f.bias"]
+    engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))
+    engine.step()
+    out["after_step"] = engine.full_state_dict()["ln_f.bias"]
+    return out

@@ -1,11 +1,24 @@
 """zerokit: ZeRO (the Zero Redundancy Optimizer) for PyTorch, and a planner that says which stage
-to use before you rent a GPU."""
+to use before you rent a GPU.
 
-from zerokit.config import LossScaling, MixedPrecision, ZeroConfig, load_config
-from zerokit.engine import Engine, SkippedStepsError, initialize
-from zerokit.precision import StepResult
+Names are imported on first use, so that `zerokit plan` (pure Python) does not pay for importing torch.
+"""
+
+from importlib import import_module
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "LossScaling", "MixedPrecision", "SkippedStepsError", "StepResult", "ZeroConfig",
-           "initialize", "load_config"]
+_LAZY = {
+    "Engine": "zerokit.engine", "SkippedStepsError": "zerokit.engine", "initialize": "zerokit.engine",
+    "LossScaling": "zerokit.config", "MixedPrecision": "zerokit.config", "Stage3Policy": "zerokit.config",
+    "ZeroConfig": "zerokit.config", "load_config": "zerokit.config", "StepResult": "zerokit.precision",
+    "plan": "zerokit.planner", "estimate": "zerokit.planner",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'zerokit' has no attribute {name!r}")
+    value = globals()[name] = getattr(import_module(_LAZY[name]), name)
+    return value

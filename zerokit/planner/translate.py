@@ -76,8 +76,7 @@ ZERO_KEYS = SEMANTIC + tuple(FSDP_KNOBS) + tuple(DEPRECATED)
 ZEROKIT_SAME = ("stage", "reduce_bucket_size", "overlap_comm", "prefetch_bucket_size", "max_live_parameters",
                 "param_persistence_threshold")
 """Keys zerokit reads with DeepSpeed's meaning (stage-3 ones with or without the stage3_ prefix)."""
-ZEROKIT_KEYS = ZEROKIT_SAME + ("contiguous_gradients", "reduce_scatter", "reduce_every_micro_step",
-                               "offload_optimizer", "offload_param")
+ZEROKIT_KEYS = ZEROKIT_SAME + ("contiguous_gradients", "reduce_scatter", "reduce_every_micro_step")
 TOP_LEVEL = ("zero_optimization", "bf16", "fp16", "gradient_clipping", "gradient_accumulation_steps",
              "communication_data_type", "train_batch_size", "train_micro_batch_size_per_gpu")
 
@@ -338,12 +337,10 @@ def _to_zerokit_mapping(key: str, value) -> Mapping:
                        "zerokit always does this" if ok else "zerokit cannot turn it off")
     if key in ("offload_optimizer", "offload_param"):
         device = (value or {}).get("device", "none") if isinstance(value, dict) else "none"
-        extras = [k for k in (value or {}) if k not in ("device", "nvme_path", "pin_memory")]
-        if extras and any((value or {}).get(k) not in (None, False, 1.0) for k in extras):
-            return Mapping(f"{key}={value}", "-", NONE, f"zerokit offload takes device and nvme_path only, not "
-                                                        f"{', '.join(extras)}")
-        return Mapping(f"{key}.device={device}", f"zero_optimization.{key}.device={device}", EXACT,
-                       "same tier; buffer sizes are zerokit's own")
+        if device in (None, "none"):
+            return Mapping(f"{key}.device=none", "-", DROPPED, "no offload is zerokit's default")
+        return Mapping(f"{key}.device={device}", "-", NONE,
+                       "zerokit's engine does not offload yet (CPU/NVMe tiers are planned); use DeepSpeed for offload")
     if key in ZEROKIT_DROPS:
         return Mapping(f"{key}={value}", "-", DROPPED, ZEROKIT_DROPS[key])
     if key in FSDP_KNOBS and FSDP_KNOBS[key][0] == NONE and value not in (False, None, 0, {}):
@@ -365,9 +362,6 @@ def deepspeed_to_zerokit(config: dict, *, allow_partial: bool = False) -> Transl
     mappings = [_to_zerokit_mapping(key, value) for key, value in zero.items()]
     kept = {m.target.split(".")[1].split("=")[0] for m in mappings if m.kind == EXACT}
     out_zero = {key: _whole(value) for key, value in zero.items() if key in kept}
-    for key in ("offload_optimizer", "offload_param"):
-        if key in out_zero:
-            out_zero[key] = {k: v for k, v in out_zero[key].items() if k in ("device", "nvme_path")}
     out: dict = {"zero_optimization": out_zero}
     for key in TOP_LEVEL[1:]:
         if key in config:

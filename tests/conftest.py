@@ -46,6 +46,8 @@ STAGE3_EXTRAS = [
     Case("stage3-fp32-block-called-twice", stage=3, reuse_first_block=True),
     Case("stage3-fp32-norms-only-finetune", stage=3, freeze_matrices=True, min_unit_params=100),
     Case("stage3-fp32-persistent-small-units", stage=3, persistence_threshold=8000, n_layer=3),
+    Case("stage3-fp32-built-on-meta", stage=3, meta=True),
+    Case("stage3-bf16-built-on-meta", stage=3, dtype="bf16", meta=True),
     Case("stage3-fp32-live-limit", stage=3, n_layer=4, max_live_parameters=17_500),
     Case("stage3-sgd-no-prefetch-room", stage=3, optimizer="sgd", clip=0.0, n_layer=4, max_live_parameters=17_100),
     *[Case(f"stage3-{m}-{d}", stage=3, dtype=d, model=m, min_unit_params=100)

@@ -22,6 +22,7 @@ from zerokit.precision import (StepResult, clip_coefficient, global_grad_norm, m
 from zerokit.runtime import default_device, ensure_process_group
 from zerokit.stages import STAGES, BucketReducer
 from zerokit.stages.base import tensor_bytes
+from zerokit.stages.construction import ParamInit, has_meta_parameters, replace_meta_parameters
 from zerokit.stages.optimizer import trainable_groups
 
 
@@ -31,7 +32,7 @@ class SkippedStepsError(RuntimeError):
 
 class Engine:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, param_init: ParamInit | None = None) -> None:
         ensure_process_group()
         self.config = config
         self.comm = Communicator()
@@ -41,10 +42,20 @@ class Engine:
             raise ValueError(f"zero_optimization.stage={config.stage} is not available in this version; "
                              f"use one of {sorted(STAGES)}")
         self.device = device or default_device()
+        extra = {}
+        if has_meta_parameters(model):  # See [Note: sharded construction]
+            if config.stage != 3:
+                raise ValueError(f"a model on the meta device needs zero_optimization.stage=3 (got {config.stage}): "
+                                 "only stage 3 never holds the whole model")
+            extra = {"param_init": param_init,
+                     "pending_init": replace_meta_parameters(model, optimizer, self.device)}
+        elif param_init is not None:
+            raise ValueError("param_init is for models built on the meta device; this model has real parameters")
         self.module = model.to(device=self.device)
-        self._broadcast_from_rank0()
+        if not extra:
+            self._broadcast_from_rank0()
         params, groups = _backward_ordered(model, trainable_groups(model, optimizer))
-        self.stage = STAGES[config.stage](model, params, groups, optimizer, config, self.comm)
+        self.stage = STAGES[config.stage](model, params, groups, optimizer, config, self.comm, **extra)
         model.to(dtype=config.precision.param_dtype)  # frozen parameters and buffers; trainable ones are cast
         self.optimizer = self.stage.optimizer
         self.reducer = BucketReducer(self.stage)
@@ -184,7 +195,9 @@ def _backward_ordered(model: nn.Module, groups: list[list[nn.Parameter]]) -> tup
 
 def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
                config: ZeroConfig | Mapping[str, Any] | str | Path | None = None,
-               device: torch.device | None = None) -> Engine:
+               device: torch.device | None = None, param_init: ParamInit | None = None) -> Engine:
     """Wrap `model` and `optimizer` for ZeRO training. `config` is a ZeroConfig, a DeepSpeed-style
-    dict, or the path of a JSON file holding one. Joins torchrun's process group if there is one."""
-    return Engine(model, optimizer, load_config(config), device)
+    dict, or the path of a JSON file holding one. Joins torchrun's process group if there is one.
+    A model built on the meta device is materialised shard by shard at stage 3, with `param_init(module)`
+    filling each module's parameters (default: its reset_parameters()); see zerokit/stages/construction.py."""
+    return Engine(model, optimizer, load_config(config), device, param_init)

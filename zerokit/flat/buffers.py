@@ -27,7 +27,7 @@ class FlatParameters:
         self.layout = layout
         self.dtype = dtype
         self.device = params[0].device if params else torch.device("cpu")
-        self.buffer = torch.zeros(layout.numel, dtype=dtype, device=self.device)  # 1-D, all buckets
+        self.buffer = torch.empty(0, dtype=dtype, device=self.device)  # 1-D, all buckets, once adopted
 
     def pack(self) -> torch.Tensor:
         """Copy the parameters' current values into a new fp32 flat buffer (for the master weights)."""
@@ -37,8 +37,8 @@ class FlatParameters:
         return packed
 
     def adopt(self, values: torch.Tensor) -> None:
-        """Fill the buffer from `values` (cast to the param dtype) and make every parameter a view of it."""
-        self.buffer.copy_(values)
+        """Make `values` (cast to the param dtype) the buffer and every parameter a view of it."""
+        self.buffer = values.to(self.dtype)
         for param, view in zip(self.params, self.views(self.buffer)):
             param.data = view  # See [Note: flat buffer aliasing]
 

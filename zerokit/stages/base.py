@@ -48,13 +48,7 @@ class ZeroStage:
         self.group_of_bucket = [groups[b.slots[0].param_index] for b in self.layout.buckets]
         self.flat = FlatParameters(params, self.layout, config.precision.param_dtype)
         self.separate_masters = self.flat.dtype != torch.float32
-        # Masters come from the parameters as given (fp32), before the cast to a 16-bit param dtype,
-        # so mixed precision starts from exactly the user's weights, not from their bf16 rounding.
-        full_precision = self.flat.pack()
-        self.flat.adopt(full_precision)
-        self.masters = [self._make_master(full_precision, bucket) for bucket in self.layout.buckets]
-        del full_precision
-        self.place_parameters()
+        self.masters = self.place_parameters()
         masters_by_group: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
         for group, master in zip(self.group_of_bucket, self.masters):
             masters_by_group[group].append(master)
@@ -67,8 +61,14 @@ class ZeroStage:
         return groups, max(1, self.config.reduce_bucket_bytes // element_bytes)
 
     # --- what a subclass provides -------------------------------------------------------------
-    def place_parameters(self) -> None:
-        """After construction: stage 3 keeps only its shards here."""
+    def place_parameters(self) -> list[nn.Parameter]:
+        """Move the parameters into the flat buffer and return one fp32 master per bucket.
+
+        Masters come from the parameters as given (fp32), before the cast to a 16-bit param dtype, so
+        mixed precision starts from exactly the user's weights, not from their bf16 rounding."""
+        full_precision = self.flat.pack()
+        self.flat.adopt(full_precision)
+        return [self._make_master(full_precision, bucket) for bucket in self.layout.buckets]
 
     def prepare_backward(self) -> None:
         """Called before every backward."""

@@ -22,12 +22,14 @@ from functools import partial
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from zerokit.comm import Pending, wait
-from zerokit.flat import Bucket, shard_view
+from zerokit.flat import Bucket
 from zerokit.stages.base import BucketReduction, tensor_bytes
+from zerokit.stages.construction import ParamInit, materialise, reset_parameters
 from zerokit.stages.stage2 import ShardedGradients
 from zerokit.stages.units import Unit, find_units
 
@@ -40,6 +42,15 @@ class TrainingState(Enum):
 
 
 class ShardedParameters(ShardedGradients):
+    def __init__(self, model: nn.Module, *args: Any, param_init: ParamInit | None = None,
+                 pending_init: set[int] | None = None, **kwargs: Any) -> None:
+        """`pending_init`: ids of parameters that came from the meta device and still need `param_init`."""
+        self.model = model
+        self.pending_init = pending_init or set()
+        self.verify_init = bool(self.pending_init)
+        self.param_init = param_init or reset_parameters
+        super().__init__(model, *args, **kwargs)
+
     def bucket_keys(self, model: nn.Module, params: list[nn.Parameter], groups: list[int]) -> tuple[list[int], int]:
         """One bucket per (unit, optimizer param group): a unit's gradients are reduced together."""
         self.units: list[Unit] = find_units(model, self.config.stage3)
@@ -47,7 +58,10 @@ class ShardedParameters(ShardedGradients):
         self.groups_per_unit = max(groups, default=0) + 1
         return [unit_of[id(p)] * self.groups_per_unit + g for p, g in zip(params, groups)], sys.maxsize
 
-    def place_parameters(self) -> None:
+    def place_parameters(self) -> list[nn.Parameter]:
+        """Unit by unit, bucket by bucket: keep this rank's shard and fp32 master, free the rest. The
+        peak is one bucket in fp32, and a model built on the meta device is materialised here, one
+        unit at a time (See [Note: sharded construction])."""
         self.reduces_every_micro_step = True
         self.gather_comm = self.comm.twin()
         self.unit_buckets: list[list[Bucket]] = [[] for _ in self.units]
@@ -56,15 +70,40 @@ class ShardedParameters(ShardedGradients):
         self.unit_numel = [sum(b.numel for b in buckets) for buckets in self.unit_buckets]
         # 1-D, param dtype: this rank's shard of every bucket, back to back (bucket b at b.start / N).
         self.shards = torch.empty(self.layout.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
-        for bucket in self.layout.buckets:
-            self._shard(bucket).copy_(shard_view(self.flat.buffer, bucket, self.rank))
-        self.flat.buffer = self.flat.buffer.new_empty(0)  # the full copy goes; only shards stay
-        if not self.separate_masters:  # fp32: the optimizer steps the shards themselves
-            self.masters = [nn.Parameter(self._shard(bucket)) for bucket in self.layout.buckets]
+        self.placeholder = torch.full((1,), float("nan"), dtype=self.flat.dtype, device=self.flat.device)
+        masters: dict[int, nn.Parameter] = {}
+        for unit in self.units:
+            materialise(self.model, unit.param_ids, self.pending_init, self.param_init)
+            for bucket in self.unit_buckets[unit.index]:
+                masters[bucket.index] = self._shard_bucket(unit, bucket)
+            self._release_params(unit)
+        self._init_runtime_state()
+        return [masters[bucket.index] for bucket in self.layout.buckets]
+
+    def _shard_bucket(self, unit: Unit, bucket: Bucket) -> nn.Parameter:
+        full = torch.zeros(bucket.numel, dtype=torch.float32, device=self.flat.device)  # 1-D, this bucket
+        for slot in bucket.slots:
+            begin = slot.offset - bucket.start
+            full[begin:begin + slot.numel].copy_(self.flat.params[slot.param_index].data.reshape(-1))
+        if self.verify_init:
+            self._check_identical_across_ranks(unit, full)
+        own = full[self.rank * bucket.shard_numel:(self.rank + 1) * bucket.shard_numel]
+        shard = self._shard(bucket)
+        shard.copy_(own)
+        return nn.Parameter(own.clone() if self.separate_masters else shard)  # fp32: step the shard itself
+
+    def _check_identical_across_ranks(self, unit: Unit, values: torch.Tensor) -> None:
+        checksum = values.double().sum()
+        extremes = torch.stack([checksum, -checksum])
+        self.comm.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        if extremes[0] != -extremes[1]:
+            raise ValueError(f"rank {self.rank}: unit {unit.name!r} was initialised differently on different ranks; "
+                             "seed every rank identically or load the same weights in param_init")
+
+    def _init_runtime_state(self) -> None:
         self.full: dict[int, torch.Tensor] = {}  # bucket index -> gathered bucket (1-D, param dtype)
         self.in_flight: dict[int, Pending] = {}
         self.live_numel = self.peak_live_numel = 0
-        self.placeholder = torch.full((1,), float("nan"), dtype=self.flat.dtype, device=self.flat.device)
         policy = self.config.stage3
         self.persistent = {u.index for u in self.units if 0 < self.unit_numel[u.index] < policy.persistence_threshold}
         self._check_live_limit()
@@ -73,7 +112,6 @@ class ShardedParameters(ShardedGradients):
         self.last_forward_order: list[int] = []
         self.reduced: set[int] = set()
         for unit in self.units:
-            self._release_params(unit)
             unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
             unit.module.register_forward_hook(partial(self._post_forward, unit))
         for index in sorted(self.persistent):

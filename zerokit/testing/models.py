@@ -31,8 +31,6 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
         self.proj = nn.Linear(config.n_embd, config.n_embd)
-        mask = torch.tril(torch.ones(config.block_size, config.block_size, dtype=torch.bool))
-        self.register_buffer("causal_mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, time, channels = x.shape
@@ -40,7 +38,8 @@ class CausalSelfAttention(nn.Module):
         # (B, n_head, T, head_dim)
         q, k, v = (t.view(batch, time, self.n_head, channels // self.n_head).transpose(1, 2) for t in (q, k, v))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
-        scores = scores.masked_fill(~self.causal_mask[:time, :time], float("-inf"))
+        causal = torch.ones(time, time, dtype=torch.bool, device=x.device).tril()  # no buffer: meta-friendly
+        scores = scores.masked_fill(~causal, float("-inf"))
         y = F.softmax(scores.float(), dim=-1).to(v.dtype) @ v
         return self.proj(y.transpose(1, 2).contiguous().view(batch, time, channels))
 
@@ -106,3 +105,23 @@ def param_groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict]:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def seeded_init(model: nn.Module):
+    """An initialisation that does not depend on the order modules are visited in: each module draws
+    from a generator seeded by its name. Used to build the same model eagerly and on the meta device."""
+    import zlib
+
+    names = {module: name for name, module in model.named_modules()}
+
+    def init(module: nn.Module) -> None:
+        generator = torch.Generator().manual_seed(zlib.crc32(names[module].encode()))
+        for name, param in module.named_parameters(recurse=False):
+            if isinstance(module, nn.LayerNorm):
+                param.data.fill_(1.0 if name == "weight" else 0.0)
+            elif name == "bias":
+                param.data.zero_()
+            else:
+                param.data.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+
+    return init

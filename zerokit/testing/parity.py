@@ -22,7 +22,7 @@ import torch
 
 from zerokit.config import DTYPES_BY_NAME, LossScaling
 from zerokit.precision import make_loss_scaler
-from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups
+from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups, seeded_init
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class Case:
     n_layer: int = 2
     reuse_first_block: bool = False  # a module called twice in one forward
     freeze_matrices: bool = False  # an adapter-style fine-tune: only 1-D parameters (norms, biases) train
+    meta: bool = False  # stage 3: zerokit builds the model on the meta device and materialises it by unit
 
 
 def make_model(case: Case) -> torch.nn.Module:
@@ -53,6 +54,11 @@ def make_model(case: Case) -> torch.nn.Module:
     if case.model == "tiny":
         model = TinyGPT(TinyGPTConfig(checkpoint_blocks=case.checkpoint, n_layer=case.n_layer,
                                       reuse_first_block=case.reuse_first_block))
+        if case.meta:  # the same values zerokit's param_init gives the meta-built copy
+            with torch.no_grad():
+                init = seeded_init(model)
+                for module in model.modules():
+                    init(module)
         if case.freeze_matrices:
             for param in model.parameters():
                 param.requires_grad_(param.dim() < 2)
@@ -126,8 +132,14 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
     """One rank's side of a parity case (call inside an initialised process group)."""
     import zerokit
 
-    model = make_model(case)
-    engine = zerokit.initialize(model, make_optimizer(case, model), engine_config(case))
+    if case.meta:
+        with torch.device("meta"):
+            model = TinyGPT(TinyGPTConfig(n_layer=case.n_layer))
+        engine = zerokit.initialize(model, make_optimizer(case, model), engine_config(case),
+                                    param_init=seeded_init(model))
+    else:
+        model = make_model(case)
+        engine = zerokit.initialize(model, make_optimizer(case, model), engine_config(case))
     losses, results, comm_per_step, overlapped = [], [], [], []
     for step in range(case.steps):
         before = engine.comm_stats()

@@ -75,3 +75,30 @@ def run_stage3_access(rank: int, world_size: int) -> dict:
     engine.step()
     out["after_step"] = engine.full_state_dict()["ln_f.bias"]
     return out
+
+
+def run_meta_construction_checks(rank: int, world_size: int) -> dict:
+    """A meta-built model ends up holding shards only; ranks that initialise differently are caught."""
+    from zerokit.testing.models import TinyGPT, TinyGPTConfig, seeded_init
+
+    case = Case("meta", stage=3, meta=True)
+    with torch.device("meta"):
+        model = TinyGPT(TinyGPTConfig())
+    engine = zerokit.initialize(model, make_optimizer(case, model), engine_config(case), param_init=seeded_init(model))
+    storage = {p.untyped_storage().nbytes() for p in model.parameters() if p.requires_grad}
+    out = {"trainable_storage_bytes": storage, "memory": engine.memory_stats(),
+           "shard_bytes": engine.stage.shards.numel() * 4}
+    with torch.device("meta"):
+        divergent = TinyGPT(TinyGPTConfig())
+    seeded = seeded_init(divergent)
+
+    def rank_dependent(module: torch.nn.Module) -> None:
+        seeded(module)
+        for param in module.parameters(recurse=False):
+            param.data.add_(rank)
+
+    try:
+        zerokit.initialize(divergent, make_optimizer(case, divergent), engine_config(case), param_init=rank_dependent)
+    except ValueError as error:
+        out["divergent_error"] = str(error)
+    return out

@@ -1,0 +1,85 @@
+"""Sharded construction: a model built on the meta device is materialised one unit at a time, so no
+rank ever holds the whole model.
+
+[Note: sharded construction]
+Build the model under `torch.device("meta")` (shapes only, no memory) and the optimizer over its
+parameters, then call `zerokit.initialize(..., param_init=fn)` at stage 3. zerokit swaps each meta
+parameter for a real one that holds no memory (one NaN broadcast to its shape: see
+ShardedParameters._release_params), keeping ties and the optimizer's param groups. Then, unit by
+unit, it gives the unit's parameters real storage, calls `param_init(module)` on each module that
+owns them (default: the module's own `reset_parameters()`), keeps this rank's shard and fp32 master,
+and frees the rest. Ranks must initialise identically (seed them the same, or load the same file):
+a checksum of every unit is compared across ranks and a difference raises.
+
+Loading pretrained weights, streaming: make `param_init` read the module's tensors from the file:
+
+    from safetensors import safe_open
+    names = {module: prefix for prefix, module in model.named_modules()}
+    with safe_open("model.safetensors", framework="pt") as weights:
+        def load(module):
+            for name, param in module.named_parameters(recurse=False):
+                param.data.copy_(weights.get_tensor(f"{names[module]}.{name}".lstrip(".")))
+        engine = zerokit.initialize(model, optimizer, config, param_init=load)
+
+Peak host memory is then one unit in fp32, plus what safetensors maps.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+ParamInit = Callable[[nn.Module], None]
+
+
+def has_meta_parameters(model: nn.Module) -> bool:
+    return any(param.is_meta for param in model.parameters())
+
+
+def replace_meta_parameters(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> set[int]:
+    """Swap meta parameters for memory-less real ones (ties and optimizer groups kept) and meta buffers
+    for uninitialised real ones; returns the ids of the new parameters, which need `param_init`."""
+    replacement: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in replacement:
+                nothing = torch.full((1,), float("nan"), dtype=param.dtype, device=device)
+                replacement[id(param)] = nn.Parameter(nothing.expand(param.shape), requires_grad=param.requires_grad)
+            module._parameters[name] = replacement[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device=device)  # param_init fills it
+    for group in optimizer.param_groups:
+        group["params"] = [replacement.get(id(p), p) for p in group["params"]]
+    return {id(p) for p in replacement.values()}
+
+
+def reset_parameters(module: nn.Module) -> None:
+    """The default param_init: the module's own reset_parameters(), as torch layers define it."""
+    if not hasattr(module, "reset_parameters"):
+        raise ValueError(f"{type(module).__name__} was built on the meta device and has no reset_parameters(); "
+                         "pass param_init=fn to zerokit.initialize to initialise or load its parameters")
+    module.reset_parameters()
+
+
+def materialise(model: nn.Module, param_ids: set[int], pending: set[int], param_init: ParamInit) -> None:
+    """Give the parameters in `param_ids` that are still `pending` real storage, then run
+    `param_init` on every module that owns one of them (in model order, as a normal init would)."""
+    todo = param_ids & pending
+    if not todo:
+        return
+    owners = []
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) in todo]
+        if own:
+            owners.append(module)
+        for param in own:  # a tied parameter is met twice; allocating twice before any init is harmless
+            param.data = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+    with torch.no_grad():
+        for module in owners:
+            param_init(module)
+    pending -= todo

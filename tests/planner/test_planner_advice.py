@@ -7,7 +7,7 @@ import time
 import pytest
 
 from zerokit.planner import Offload, Policy, estimate, make_scenario, plan
-from zerokit.planner.advice import largest_micro_batch
+from zerokit.planner.advice import largest_micro_batch, micro_batch_limit
 
 
 def labels(p):
@@ -127,6 +127,12 @@ def test_invalid_stage_and_offload_combinations():
     ({"intra_link": "nvlink9"}, "unknown link 'nvlink9'"),
     ({"gpu_memory": -5}, "memory=-5 must be > 0"),
     ({"mfu": 1.5}, r"mfu=1.5 must be in \[0.0, 1.0\]"),
+    # NaN compares false with every bound, so it used to pass the range checks and print "nan" seconds
+    ({"mfu": float("nan")}, r"mfu=nan must be a number in \[0.0, 1.0\]"),
+    ({"trainable_fraction": float("nan")}, "trainable fraction=nan must be a number"),
+    ({"intra_bandwidth": float("nan")}, "bandwidth=nan must be > 0 and finite"),
+    ({"gpu_memory": float("inf")}, "memory=inf must be > 0 and finite"),
+    ({"overhead_bytes": float("nan")}, "overhead=nan bytes must be >= 0"),
 ])
 def test_bad_input_is_one_line_naming_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
@@ -137,3 +143,15 @@ def test_bad_input_is_one_line_naming_the_value(kwargs, message):
 def test_headroom_validation():
     with pytest.raises(ValueError, match=r"headroom=1.0 must be in \[0.0, 1.0\)"):
         Policy(headroom=1.0)
+
+
+def test_a_bare_parameter_count_does_not_search_micro_batches():
+    """Without shapes activations are 0, so every micro-batch would "fit" and the search would report the
+    cap (1024 sequences of 4096 tokens for a 13B model); the plan says the limit is unknown instead."""
+    p = plan(model=13e9, seq_len=4096)
+    assert p.pick is not None and p.max_micro_batch == 0
+    assert p.over_micro_batch is None and p.at_max_micro_batch is None
+    assert micro_batch_limit(p) == "unknown without the model's shapes"
+    assert any("not modelled for a bare parameter count" in r for r in p.reasons)
+    shaped = plan(model="llama2-13b", seq_len=4096)
+    assert micro_batch_limit(shaped) == "1" and shaped.max_micro_batch == 1

@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 import zerokit.cli
+from zerokit.planner import plan
+from zerokit.planner.advice import OFFLOAD_TIERS
+from zerokit.planner.spec import GB
 
 ROOT = Path(__file__).resolve().parents[2]
 README_EXAMPLE = ("zerokit plan --model llama2-13b --gpu a100-80gb --gpus-per-node 8 --nodes 1 --dtype bf16 "
@@ -31,6 +34,39 @@ def cli(*argv: str) -> int:
 
 def test_readme_example_is_the_documented_command():
     assert README_EXAMPLE in (ROOT / "docs" / "planner.md").read_text()
+
+
+def readme_planner_section() -> str:
+    readme = (ROOT / "README.md").read_text()
+    return readme.split("\n## Planner\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_readme_example_is_the_tested_command():
+    """The README's command (with its line continuation) is the one these tests run."""
+    section = readme_planner_section()
+    command = section.split("    zerokit plan ", 1)[1].split("\n\n", 1)[0]
+    assert " ".join(("zerokit plan " + command).replace("\\\n", " ").split()) == README_EXAMPLE
+
+
+def test_readme_figures_are_what_the_example_plans():
+    """The README quotes the pick and five numbers of its example; recompute them."""
+    p = plan(model="llama2-13b", gpu="a100-80gb", gpus_per_node=8, nodes=1, precision="bf16", optimizer="adamw",
+             seq_len=4096, micro_batch=1)
+    stage2 = next(e for e in p.stages if e.stage == 2)
+    quoted = (f"picks **ZeRO-3, no offload, no activation checkpointing**: {p.pick.memory.total / GB:.1f} of "
+              f"{p.pick.usable / GB:.1f} usable GB per GPU (ZeRO-2 needs {stage2.memory.total / GB:.1f} GB), and "
+              f"{p.pick.comm.seconds:.2f} s of NVLink traffic per step hides behind {p.pick.compute.seconds:.2f} s "
+              "of compute")
+    assert quoted in " ".join(readme_planner_section().split())  # whatever the line wrapping
+    assert p.pick.stage == 3 and not p.pick.offload.any and p.pick.training.checkpointing == "none"
+
+
+def test_readme_tree_lists_the_offload_tiers_in_the_order_tried():
+    section = readme_planner_section()
+    positions = [section.index(tier.name) for tier in OFFLOAD_TIERS]
+    assert positions == sorted(positions)
+    stages = [section.index(f"ZeRO-{stage} ─ fits") for stage in range(4)]
+    assert stages == sorted(stages) and stages[-1] < positions[0]  # every stage on the GPU, then offload
 
 
 def test_documented_output_is_what_the_command_prints(tmp_path, monkeypatch, capsys):
@@ -128,9 +164,27 @@ def test_nothing_fits_exits_1(capsys):
     (["plan", "--arch", "layers=2,colour=red"], "--arch item 'colour=red' is not key=value"),
     (["plan", "--model", "llama2-70b", "--gpus-per-node", "1", "--offload", "none", "--checkpointing", "full",
       "--emit", "zerokit"], "nothing fits, so there is no config to emit"),
+    # argparse's own errors: one line, not the 40-line usage first
+    (["plan", "--model", "llama2-13b", "--gpu", "nope"],
+     "argument --gpu: invalid choice: 'nope' (choose from 'a100-40gb'"),
+    (["plan", "--model", "llama2-13b", "--dtype", "fp8"], "invalid choice: 'fp8' (choose from 'bf16', 'fp16', 'fp32')"),
+    (["plan"], "one of the arguments --model --params --arch is required"),
+    (["plan", "--params", "13B"], "argument --params: '13B' is not a number"),
+    (["plan", "--params", "inf"], "argument --params: 'inf' is not a finite number"),
+    (["plan", "--model", "llama2-13b", "--mfu", "nan"], "argument --mfu: 'nan' is not a finite number"),
+    (["plan", "--model", "llama2-13b", "--nodes", "two"], "argument --nodes: invalid int value: 'two'"),
+    (["plan", "--model", "llama2-13b", "--replicas", "3"],
+     "world size 8 does not fit the layout tp=1 x pp=1 x replicas=3"),
+    (["plan", "--model", "llama2-13b", "--emit", "deepspeed", "--gradient-clipping", "-1"],
+     "gradient clipping=-1.0 must be >= 0"),
+    (["translate", "--from", "megatron"], "argument --from: invalid choice: 'megatron'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
-    assert cli(*argv) == 2
+    try:
+        code = cli(*argv)
+    except SystemExit as exit_info:  # argparse's errors exit from inside parse_args
+        code = exit_info.code
+    assert code == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and err.startswith(f"zerokit {argv[0]}: error: ")
 

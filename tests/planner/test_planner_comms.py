@@ -26,7 +26,7 @@ def test_ring_factors():
     # elements per optimizer step, one micro-step: stage 0 all-reduce P; stages 1-2 reduce-scatter P and
     # all-gather P; stage 3 all-gather P for forward and P less the root for backward, reduce-scatter P.
     (0, {"all_reduce": P13}),
-    (1, {"reduce_scatter": P13, "all_gather": P13, "all_reduce": 1}),  # + the gradient norm, one fp32 scalar
+    (1, {"reduce_scatter": P13, "all_gather": P13, "all_reduce": 1}),  # + the gradient norm, one float64 scalar
     (2, {"reduce_scatter": P13, "all_gather": P13, "all_reduce": 1}),
     (3, {"reduce_scatter": P13, "all_gather": 2 * P13 - ROOT13, "all_reduce": 1}),
 ])

@@ -39,6 +39,39 @@ def test_zero_paper_figure_1(stage, expected):
     assert round(memory.model_states / GB, 1) == {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}[stage]
 
 
+# ZeRO paper Table 1: per-device model-state memory in GB (K = 12, 16-bit gradients) by DP degree N_d,
+# for stages Pos (1), Pos+g (2) and Pos+g+p (3), as printed: 3-4 significant digits, truncated in places
+# (e.g. 1T, Pos, N_d = 64 is 4187.5 and printed 4187), hence a tolerance of one unit in the last digit.
+ZERO_TABLE_1 = {  # (Psi, stage): the row for N_d = 1, 4, 16, 64, 256, 1024
+    (7.5e9, 1): (120, 52.5, 35.6, 31.4, 30.4, 30.1),
+    (7.5e9, 2): (120, 41.3, 21.6, 16.6, 15.4, 15.1),
+    (7.5e9, 3): (120, 30, 7.5, 1.88, 0.47, 0.12),
+    (128e9, 1): (2048, 896, 608, 536, 518, 513),
+    (128e9, 2): (2048, 704, 368, 284, 263, 257),
+    (128e9, 3): (2048, 512, 128, 32, 8, 2),
+    (1e12, 1): (16000, 7000, 4750, 4187, 4046, 4011),
+    (1e12, 2): (16000, 5500, 2875, 2218, 2054, 2013),
+    (1e12, 3): (16000, 4000, 1000, 250, 62.5, 15.6),
+}
+DP_DEGREES = (1, 4, 16, 64, 256, 1024)
+
+
+def _last_digit(printed: float) -> float:
+    """One unit in the last printed digit: 0.01 for 1.88, 0.1 for 52.5, 1 for 4187."""
+    text = f"{printed:g}"
+    return 10.0 ** -len(text.split(".")[1]) if "." in text else 1.0
+
+
+@pytest.mark.parametrize("params, stage", list(ZERO_TABLE_1), ids=[f"{p:g}-stage{s}" for p, s in ZERO_TABLE_1])
+def test_zero_paper_table_1(params, stage):
+    """ZeRO paper Table 1, every cell: model states per device for 7.5B, 128B and 1T parameters on 1 to
+    1024 GPUs (8 per node), with the paper's 16-bit gradients."""
+    for n_d, printed in zip(DP_DEGREES, ZERO_TABLE_1[(params, stage)]):
+        gpus_per_node, nodes = min(n_d, 8), max(1, n_d // 8)
+        planned = states(params, stage, gpus_per_node=gpus_per_node, nodes=nodes, reduce_dtype="bf16").model_states
+        assert abs(planned / GB - printed) < _last_digit(printed), (n_d, planned / GB, printed)
+
+
 @pytest.mark.parametrize("stage, expected_gb", [(1, 71.5), (2, 48.75), (3, 26.0)])
 def test_anchor_13b_on_8_a100(stage, expected_gb):
     """anchors.md section 5, ZeRO-paper row: P = 13e9, N = 8, 2 + 2 + 12 bytes per parameter.

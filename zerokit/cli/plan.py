@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from typing import NoReturn
 
 from zerokit.planner import GPUS, HOSTS, LINKS, PRESETS, Architecture, Policy, emit, make_scenario, plan, plan_dict
-from zerokit.planner.advice import Plan
+from zerokit.planner.advice import Plan, micro_batch_limit
 from zerokit.planner.catalogue import GiB
 from zerokit.planner.emit import DEFAULT_CLIPPING, TARGETS
 from zerokit.planner.memo import render_memo
@@ -47,6 +49,28 @@ def parse_arch(text: str) -> Architecture:
     return Architecture(**fields, qkv_bias=bias, out_bias=bias, mlp_bias=bias)
 
 
+def finite_float(text: str) -> float:
+    """argparse type: float() accepts 'nan' and 'inf', which slip past every range check downstream."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Make argparse's own errors (a bad choice, a missing model, a non-number) one line, like every
+    other bad input: by default argparse prints the whole usage first, some 40 lines for `plan`.
+    Its message already names the argument, the value and, for choices, what is accepted."""
+    def error(message: str) -> NoReturn:
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+    parser.error = error  # an instance attribute: subparsers.add_parser cannot take a parser class
+    return parser
+
+
 def _float_or_none(value: float | None, scale: float) -> float | None:
     return None if value is None else value * scale
 
@@ -54,12 +78,13 @@ def _float_or_none(value: float | None, scale: float) -> float | None:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="pick a ZeRO stage and explain it (no GPU needed)",
                               description="Predict memory and communication per ZeRO stage, pick one, justify it.")
+    one_line_errors(p)
     model = p.add_argument_group("model (give one of --model, --params, --arch)")
     which = model.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a local config.json path")
-    which.add_argument("--params", type=float, help="parameter count, e.g. 13e9 (no activations then)")
+    which.add_argument("--params", type=finite_float, help="parameter count, e.g. 13e9 (no activations then)")
     which.add_argument("--arch", help="shapes: layers=,hidden=,heads=,kv_heads=,ffn=,vocab=[,gated=1,tied=0,...]")
-    model.add_argument("--trainable-fraction", type=float, default=1.0, help="share of parameters that train")
+    model.add_argument("--trainable-fraction", type=finite_float, default=1.0, help="share of parameters that train")
     model.add_argument("--lora-rank", type=int, help="LoRA rank r; the base model is frozen")
     model.add_argument("--lora-targets", help=f"comma list of {','.join(LORA_TARGETS)} (default: all)")
     hw = p.add_argument_group("hardware (catalogue keys; numbers override them)")
@@ -70,17 +95,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     hw.add_argument("--inter-link", choices=list(LINKS), help="default: the GPU's usual fabric")
     hw.add_argument("--nics-per-node", type=int, help="inter-node ports per node (default: one per GPU)")
     hw.add_argument("--host", choices=list(HOSTS), help="node type for RAM/NVMe (default: the GPU's DGX)")
-    hw.add_argument("--gpu-memory-gib", type=float)
-    hw.add_argument("--peak-tflops", type=float, help="dense peak for the chosen dtype")
-    hw.add_argument("--intra-gb-per-s", type=float, help="per GPU, per direction")
-    hw.add_argument("--inter-gb-per-s", type=float, help="per port, per direction")
-    hw.add_argument("--intra-latency-us", type=float)
-    hw.add_argument("--inter-latency-us", type=float)
-    hw.add_argument("--host-ram-gib", type=float)
-    hw.add_argument("--host-mem-gb-per-s", type=float, help="host RAM bandwidth, all sockets")
-    hw.add_argument("--nvme-tb", type=float)
-    hw.add_argument("--nvme-read-gb-per-s", type=float)
-    hw.add_argument("--nvme-write-gb-per-s", type=float)
+    hw.add_argument("--gpu-memory-gib", type=finite_float)
+    hw.add_argument("--peak-tflops", type=finite_float, help="dense peak for the chosen dtype")
+    hw.add_argument("--intra-gb-per-s", type=finite_float, help="per GPU, per direction")
+    hw.add_argument("--inter-gb-per-s", type=finite_float, help="per port, per direction")
+    hw.add_argument("--intra-latency-us", type=finite_float)
+    hw.add_argument("--inter-latency-us", type=finite_float)
+    hw.add_argument("--host-ram-gib", type=finite_float)
+    hw.add_argument("--host-mem-gb-per-s", type=finite_float, help="host RAM bandwidth, all sockets")
+    hw.add_argument("--nvme-tb", type=finite_float)
+    hw.add_argument("--nvme-read-gb-per-s", type=finite_float)
+    hw.add_argument("--nvme-write-gb-per-s", type=finite_float)
     train = p.add_argument_group("training")
     train.add_argument("--dtype", default="bf16", choices=PRECISIONS)
     train.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
@@ -91,7 +116,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                        help="auto: only if nothing fits without it")
     train.add_argument("--attention", default="flash", choices=ATTENTION)
     train.add_argument("--reduce-dtype", default="fp32", choices=PRECISIONS, help="gradient communication dtype")
-    train.add_argument("--bucket-mib", type=float, default=25.0, help="gradient bucket size")
+    train.add_argument("--bucket-mib", type=finite_float, default=25.0, help="gradient bucket size")
     train.add_argument("--no-overlap", action="store_true", help="reduce after backward, not during it")
     train.add_argument("--reduce-once-per-step", action="store_true",
                        help="stage 2: accumulate full gradients, reduce-scatter once per step")
@@ -100,18 +125,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     lay.add_argument("--pp", type=int, default=1, help="pipeline stages")
     lay.add_argument("--replicas", type=int, default=1, help="HSDP: copies of the shard group")
     pol = p.add_argument_group("policy and assumptions")
-    pol.add_argument("--headroom", type=float, default=0.10, help="fraction of GPU memory left free")
+    pol.add_argument("--headroom", type=finite_float, default=0.10, help="fraction of GPU memory left free")
     pol.add_argument("--offload", default="auto", choices=("auto", "none"))
     pol.add_argument("--max-micro-batch", type=int, default=1024)
-    pol.add_argument("--mfu", type=float, default=0.40, help="achieved / peak FLOPS")
-    pol.add_argument("--bandwidth-efficiency", type=float, default=0.80)
-    pol.add_argument("--overhead-gb", type=float, default=1.0, help="per-GPU allowance (CUDA context, NCCL)")
+    pol.add_argument("--mfu", type=finite_float, default=0.40, help="achieved / peak FLOPS")
+    pol.add_argument("--bandwidth-efficiency", type=finite_float, default=0.80)
+    pol.add_argument("--overhead-gb", type=finite_float, default=1.0, help="per-GPU allowance (CUDA context, NCCL)")
     out = p.add_argument_group("output")
     out.add_argument("--memo", metavar="PATH", help="write the markdown memo here")
     out.add_argument("--plot", metavar="PATH", help="write stacked bars per stage (needs matplotlib)")
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
     out.add_argument("--emit", choices=TARGETS, help="print the config that implements the pick")
-    out.add_argument("--gradient-clipping", type=float, default=DEFAULT_CLIPPING, help="written by --emit")
+    out.add_argument("--gradient-clipping", type=finite_float, default=DEFAULT_CLIPPING, help="written by --emit")
     return p
 
 
@@ -182,7 +207,7 @@ def summary(p: Plan) -> list[str]:
         lines.append("pick: nothing fits")
     else:
         lines.append(f"pick: {p.pick.label}, micro-batch {p.pick.training.micro_batch} "
-                     f"(largest that fits: {p.max_micro_batch})")
+                     f"(largest that fits: {micro_batch_limit(p)})")
     lines += ["why:"] + [f"  - {r}" for r in p.reasons]
     lines += (["notes:"] + [f"  - {n}" for n in p.notes]) if p.notes else []
     return lines

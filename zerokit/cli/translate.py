@@ -14,6 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
+from zerokit.cli.plan import one_line_errors
 from zerokit.planner.translate import (
     Translation,
     deepspeed_to_fsdp,
@@ -27,6 +28,7 @@ from zerokit.planner.translate import (
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("translate", help="map DeepSpeed / FSDP / zerokit configs onto each other",
                               description="Map a DeepSpeed (or zerokit) JSON config, or FSDP terms, to the others.")
+    one_line_errors(p)
     p.add_argument("config", nargs="?", help="a DeepSpeed or zerokit JSON config file")
     p.add_argument("--from", dest="source", choices=("deepspeed", "zerokit"), default="deepspeed",
                    help="what the JSON file is (default deepspeed)")

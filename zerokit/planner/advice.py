@@ -35,7 +35,7 @@ class Plan:
     attempts: tuple[Estimate, ...]
     """Everything estimated by the tree, in order, up to and including the pick."""
     max_micro_batch: int
-    """Largest micro-batch the pick fits (0 without a pick)."""
+    """Largest micro-batch the pick fits (0 without a pick, or without shapes: activations unknown)."""
     over_micro_batch: Estimate | None
     """The pick at max_micro_batch + 1, which does not fit (None if the search hit the policy cap)."""
     at_max_micro_batch: Estimate | None
@@ -153,7 +153,9 @@ def plan(scenario: Scenario | None = None, policy: Policy | None = None, **scena
         pick, more = _search(shrunk, policy, _checkpointing_order(policy))
         attempts += more
     checkpointing = pick.training.checkpointing if pick else _checkpointing_order(policy)[-1]
-    max_batch, over = largest_micro_batch(pick, policy) if pick else (0, None)
+    # A bare parameter count has no activations, so every micro-batch would "fit": do not search.
+    searchable = pick is not None and scenario.model.architecture is not None
+    max_batch, over = largest_micro_batch(pick, policy) if searchable else (0, None)
     at_max = None
     if pick and max_batch > pick.training.micro_batch:
         at_max = estimate(pick.scenario.with_training(micro_batch=max_batch), pick.stage, pick.offload,
@@ -204,6 +206,23 @@ def _offload_reason(pick: Estimate) -> str:
             + (f" and NVMe {time.nvme_seconds:.2f} s" if time.nvme_seconds else ""))
 
 
+def micro_batch_limit(p: Plan) -> str:
+    """The largest micro-batch as the summary and the memo state it."""
+    if p.max_micro_batch == 0:
+        return "unknown without the model's shapes" if p.pick is not None else "none"
+    return f"at least {p.max_micro_batch}, the search cap" if p.over_micro_batch is None else str(p.max_micro_batch)
+
+
+def _micro_batch_reason(p: Plan) -> str:
+    if p.max_micro_batch == 0:
+        return ("largest micro-batch: not estimated, since activations (what grows with the micro-batch) are not "
+                "modelled for a bare parameter count")
+    if p.over_micro_batch is None:
+        return f"largest micro-batch that fits: at least {p.max_micro_batch} (the search cap)"
+    return (f"largest micro-batch that fits: {p.max_micro_batch} (micro-batch {p.max_micro_batch + 1} "
+            f"needs {gb(p.over_micro_batch.memory.total)})")
+
+
 def reasons(p: Plan) -> list[str]:
     if p.pick is None:
         return _no_fit_reasons(p)
@@ -225,11 +244,7 @@ def reasons(p: Plan) -> list[str]:
     out.append(_comm_reason(pick))
     if pick.offload.any:
         out.append(_offload_reason(pick))
-    if p.over_micro_batch is not None:
-        out.append(f"largest micro-batch that fits: {p.max_micro_batch} (micro-batch {p.max_micro_batch + 1} "
-                   f"needs {gb(p.over_micro_batch.memory.total)})")
-    else:
-        out.append(f"largest micro-batch that fits: at least {p.max_micro_batch} (the search cap)")
+    out.append(_micro_batch_reason(p))
     if p.at_max_micro_batch is not None:
         big = p.at_max_micro_batch
         out.append(f"at micro-batch {p.max_micro_batch} a step takes {big.step_seconds:.2f} s "

@@ -13,6 +13,7 @@ NCCL and are labelled as such. Every entry can be overridden from the CLI or `ma
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 GiB = 2**30
@@ -233,8 +234,8 @@ def _override(item, **changes):
     if not given:
         return item
     for name, value in given.items():
-        if value <= 0:
-            raise ValueError(f"{name}={value!r} must be > 0")
+        if not 0 < value < math.inf:  # written so that NaN fails too
+            raise ValueError(f"{name}={value!r} must be > 0 and finite")
     note = ", ".join(f"{k}={v:g}" for k, v in given.items())
     return replace(item, source=f"user override ({note}); otherwise {item.source}", **given)
 
@@ -255,8 +256,8 @@ def make_cluster(gpu_key: str, *, gpus_per_node: int = 8, nodes: int = 1, intra_
     chosen = gpu(gpu_key)
     chosen = _override(chosen, memory=gpu_memory)
     if peak_tflops is not None:
-        if peak_tflops <= 0:
-            raise ValueError(f"peak tflops={peak_tflops!r} must be > 0")
+        if not 0 < peak_tflops < math.inf:
+            raise ValueError(f"peak tflops={peak_tflops!r} must be > 0 and finite")
         flops = {name: peak_tflops * 1e12 for name in chosen.peak_flops}
         chosen = replace(chosen, peak_flops=flops, source=f"user override (peak {peak_tflops:g} TFLOPS); "
                                                           f"otherwise {chosen.source}")

@@ -20,8 +20,9 @@ Per step with m micro-steps, trainable Psi_t and all parameters Psi on a rank, N
              which stays gathered for the step), reduce-scatter Psi_t one unit at a time
 Stages 0-2 move 2 Psi per step and stage 3 3 Psi less the root (ZeRO paper Section 7: 1.5x), before
 the ring factor. HSDP adds an all-reduce of each gradient shard (Psi_t / N_d) across replicas. Sharded stages also
-all-reduce one fp32 scalar per step, the squared gradient norm. The engine pads each bucket to a
-multiple of N_d, so its counts exceed these by at most N_d - 1 elements per bucket.
+all-reduce one float64 scalar per step, the sum of squared gradients. The engine pads each bucket to a
+multiple of N_d, so its counts exceed these by at most N_d - 1 elements per bucket, and it buckets each
+optimizer param group apart, so its calls are these times the number of param groups.
 """
 
 from __future__ import annotations
@@ -173,8 +174,9 @@ def data_parallel(rank: RankParams, training: Training, stage: int, groups: dict
             out.append(_collective("reduce_scatter", g["dp_shard"], "boundary", buckets, trainable, r))
         if stage < 3:
             out.append(_collective("all_gather", g["dp_shard"], "after_step", buckets, trainable, p))
-        # the global gradient norm over shards: one fp32 scalar (the engine reports it every step)
-        out.append(_collective("all_reduce", g["dp_shard"], "after_step", 1, 1, 4))
+        # the global gradient norm over shards: one float64 sum of squares (zerokit/precision.py sums in
+        # float64 so the norm does not depend on the shard layout; the engine reports it every step)
+        out.append(_collective("all_reduce", g["dp_shard"], "after_step", 1, 1, 8))
     if g["dp_replicate"].size > 1:
         shard = math.ceil(trainable / g["dp_shard"].size)
         out.append(_collective("all_reduce", g["dp_replicate"], "boundary", buckets, shard, r))

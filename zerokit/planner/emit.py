@@ -181,5 +181,7 @@ def _ddp_code(result: Estimate, clipping: float) -> str:
 def emit(result: Estimate, target: str, clipping: float = DEFAULT_CLIPPING) -> Emitted:
     if target not in TARGETS:
         raise ValueError(f"emit target {target!r} is not accepted; use one of {', '.join(TARGETS)}")
+    if isinstance(clipping, bool) or not isinstance(clipping, (int, float)) or not clipping >= 0:
+        raise ValueError(f"gradient clipping={clipping!r} must be >= 0 (0 disables clipping, as in zerokit/config.py)")
     writer = {"zerokit": emit_zerokit, "deepspeed": emit_deepspeed, "fsdp": emit_fsdp}[target]
     return Emitted(target, writer(result, clipping), _notes(result))

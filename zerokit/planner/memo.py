@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from zerokit.planner.advice import Plan, gb
+from zerokit.planner.advice import Plan, gb, micro_batch_limit
 from zerokit.planner.emit import emit_zerokit
 from zerokit.planner.estimate import Estimate
 from zerokit.planner.memory import (
@@ -56,7 +56,7 @@ def answer(p: Plan) -> str:
     pick = p.pick
     ckpt = "full activation checkpointing" if pick.training.checkpointing == "full" else "no activation checkpointing"
     return (f"**ZeRO-{pick.stage}, {pick.offload.name}, {ckpt}, micro-batch {pick.training.micro_batch}** "
-            f"(largest that fits: {p.max_micro_batch}): {gb(pick.memory.total)} of the {gb(pick.usable)} usable "
+            f"(largest that fits: {micro_batch_limit(p)}): {gb(pick.memory.total)} of the {gb(pick.usable)} usable "
             f"per GPU; communication {pick.comm.seconds:.2f} s per step against {pick.compute.seconds:.2f} s of "
             f"compute ({pick.exposed_comm_seconds:.2f} s exposed); predicted step {pick.step_seconds:.2f} s, "
             f"{pick.tokens_per_second:,.0f} tokens/s.")
@@ -143,7 +143,7 @@ def _attempt_rows(p: Plan) -> list[list[str]]:
 
 
 def _alternative_rows(p: Plan) -> list[list[str]]:
-    return [[a.scenario.layout.name, a.label, "yes" if a.fits else "no", _g(a.memory.total),
+    return [[a.scenario.layout.name, a.label, "yes" if a.fits else "no", _g(a.memory.total), _g(a.comm.wire_bytes),
              f"{a.comm.seconds:.3f}", f"{a.step_seconds:.3f}", f"{a.tokens_per_second:,.0f}"] for a in p.alternatives]
 
 
@@ -191,7 +191,7 @@ def render_memo(p: Plan) -> str:
     out += _table(("#", "configuration", "batch", "GPU GB", "usable GB", "host RAM GB", "fits"), _attempt_rows(p))
     if p.alternatives:
         out += ["", "## Hybrid layouts on paper", ""]
-        out += _table(("layout", "configuration", "fits", "GPU GB", "comm s", "step s", "tokens/s"),
+        out += _table(("layout", "configuration", "fits", "GPU GB", "GB sent per GPU", "comm s", "step s", "tokens/s"),
                       _alternative_rows(p))
     out += ["", "## How other estimators answer (model states only)", ""]
     out += _table(("tool", "options", "GPU GB", "host GB", "formula", "ours (model states)"), _peer_rows(p))

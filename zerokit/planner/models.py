@@ -8,6 +8,7 @@ Hugging Face checkpoint reports, and GPT-2 small to 124,439,808 (tied embeddings
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,7 +122,8 @@ def from_architecture(arch: Architecture, name: str = "custom", source: str = "g
 
 
 def from_param_count(params: float) -> ModelSpec:
-    if isinstance(params, bool) or not isinstance(params, (int, float)) or params < 1 or params != int(params):
+    if (isinstance(params, bool) or not isinstance(params, (int, float)) or not math.isfinite(params) or params < 1
+            or params != int(params)):
         raise ValueError(f"parameter count {params!r} must be a positive whole number (e.g. 13e9)")
     return ModelSpec(name=f"{_short(int(params))} parameters", total_params=int(params),
                      source="parameter count given; no shapes, so activations are not modelled")

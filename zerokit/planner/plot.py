@@ -41,7 +41,8 @@ def plot_plan(plan: Plan, path: str) -> None:
         for x, total in enumerate(bottoms):
             clipped = total > 0.94 * top
             axes.text(x, 0.94 * top if clipped else total + 0.01 * top,
-                      f"{total:.1f} GB" + (" (clipped)" if total > top else ""), ha="center", va="bottom", fontsize=8)
+                      f"{total:.1f} GB" + (" (clipped)" if total > top else ""), ha="center", va="bottom", fontsize=8,
+                      bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0})  # legible over the lines
     pick = plan.pick.label if plan.pick else "nothing fits"
     axes.set_title(f"{plan.scenario.model.name} on {plan.scenario.cluster.gpu.name}: pick {pick}", fontsize=10)
     axes.set_ylabel("GB per GPU (1 GB = 1e9 bytes)")

@@ -6,6 +6,7 @@ naming the value and what is accepted, before any arithmetic runs (STYLE.md, exa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -31,8 +32,11 @@ def _positive_int(name: str, value: object) -> None:
 
 
 def _fraction(name: str, value: float, *, low: float, high: float, closed_high: bool) -> None:
+    # NaN compares false with everything, so test for it before the range (it would pass both bounds)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{name}={value!r} must be a number in [{low}, {high}{']' if closed_high else ')'}")
     bad_high = value > high if closed_high else value >= high
-    if not isinstance(value, (int, float)) or value < low or bad_high:
+    if value < low or bad_high:
         bracket = "]" if closed_high else ")"
         raise ValueError(f"{name}={value!r} must be in [{low}, {high}{bracket}")
 
@@ -209,7 +213,7 @@ class Assumptions:
         _fraction("bandwidth efficiency", self.bandwidth_efficiency, low=0.0, high=1.0, closed_high=True)
         if self.mfu == 0 or self.bandwidth_efficiency == 0:
             raise ValueError("mfu and bandwidth efficiency must be > 0")
-        if isinstance(self.overhead_bytes, bool) or self.overhead_bytes < 0:
+        if isinstance(self.overhead_bytes, bool) or not self.overhead_bytes >= 0:  # `not >=` rejects NaN too
             raise ValueError(f"overhead={self.overhead_bytes!r} bytes must be >= 0")
 
 

@@ -33,6 +33,9 @@ def cases_for(world_size: int) -> list[Case]:
         Case("stage2-fp32-adam-checkpointed", stage=2, optimizer="adam", checkpoint=True),
         Case("stage1-fp16-overflowing-scale", stage=1, dtype="fp16", initial_scale_power=19, steps=6),
         Case("stage2-fp32-one-bucket", stage=2, bucket_bytes=2**30),
+        # Masters stepped in pieces that cut through parameters and shards (prime size on purpose).
+        *[Case(f"stage{s}-{d}-sub-groups", stage=s, dtype=d, bucket_bytes=2**20, sub_group_size=997)
+          for s, d in ((0, "fp32"), (1, "bf16"), (2, "fp32"), (3, "bf16"))],
         *STAGE3_EXTRAS,
     ]
 

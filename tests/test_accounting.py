@@ -15,9 +15,10 @@ ADAMW = [(n, c) for n in WORLD_SIZES for c in cases_for(n) if c.optimizer == "ad
 
 def expected_memory(case: Case, world_size: int, out: dict) -> dict[str, int]:
     """The paper's accounting with this run's dtypes. padded = Ψ plus bucket padding; every bucket
-    is one master tensor whose AdamW state is exp_avg + exp_avg_sq (fp32) and a 4-byte step count.
+    is one master tensor, stepped in pieces (sub_group_size), and each piece's AdamW state is
+    exp_avg + exp_avg_sq (fp32) and a 4-byte step count.
     Frozen parameters are held whole by every rank; so are stage 3's persistent units."""
-    padded, buckets = out["layout_numel"], out["buckets"]
+    padded, pieces = out["layout_numel"], out["optimizer_pieces"]
     param_bytes = DTYPE_BYTES[case.dtype]
     shards = 1 if case.stage == 0 else world_size
     master_bytes = 0 if case.dtype == "fp32" else 4  # fp32 trains the parameters themselves
@@ -29,7 +30,7 @@ def expected_memory(case: Case, world_size: int, out: dict) -> dict[str, int]:
     return {
         "parameters": param_bytes * (held_params + out["frozen_numel"]),
         "gradients": gradients,
-        "optimizer_state": (master_bytes + 8) * padded // shards + 4 * buckets,
+        "optimizer_state": (master_bytes + 8) * padded // shards + 4 * pieces,
     }
 
 
@@ -39,6 +40,8 @@ def test_memory_by_category_matches_formula(parity_runs, world_size: int, case: 
         padded, buckets = out["layout_numel"], out["buckets"]
         assert out["trainable_numel"] <= padded < out["trainable_numel"] + buckets * world_size
         assert out["memory"] == expected_memory(case, world_size, out)
+        if case.sub_group_size:  # the masters really were cut into pieces
+            assert out["optimizer_pieces"] > out["buckets"]
 
 
 @pytest.mark.parametrize("world_size,case", ADAMW, ids=[f"N{n}-{c.name}" for n, c in ADAMW])

@@ -42,7 +42,9 @@ def test_defaults_and_typed_config_pass_through() -> None:
 @pytest.mark.parametrize("raw,message", [
     ({"zero_optimization": {"stage": 4}}, "stage=4 is not a ZeRO stage"),
     ({"zero_optimization": {"stage": True}}, "stage=True is not a ZeRO stage"),
-    ({"zero_optimization": {"stage": 1, "sub_group_size": 1}}, "unknown config key zero_optimization.'sub_group_size'"),
+    ({"zero_optimization": {"stage": 1, "stage3_max_reuse_distance": 1}},
+     "unknown config key zero_optimization.'stage3_max_reuse_distance'"),
+    ({"zero_optimization": {"stage": 1, "sub_group_size": 0}}, "sub_group_size=0 must be a positive element count"),
     ({"steps_per_print": 10}, "unknown config key 'steps_per_print'; accepted:"),
     ({"optimizer": {"type": "AdamW"}}, "wraps the torch optimizer you pass"),
     ({"zero_optimization": {"allgather_bucket_size": 5e8}}, "set reduce_bucket_size"),

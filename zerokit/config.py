@@ -102,6 +102,9 @@ class ZeroConfig:
     """Clip the global gradient norm (across all shards) to this value; 0 disables clipping."""
     reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Gradients are reduced in buckets of about this many bytes (in reduce_dtype)."""
+    sub_group_size: int | None = None
+    """The optimizer steps each fp32 master in pieces of at most this many elements (DeepSpeed's
+    sub_group_size). None: 65536 on the CPU, whole masters on a GPU. See [Note: optimizer pieces]."""
     overlap_comm: bool = True
     """Launch each bucket's reduction during backward as soon as it is full."""
     reduce_every_micro_step: bool = True
@@ -125,6 +128,8 @@ class ZeroConfig:
             raise ValueError(f"gradient_clipping={self.gradient_clipping} must be >= 0 (0 disables clipping)")
         if self.reduce_bucket_bytes < 1:
             raise ValueError(f"reduce_bucket_bytes={self.reduce_bucket_bytes} must be a positive byte count")
+        if self.sub_group_size is not None and self.sub_group_size < 1:
+            raise ValueError(f"zero_optimization.sub_group_size={self.sub_group_size} must be a positive element count")
         if self.max_consecutive_skipped_steps < 1:
             raise ValueError("max_consecutive_skipped_steps must be >= 1")
         is_fp16 = self.precision.param_dtype == torch.float16
@@ -173,7 +178,7 @@ STAGE3_KEYS = {
 }
 ZERO_KEYS = {
     "stage", "reduce_bucket_size", "reduce_bucket_bytes", "overlap_comm", "contiguous_gradients",
-    "reduce_scatter", "reduce_every_micro_step", *STAGE3_KEYS,
+    "reduce_scatter", "reduce_every_micro_step", "sub_group_size", *STAGE3_KEYS,
 }
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
 BF16_KEYS = {"enabled"}
@@ -261,6 +266,7 @@ def from_dict(raw: Mapping[str, Any]) -> ZeroConfig:
         gradient_accumulation_steps=int(raw.get("gradient_accumulation_steps", 1)),
         gradient_clipping=float(raw.get("gradient_clipping", 0.0)),
         reduce_bucket_bytes=_bucket_bytes(zero, precision.reduce_dtype),
+        sub_group_size=int(float(zero["sub_group_size"])) if "sub_group_size" in zero else None,
         overlap_comm=bool(zero.get("overlap_comm", True)),
         reduce_every_micro_step=bool(zero.get("reduce_every_micro_step", True)),
         stage3=_stage3(zero),

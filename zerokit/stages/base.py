@@ -1,9 +1,20 @@
 """What every stage shares: flat parameters, fp32 master weights for the slice this rank updates,
 and the user's optimizer rebuilt over those masters. Subclasses decide only where gradients live
-and how a bucket of them is reduced (see stage0.py, stage1.py, stage2.py)."""
+and how a bucket of them is reduced (see stage0.py, stage1.py, stage2.py).
+
+[Note: optimizer pieces]
+A master is one flat tensor per bucket (25 MiB by default), but on the CPU the optimizer does not
+step it whole: torch's CPU optimizers run one element-wise op after another over each tensor, and
+over a tensor far larger than the cache every op streams it from memory again. Stepping the master
+in cache-sized pieces (views of it, each its own Parameter to the optimizer) halves AdamW's step
+time on this 2-core machine (77 ms -> 36 ms for 10.9M elements, 64K-element pieces), and is exact:
+these optimizers update each element from its own gradient and state alone. On CUDA the fused and
+foreach kernels want few large tensors, so a master is one piece there.
+"""
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import Any, Callable, ClassVar, Iterator, NamedTuple
 
@@ -23,6 +34,17 @@ class BucketReduction(NamedTuple):
     pending: Pending
     finish: Callable[[], None] | None
     staging: torch.Tensor | None = None
+
+
+# Default elements per optimizer piece, by device type; absent: one piece per master. See [Note: optimizer pieces].
+OPTIMIZER_PIECE_NUMEL = {"cpu": 1 << 16}
+
+
+def _split(master: nn.Parameter, piece_numel: int) -> list[nn.Parameter]:
+    """`master` as Parameters that are views of it, of at most piece_numel elements each."""
+    if master.numel() <= piece_numel:
+        return [master]
+    return [nn.Parameter(view) for view in master.detach().split(piece_numel)]
 
 
 def tensor_bytes(tensors) -> int:
@@ -49,10 +71,12 @@ class ZeroStage:
         self.flat = FlatParameters(params, self.layout, config.precision.param_dtype)
         self.separate_masters = self.flat.dtype != torch.float32
         self.masters = self.place_parameters()
-        masters_by_group: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
-        for group, master in zip(self.group_of_bucket, self.masters):
-            masters_by_group[group].append(master)
-        self.optimizer = rebuild_optimizer(optimizer, masters_by_group)
+        self.piece_numel = config.sub_group_size or OPTIMIZER_PIECE_NUMEL.get(self.flat.device.type, sys.maxsize)
+        self.pieces = [_split(master, self.piece_numel) for master in self.masters]
+        pieces_by_group: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
+        for group, pieces in zip(self.group_of_bucket, self.pieces):
+            pieces_by_group[group].extend(pieces)
+        self.optimizer = rebuild_optimizer(optimizer, pieces_by_group)
 
     def bucket_keys(self, model: nn.Module, params: list[nn.Parameter], groups: list[int]) -> tuple[list[int], int]:
         """Parameters with the same key may share a bucket, and a bucket holds about this many elements.
@@ -104,17 +128,21 @@ class ZeroStage:
         return nn.Parameter(self.flat.buffer[begin:end])
 
     def attach_master_grads(self) -> list[torch.Tensor]:
-        """Give each master its fp32 gradient (a transient copy only if gradients are 16-bit)."""
+        """Give each master its fp32 gradient (a transient copy only if gradients are 16-bit), piece by
+        piece (See [Note: optimizer pieces]); returns one gradient tensor per master."""
         grads = []
-        for bucket, master in zip(self.layout.buckets, self.masters):
+        for bucket, pieces in zip(self.layout.buckets, self.pieces):
             grad = self.owned_grad(bucket)
-            master.grad = grad if grad.dtype == torch.float32 else grad.float()
-            grads.append(master.grad)
+            grad = grad if grad.dtype == torch.float32 else grad.float()
+            for piece, piece_grad in zip(pieces, grad.split(self.piece_numel)):
+                piece.grad = piece_grad
+            grads.append(grad)
         return grads
 
     def release_grads(self) -> None:
-        for master in self.masters:
-            master.grad = None
+        for pieces in self.pieces:
+            for piece in pieces:
+                piece.grad = None
         self.zero_grads()
 
     def publish_params(self) -> None:

@@ -47,6 +47,7 @@ class Case:
     reuse_first_block: bool = False  # a module called twice in one forward
     freeze_matrices: bool = False  # an adapter-style fine-tune: only 1-D parameters (norms, biases) train
     meta: bool = False  # stage 3: zerokit builds the model on the meta device and materialises it by unit
+    sub_group_size: int | None = None  # the optimizer steps masters in pieces of this many elements
 
 
 def make_model(case: Case) -> torch.nn.Module:
@@ -112,6 +113,8 @@ def engine_config(case: Case) -> dict:
     }
     if case.stage == 2:
         config["zero_optimization"]["reduce_every_micro_step"] = case.reduce_every_micro_step
+    if case.sub_group_size is not None:
+        config["zero_optimization"]["sub_group_size"] = case.sub_group_size
     if case.stage == 3:
         config["zero_optimization"].update({
             "stage3_min_unit_params": case.min_unit_params,
@@ -158,6 +161,7 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
         "params": {name: value for name, value in engine.full_state_dict().items() if name in dict(model.named_parameters())},
         "memory": engine.memory_stats(),
         "layout_numel": engine.stage.layout.numel, "buckets": len(engine.stage.layout.buckets),
+        "optimizer_pieces": sum(len(pieces) for pieces in engine.stage.pieces),
         "trainable_numel": engine.trainable_numel(), "launched_in_backward": overlapped,
         "unit_numel": getattr(engine.stage, "unit_numel", None),
         "frozen_numel": sum(p.numel() for p in model.parameters() if not p.requires_grad),

@@ -55,15 +55,20 @@ def test_collectives_per_step(parity_runs, world_size: int, case: Case) -> None:
             assert step["reduce_scatter"]["calls"] == step["all_gather"]["calls"] == 0
             continue
         reductions = case.accumulation if case.stage >= 2 and case.reduce_every_micro_step else 1
-        assert step["reduce_scatter"] == {"calls": reductions * buckets, "elements": reductions * padded,
-                                          "bytes": reductions * REDUCE_BYTES * padded}
+        reduced = {"calls": reductions * buckets, "elements": reductions * padded,
+                   "bytes": reductions * REDUCE_BYTES * padded}
+        norm = {"calls": 1, "elements": 1, "bytes": 8}  # the global grad norm (float64)
+        if case.reduce_scatter:
+            assert step["reduce_scatter"] == reduced and step["all_reduce"] == norm
+        else:  # each bucket all-reduced whole, the shard kept
+            assert step["reduce_scatter"]["calls"] == 0
+            assert step["all_reduce"] == {key: reduced[key] + norm[key] for key in norm}
         if case.stage == 3:
             check_stage3_gathers(case, out, step)
             continue
         gathers = 0 if result["skipped"] else 1  # a skipped step changes no parameter: nothing to gather
         assert step["all_gather"] == {"calls": gathers * buckets, "elements": gathers * padded,
                                       "bytes": gathers * DTYPE_BYTES[case.dtype] * padded}
-        assert step["all_reduce"] == {"calls": 1, "elements": 1, "bytes": 8}  # the global grad norm (float64)
 
 
 def check_stage3_gathers(case: Case, out: dict, step: dict) -> None:

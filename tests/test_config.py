@@ -52,7 +52,6 @@ def test_defaults_and_typed_config_pass_through() -> None:
     ({"zero_optimization": {"reduce_bucket_size": 10, "reduce_bucket_bytes": 10}}, "not both"),
     ({"zero_optimization": {"reduce_bucket_size": 0}}, "must be > 0"),
     ({"zero_optimization": {"stage": 1, "reduce_every_micro_step": False}}, "is a stage-2 choice"),
-    ({"zero_optimization": {"reduce_scatter": False}}, "always reduce-scatters"),
     ({"gradient_clipping": -1}, "must be >= 0"),
     ({"gradient_accumulation_steps": 0}, "must be >= 1"),
     ({"communication_data_type": "fp8"}, "use fp32, bf16 or fp16"),

@@ -105,6 +105,10 @@ class ZeroConfig:
     sub_group_size: int | None = None
     """The optimizer steps each fp32 master in pieces of at most this many elements (DeepSpeed's
     sub_group_size). None: 65536 on the CPU, whole masters on a GPU. See [Note: optimizer pieces]."""
+    reduce_scatter: bool | None = None
+    """Stages 1-3: True reduce-scatters each gradient bucket; False all-reduces it and keeps this rank's
+    shard (DeepSpeed's reduce_scatter key). None: reduce-scatter, except on gloo, whose reduce-scatter
+    is slower than its all-reduce. See [Note: reducing a bucket to a shard]."""
     overlap_comm: bool = True
     """Launch each bucket's reduction during backward as soon as it is full."""
     reduce_every_micro_step: bool = True
@@ -254,8 +258,6 @@ def from_dict(raw: Mapping[str, Any]) -> ZeroConfig:
     _reject_unknown("", raw, TOP_LEVEL_KEYS)
     zero = dict(raw.get("zero_optimization") or {})
     _reject_unknown("zero_optimization.", zero, ZERO_KEYS)
-    if zero.get("reduce_scatter", True) is False:
-        raise ValueError("zero_optimization.reduce_scatter=false is not supported; zerokit always reduce-scatters")
     if zero.get("contiguous_gradients", True) is False:
         raise ValueError("zero_optimization.contiguous_gradients=false is not supported; buckets are always contiguous")
     precision, scaling = _precision(raw)
@@ -267,6 +269,7 @@ def from_dict(raw: Mapping[str, Any]) -> ZeroConfig:
         gradient_clipping=float(raw.get("gradient_clipping", 0.0)),
         reduce_bucket_bytes=_bucket_bytes(zero, precision.reduce_dtype),
         sub_group_size=int(float(zero["sub_group_size"])) if "sub_group_size" in zero else None,
+        reduce_scatter=bool(zero["reduce_scatter"]) if "reduce_scatter" in zero else None,
         overlap_comm=bool(zero.get("overlap_comm", True)),
         reduce_every_micro_step=bool(zero.get("reduce_every_micro_step", True)),
         stage3=_stage3(zero),

@@ -75,6 +75,7 @@ class Communicator:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.backend = dist.get_backend(group)  # "nccl", "gloo", ...
         self.stats = stats or CommStats(self.world_size)
 
     def twin(self) -> "Communicator":

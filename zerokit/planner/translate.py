@@ -74,9 +74,9 @@ FSDP_KNOBS = {
 SEMANTIC = ("stage", "offload_optimizer", "offload_param", "zero_hpz_partition_size")
 ZERO_KEYS = SEMANTIC + tuple(FSDP_KNOBS) + tuple(DEPRECATED)
 ZEROKIT_SAME = ("stage", "reduce_bucket_size", "overlap_comm", "prefetch_bucket_size", "max_live_parameters",
-                "param_persistence_threshold")
+                "param_persistence_threshold", "reduce_scatter", "sub_group_size")
 """Keys zerokit reads with DeepSpeed's meaning (stage-3 ones with or without the stage3_ prefix)."""
-ZEROKIT_KEYS = ZEROKIT_SAME + ("contiguous_gradients", "reduce_scatter", "reduce_every_micro_step")
+ZEROKIT_KEYS = ZEROKIT_SAME + ("contiguous_gradients", "reduce_every_micro_step")
 TOP_LEVEL = ("zero_optimization", "bf16", "fp16", "gradient_clipping", "gradient_accumulation_steps",
              "communication_data_type", "train_batch_size", "train_micro_batch_size_per_gpu")
 
@@ -321,7 +321,7 @@ def fsdp_to_deepspeed(terms: FsdpTerms, *, allow_partial: bool = False) -> Trans
 
 ZEROKIT_DROPS = {
     "allgather_bucket_size": "zerokit all-gathers parameters in its reduce buckets; set reduce_bucket_size",
-    "sub_group_size": "zerokit steps each rank's whole shard", "round_robin_gradients": "copy scheduling",
+    "round_robin_gradients": "copy scheduling",
     "elastic_checkpoint": "checkpoint detail", "load_from_fp32_weights": "checkpoint detail",
     "use_multi_rank_bucket_allreduce": "bucket merging", "allgather_partitions": "zerokit always all-gathers",
     "compute_grad_norm": "zerokit computes the global norm when clipping",
@@ -331,7 +331,7 @@ ZEROKIT_DROPS = {
 def _to_zerokit_mapping(key: str, value) -> Mapping:
     if key in ZEROKIT_SAME:
         return Mapping(f"{key}={value}", f"zero_optimization.{key}={value}", EXACT, "same key, same meaning")
-    if key in ("contiguous_gradients", "reduce_scatter"):
+    if key == "contiguous_gradients":
         ok = value is not False
         return Mapping(f"{key}={value}", f"zero_optimization.{key}={value}" if ok else "-", EXACT if ok else NONE,
                        "zerokit always does this" if ok else "zerokit cannot turn it off")

@@ -1,12 +1,13 @@
 """Stage 1: shard the optimizer state. Gradients are still accumulated in full on every rank, then
-reduce-scattered once per optimizer step so each rank receives the averaged gradient of the shard it
-owns, steps its fp32 master shard, and the updated parameters are all-gathered."""
+reduced once per optimizer step so each rank receives the averaged gradient of the shard it owns
+(See [Note: reducing a bucket to a shard]), steps its fp32 master shard, and the updated parameters
+are all-gathered."""
 
 from __future__ import annotations
 
 import torch
 
-from zerokit.flat import Bucket, bucket_view
+from zerokit.flat import Bucket, bucket_view, shard_view
 from zerokit.stages.base import BucketReduction
 from zerokit.stages.stage0 import DataParallel
 
@@ -15,10 +16,29 @@ class ShardedOptimizerState(DataParallel):
     shards_optimizer = True
 
     def reduce_bucket(self, bucket: Bucket) -> BucketReduction:
-        grads = bucket_view(self.grad_buffer, bucket).to(self.reduce_dtype)
-        shard = torch.empty(bucket.shard_numel, dtype=self.reduce_dtype, device=grads.device)
-        self.reduced[bucket.index] = shard
-        return BucketReduction(self.comm.reduce_scatter(shard, grads, async_op=True), None, grads)
+        grads = bucket_view(self.grad_buffer, bucket)  # 1-D, the whole bucket, param dtype
+        if grads.dtype == self.reduce_dtype:
+            # The averaged shard goes back into the gradient buffer: no second gradient copy is held.
+            owned = shard_view(self.grad_buffer, bucket, self.rank)
+            pending = self.reduce_to_shard(bucket, grads)
+            return BucketReduction(pending, lambda: _copy_unless_same(owned, pending.output), grads)
+        full = grads.to(self.reduce_dtype)  # a copy, whole bucket
+        pending = self.reduce_to_shard(bucket, full)
+
+        def keep_shard() -> None:  # in reduce dtype until the step; never a view of `full`, which can go
+            shard = pending.output
+            self.reduced[bucket.index] = shard.clone() if _same_storage(shard, full) else shard
+        return BucketReduction(pending, keep_shard)
 
     def owned_grad(self, bucket: Bucket) -> torch.Tensor:
-        return self.reduced[bucket.index]
+        return self.reduced.get(bucket.index, shard_view(self.grad_buffer, bucket, self.rank))
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _copy_unless_same(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """After an all-reduce in place the shard is already where it belongs."""
+    if destination.data_ptr() != source.data_ptr():
+        destination.copy_(source)

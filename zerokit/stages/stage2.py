@@ -1,6 +1,7 @@
 """Stage 2: shard the gradients too. No full gradient buffer exists: as each parameter's gradient
 arrives it is added into its bucket's staging buffer and freed; a full bucket is reduce-scattered
-(asynchronously, while backward goes on) and each rank keeps only the shard it owns."""
+(asynchronously, while backward goes on; See [Note: reducing a bucket to a shard]) and each rank
+keeps only the shard it owns."""
 
 from __future__ import annotations
 
@@ -40,10 +41,9 @@ class ShardedGradients(ZeroStage):
     def reduce_bucket(self, bucket: Bucket) -> BucketReduction:
         staging = self._staging_for(bucket)
         del self.staging[bucket.index]
-        shard = torch.empty(bucket.shard_numel, dtype=self.reduce_dtype, device=staging.device)
-        pending = self.comm.reduce_scatter(shard, staging, async_op=True)
+        pending = self.reduce_to_shard(bucket, staging)
         owned = self.owned_grad(bucket)
-        return BucketReduction(pending, lambda: owned.add_(shard), staging)
+        return BucketReduction(pending, lambda: owned.add_(pending.output), staging)
 
     def owned_grad(self, bucket: Bucket) -> torch.Tensor:
         begin = bucket.start // self.world_size

@@ -48,6 +48,7 @@ class Case:
     freeze_matrices: bool = False  # an adapter-style fine-tune: only 1-D parameters (norms, biases) train
     meta: bool = False  # stage 3: zerokit builds the model on the meta device and materialises it by unit
     sub_group_size: int | None = None  # the optimizer steps masters in pieces of this many elements
+    reduce_scatter: bool = True  # stages 1-3: False all-reduces each bucket and keeps the shard
 
 
 def make_model(case: Case) -> torch.nn.Module:
@@ -113,6 +114,8 @@ def engine_config(case: Case) -> dict:
     }
     if case.stage == 2:
         config["zero_optimization"]["reduce_every_micro_step"] = case.reduce_every_micro_step
+    if case.stage > 0:
+        config["zero_optimization"]["reduce_scatter"] = case.reduce_scatter
     if case.sub_group_size is not None:
         config["zero_optimization"]["sub_group_size"] = case.sub_group_size
     if case.stage == 3:

@@ -1,0 +1,1 @@
+"""Benchmarks of zerokit against its peers; run `python benchmarks/bench_stages.py --help`."""

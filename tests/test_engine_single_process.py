@@ -76,3 +76,72 @@ def test_fake_1024_ranks_shard_as_the_formula_says(no_process_group) -> None:
         assert memory["gradients"] == (2 * padded if stage < 2 else 4 * padded // 1024)
         assert memory["optimizer_state"] == 4 * padded // shards  # fp32 masters; Adam state starts at the 1st step
         assert sum(m.numel() for m in engine.stage.masters) == padded // shards
+
+
+def test_step_without_backward_is_refused(no_process_group) -> None:
+    """A second step() after one backward() would step the optimizer again on stale gradients."""
+    model = tiny()
+    engine = zerokit.initialize(model, torch.optim.AdamW(param_groups(model)), {"zero_optimization": {"stage": 1}})
+    tokens = torch.randint(0, 67, (2, 17))
+    with pytest.raises(RuntimeError, match="without an engine.backward"):
+        engine.step()
+    engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))
+    assert engine.step().stepped
+    with pytest.raises(RuntimeError, match="without an engine.backward"):
+        engine.step()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_write_back_keeps_only_edits_and_leaves_other_masters_in_fp32(no_process_group, stage) -> None:
+    model = tiny()
+    engine = zerokit.initialize(model, torch.optim.AdamW(param_groups(model)),
+                                {"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}})
+    before = [m.detach().clone() for m in engine.stage.masters]
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in before)  # masters carry fp32 bits
+    with engine.unsharded(write_back=True):
+        pass  # no edit: nothing may change
+    assert all(torch.equal(m, b) for m, b in zip(engine.stage.masters, before))
+    with engine.unsharded([model.ln_f.bias], write_back=True), torch.no_grad():
+        model.ln_f.bias.fill_(0.25)
+    with engine.unsharded([model.ln_f.bias]):
+        assert torch.equal(model.ln_f.bias, torch.full_like(model.ln_f.bias, 0.25))
+    changed = sum(int((m != b).sum()) for m, b in zip(engine.stage.masters, before))
+    assert changed == model.ln_f.bias.numel()  # exactly the edited elements, now 0.25 in the master too
+
+
+class Rotary(torch.nn.Module):
+    """Owns a buffer and no parameters, like Hugging Face's rotary embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10_000 ** (torch.arange(0, 8, 2) / 8), persistent=False)
+
+
+class WithRotary(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.rotary = Rotary()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.rotary.inv_freq.repeat(2)
+
+
+def test_meta_buffers_of_parameterless_modules_are_initialised_or_refused(no_process_group) -> None:
+    expected = Rotary().inv_freq
+
+    def param_init(module: torch.nn.Module) -> None:
+        if isinstance(module, Rotary):
+            module.inv_freq.copy_(expected)
+        else:
+            module.reset_parameters()
+
+    config = {"zero_optimization": {"stage": 3}}
+    with torch.device("meta"):
+        model = WithRotary()
+    zerokit.initialize(model, torch.optim.AdamW(model.parameters()), config, param_init=param_init)
+    assert torch.equal(model.rotary.inv_freq, expected)
+    with torch.device("meta"):
+        model = WithRotary()
+    with pytest.raises(ValueError, match="Rotary was built on the meta device and has no reset_parameters"):
+        zerokit.initialize(model, torch.optim.AdamW(model.parameters()), config)

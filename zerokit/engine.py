@@ -22,7 +22,8 @@ from zerokit.precision import (StepResult, clip_coefficient, global_grad_norm, m
 from zerokit.runtime import default_device, ensure_process_group
 from zerokit.stages import STAGES, BucketReducer
 from zerokit.stages.base import tensor_bytes
-from zerokit.stages.construction import ParamInit, has_meta_parameters, replace_meta_parameters
+from zerokit.stages.construction import (ParamInit, has_meta_parameters, init_buffer_owners,
+                                        replace_meta_parameters, reset_parameters)
 from zerokit.stages.optimizer import trainable_groups
 
 
@@ -47,8 +48,9 @@ class Engine:
             if config.stage != 3:
                 raise ValueError(f"a model on the meta device needs zero_optimization.stage=3 (got {config.stage}): "
                                  "only stage 3 never holds the whole model")
-            extra = {"param_init": param_init,
-                     "pending_init": replace_meta_parameters(model, optimizer, self.device)}
+            pending_init, buffer_owners = replace_meta_parameters(model, optimizer, self.device)
+            init_buffer_owners(buffer_owners, param_init or reset_parameters)
+            extra = {"param_init": param_init, "pending_init": pending_init}
         elif param_init is not None:
             raise ValueError("param_init is for models built on the meta device; this model has real parameters")
         self.module = model.to(device=self.device)
@@ -63,6 +65,7 @@ class Engine:
                        for i, p in enumerate(params)]
         self.loss_scaler = make_loss_scaler(config.loss_scaling)
         self.micro_step = 0
+        self.backward_since_step = False  # a second step() after one backward() would step on stale gradients
         self.optimizer_step = 0
         self.consecutive_skips = 0
         self.total_skips = 0
@@ -94,9 +97,14 @@ class Engine:
         self.reducer.flush()
         self.stage.finish_backward()
         self.micro_step += 1
+        self.backward_since_step = True
 
     def step(self) -> StepResult:
         """Step the optimizer if this micro-step ended an accumulation window; report either way."""
+        if not self.backward_since_step:
+            raise RuntimeError("engine.step() was called without an engine.backward() since the last step; "
+                               "call engine.backward(loss) once before each engine.step()")
+        self.backward_since_step = False
         boundary = self.micro_step % self.config.gradient_accumulation_steps == 0
         if not boundary:
             return self._result(boundary=False, stepped=False, norm=None, clipped=False)

@@ -10,17 +10,17 @@ import torch.distributed as dist
 
 
 def ensure_process_group() -> None:
-    """Join the group torchrun describes (NCCL with CUDA, gloo on CPU), or make a 1-rank gloo group
-    so that a plain `python train.py` runs the same code path as a launched job."""
+    """Join the group torchrun describes (NCCL with CUDA, gloo on CPU), or make a 1-rank group of the
+    same back-end so that a plain `python train.py` runs the same code path as a launched job."""
     if dist.is_initialized():
         return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # one plain process on a GPU machine trains on its GPU too
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "WORLD_SIZE" in os.environ:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
     else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def default_device() -> torch.device:

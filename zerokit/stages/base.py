@@ -56,6 +56,13 @@ def _split(master: nn.Parameter, piece_numel: int) -> list[nn.Parameter]:
     return [nn.Parameter(view) for view in master.detach().split(piece_numel)]
 
 
+def copy_edits(master: torch.Tensor, compute: torch.Tensor) -> None:
+    """Copy into the fp32 `master` only the elements whose 16-bit `compute` copy no longer matches it:
+    copying all of them would round every untouched master weight to 16 bits."""
+    edited = compute != master.to(compute.dtype)
+    master[edited] = compute[edited].to(master.dtype)
+
+
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
@@ -185,7 +192,7 @@ class ZeroStage:
         if self.separate_masters:
             for bucket, master in zip(self.layout.buckets, self.masters):
                 begin, end = self.owned_range(bucket)
-                master.data.copy_(self.flat.buffer[begin:end])
+                copy_edits(master.data, self.flat.buffer[begin:end])
 
     @contextmanager
     def gathered(self, units: Any = None, write_back: bool = False) -> Iterator[None]:

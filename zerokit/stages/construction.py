@@ -38,10 +38,14 @@ def has_meta_parameters(model: nn.Module) -> bool:
     return any(param.is_meta for param in model.parameters())
 
 
-def replace_meta_parameters(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> set[int]:
+def replace_meta_parameters(model: nn.Module, optimizer: torch.optim.Optimizer,
+                            device: torch.device) -> tuple[set[int], list[nn.Module]]:
     """Swap meta parameters for memory-less real ones (ties and optimizer groups kept) and meta buffers
-    for uninitialised real ones; returns the ids of the new parameters, which need `param_init`."""
+    for uninitialised real ones. Returns the ids of the new parameters, which need `param_init` when
+    their unit is materialised, and the modules that own new buffers but no parameters, which need it
+    on their own (See init_buffer_owners)."""
     replacement: dict[int, nn.Parameter] = {}
+    buffer_owners: list[nn.Module] = []
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is None or not param.is_meta:
@@ -50,19 +54,30 @@ def replace_meta_parameters(model: nn.Module, optimizer: torch.optim.Optimizer, 
                 nothing = torch.full((1,), float("nan"), dtype=param.dtype, device=device)
                 replacement[id(param)] = nn.Parameter(nothing.expand(param.shape), requires_grad=param.requires_grad)
             module._parameters[name] = replacement[id(param)]
-        for name, buffer in list(module._buffers.items()):
-            if buffer is not None and buffer.is_meta:
-                module._buffers[name] = torch.empty_like(buffer, device=device)  # param_init fills it
+        meta_buffers = [name for name, buffer in module._buffers.items() if buffer is not None and buffer.is_meta]
+        for name in meta_buffers:
+            module._buffers[name] = torch.empty_like(module._buffers[name], device=device)  # param_init fills it
+        if meta_buffers and not module._parameters:
+            buffer_owners.append(module)
     for group in optimizer.param_groups:
         group["params"] = [replacement.get(id(p), p) for p in group["params"]]
-    return {id(p) for p in replacement.values()}
+    return {id(p) for p in replacement.values()}, buffer_owners
+
+
+def init_buffer_owners(owners: list[nn.Module], param_init: ParamInit) -> None:
+    """Modules that own buffers but no parameters (a rotary embedding's inv_freq, say) are part of no
+    unit's initialisation, so `param_init` runs on them once, before any unit: their buffers came from
+    the meta device as uninitialised memory."""
+    with torch.no_grad():
+        for module in owners:
+            param_init(module)
 
 
 def reset_parameters(module: nn.Module) -> None:
     """The default param_init: the module's own reset_parameters(), as torch layers define it."""
     if not hasattr(module, "reset_parameters"):
         raise ValueError(f"{type(module).__name__} was built on the meta device and has no reset_parameters(); "
-                         "pass param_init=fn to zerokit.initialize to initialise or load its parameters")
+                         "pass param_init=fn to zerokit.initialize to initialise or load its parameters and buffers")
     module.reset_parameters()
 
 

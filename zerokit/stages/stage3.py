@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from zerokit.comm import Pending, wait
 from zerokit.flat import Bucket
-from zerokit.stages.base import BucketReduction, tensor_bytes
+from zerokit.stages.base import BucketReduction, copy_edits, tensor_bytes
 from zerokit.stages.construction import ParamInit, materialise, reset_parameters
 from zerokit.stages.stage2 import ShardedGradients
 from zerokit.stages.units import Unit, find_units
@@ -258,7 +258,7 @@ class ShardedParameters(ShardedGradients):
                 own = self.full[bucket.index][self.rank * bucket.shard_numel:(self.rank + 1) * bucket.shard_numel]
                 self._shard(bucket).copy_(own)
                 if self.separate_masters:
-                    master.data.copy_(own)
+                    copy_edits(master.data, own)
 
     def memory_by_category(self) -> dict[str, int]:
         stats = super().memory_by_category()

@@ -145,3 +145,18 @@ def test_meta_buffers_of_parameterless_modules_are_initialised_or_refused(no_pro
         model = WithRotary()
     with pytest.raises(ValueError, match="Rotary was built on the meta device and has no reset_parameters"):
         zerokit.initialize(model, torch.optim.AdamW(model.parameters()), config)
+
+
+def test_stage2_counts_full_gradients_held_while_accumulating_locally(no_process_group) -> None:
+    model = tiny()
+    engine = zerokit.initialize(model, torch.optim.AdamW(param_groups(model)),
+                                {"zero_optimization": {"stage": 2, "reduce_every_micro_step": False},
+                                 "gradient_accumulation_steps": 2})
+    tokens = torch.randint(0, 67, (2, 17))
+    shards = engine.memory_stats()["gradients"]
+    engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))  # off the boundary: gradients stay whole
+    full = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert engine.memory_stats()["gradients"] == shards + full
+    engine.step()
+    engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))  # the boundary: reduced, full ones freed
+    assert engine.memory_stats()["gradients"] == shards

@@ -53,4 +53,6 @@ class ShardedGradients(ZeroStage):
         self.grad_shards.zero_()
 
     def gradient_tensors(self) -> list[torch.Tensor]:
-        return [self.grad_shards, *self.staging.values()]
+        # Full gradients exist only while micro-steps accumulate locally (reduce_every_micro_step=False).
+        accumulating = [p.grad for p in self.flat.params if p.grad is not None]
+        return [self.grad_shards, *self.staging.values(), *accumulating]

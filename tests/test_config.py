@@ -56,6 +56,49 @@ def test_defaults_and_typed_config_pass_through() -> None:
     ({"gradient_accumulation_steps": 0}, "must be >= 1"),
     ({"communication_data_type": "fp8"}, "use fp32, bf16 or fp16"),
     ({"fp16": {"enabled": True, "loss_scale": -1}}, "must be 0 (dynamic) or a positive number"),
+    # Booleans: only real JSON true/false; bool("false") would be True.
+    ({"bf16": {"enabled": "false"}}, "bf16.enabled='false' is not a boolean; use true or false"),
+    ({"fp16": {"enabled": 1}}, "fp16.enabled=1 is not a boolean; use true or false"),
+    ({"bf16": {"enabled": "auto"}}, "use true or false (\"auto\" is a Hugging Face Trainer placeholder"),
+    ({"zero_optimization": {"stage": 2, "overlap_comm": "false"}}, "zero_optimization.overlap_comm='false'"),
+    ({"zero_optimization": {"stage": 2, "reduce_scatter": 0}}, "reduce_scatter=0 is not a boolean"),
+    ({"zero_optimization": {"stage": 2, "reduce_every_micro_step": "no"}},
+     "zero_optimization.reduce_every_micro_step='no' is not a boolean"),
+    ({"zero_optimization": {"contiguous_gradients": "true"}}, "zero_optimization.contiguous_gradients='true'"),
+    ({"zero_optimization": {"contiguous_gradients": False}}, "contiguous_gradients=false is not supported"),
+    # Whole numbers: ints, or floats that are whole (5e8); never bools, strings or fractions.
+    ({"gradient_accumulation_steps": "auto"},
+     "gradient_accumulation_steps='auto' is not a number; zerokit needs a whole number here (\"auto\" is a"),
+    ({"gradient_accumulation_steps": 2.7}, "gradient_accumulation_steps=2.7 must be a whole number"),
+    ({"gradient_accumulation_steps": True}, "gradient_accumulation_steps=True is not a number"),
+    ({"zero_optimization": {"reduce_bucket_size": 0.5}}, "zero_optimization.reduce_bucket_size=0.5 must be a whole"),
+    ({"zero_optimization": {"reduce_bucket_size": "5e8"}}, "reduce_bucket_size='5e8' is not a number"),
+    ({"zero_optimization": {"reduce_bucket_bytes": 1e6 + 0.5}}, "zero_optimization.reduce_bucket_bytes=1000000.5"),
+    ({"zero_optimization": {"sub_group_size": "auto"}}, "zero_optimization.sub_group_size='auto' is not a number"),
+    ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": float("inf")}},
+     "zero_optimization.stage3_max_live_parameters=inf must be a whole number"),
+    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}},
+     "zero_optimization.stage3_prefetch_bucket_size='auto' is not a number"),
+    ({"zero_optimization": {"stage": 3, "stage3_unit_classes": "Block"}}, "must be a list of module class names"),
+    ({"fp16": {"enabled": True, "hysteresis": 1.5}}, "fp16.hysteresis=1.5 must be a whole number"),
+    ({"max_consecutive_skipped_steps": False}, "max_consecutive_skipped_steps=False is not a number"),
+    ({"train_batch_size": "32"}, "train_batch_size='32' is not a number"),
+    # Finite numbers: a nan clip value compares false with everything and would disable clipping.
+    ({"gradient_clipping": float("nan")}, "gradient_clipping=nan must be a finite number"),
+    ({"gradient_clipping": float("inf")}, "gradient_clipping=inf must be a finite number"),
+    ({"gradient_clipping": "1.0"}, "gradient_clipping='1.0' is not a number"),
+    ({"fp16": {"enabled": True, "loss_scale": float("nan")}}, "fp16.loss_scale=nan must be a finite number"),
+    ({"fp16": {"enabled": True, "min_loss_scale": float("-inf")}}, "fp16.min_loss_scale=-inf must be a finite"),
+    # Sections are objects.
+    ({"bf16": True}, "bf16 must be a JSON object, not True"),
+    ({"zero_optimization": 2}, "zero_optimization must be a JSON object, not 2"),
+    ({"communication_data_type": ["bf16"]}, "communication_data_type=['bf16'] is not a dtype"),
+    # Contradictions: keys that the chosen stage or precision would silently ignore.
+    ({"zero_optimization": {"stage": 2, "stage3_max_live_parameters": 1e9}},
+     "zero_optimization.stage3_max_live_parameters is a stage-3 key but zero_optimization.stage=2"),
+    ({"zero_optimization": {"prefetch_bucket_size": 5e7}}, "prefetch_bucket_size is a stage-3 key but"),
+    ({"zero_optimization": {"stage": 1, "stage3_unit_classes": ["Block"]}}, "stage3_unit_classes is a stage-3 key"),
+    ({"fp16": {"loss_scale": 0}}, "fp16.loss_scale is set but fp16.enabled is not; set fp16.enabled to true or false"),
 ])
 def test_bad_config_is_one_clear_line(raw, message) -> None:
     with pytest.raises(ValueError) as error:
@@ -79,3 +122,57 @@ def test_batch_size_identity_is_checked() -> None:
     config.check_batch_sizes(world_size=4)
     with pytest.raises(ValueError, match=r"= 4 x 2 x 3 = 24"):
         config.check_batch_sizes(world_size=3)
+
+
+def test_deepspeed_number_spellings_still_read() -> None:
+    """JSON has one number type: 5e8 arrives as a float and is accepted wherever it is a whole count."""
+    config = load_config({
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8, "sub_group_size": 1e9,
+                              "stage3_max_live_parameters": 1e9, "stage3_prefetch_bucket_size": 5e7,
+                              "stage3_param_persistence_threshold": 1e5, "stage3_unit_classes": ["Block"],
+                              "reduce_scatter": True, "contiguous_gradients": True, "overlap_comm": True},
+        "gradient_accumulation_steps": 2.0, "gradient_clipping": 1, "train_batch_size": 16.0,
+        "train_micro_batch_size_per_gpu": 8,
+    })
+    assert config.reduce_bucket_bytes == 4 * 500_000_000 and config.sub_group_size == 10**9
+    assert config.stage3.max_live_parameters == 10**9 and config.stage3.prefetch_numel == 5 * 10**7
+    assert config.stage3.persistence_threshold == 10**5 and config.stage3.unit_classes == ("Block",)
+    assert type(config.gradient_accumulation_steps) is int and config.gradient_accumulation_steps == 2
+    assert type(config.gradient_clipping) is float and config.train_batch_size == 16
+    assert config.reduce_scatter is True
+
+
+def test_flags_keep_their_meaning() -> None:
+    """Real false values still switch things off, and absent or null flags keep their defaults."""
+    config = load_config({"zero_optimization": {"stage": 2, "overlap_comm": False, "reduce_scatter": False,
+                                                "reduce_every_micro_step": False},
+                          "bf16": {"enabled": False}, "fp16": {"enabled": False}})
+    assert not config.overlap_comm and config.reduce_scatter is False and not config.reduce_every_micro_step
+    assert config.precision.param_dtype == torch.float32
+    assert load_config({"zero_optimization": {"stage": 2}}).reduce_scatter is None
+    assert load_config({"zero_optimization": {"stage": 2, "reduce_scatter": None}}).reduce_scatter is None
+    assert load_config({"zero_optimization": {"stage": 0, "reduce_scatter": True}}).reduce_scatter  # as DeepSpeed
+
+
+def test_nan_from_a_json_file_is_rejected(tmp_path) -> None:
+    """json.loads reads the non-standard NaN literal, so the file path needs the check as much as dicts do."""
+    path = tmp_path / "ds.json"
+    path.write_text('{"gradient_clipping": NaN}')
+    with pytest.raises(ValueError, match="gradient_clipping=nan must be a finite number"):
+        load_config(str(path))
+
+
+def test_planner_emitted_configs_are_accepted() -> None:
+    """`zerokit plan --emit zerokit` writes DeepSpeed-style sizes as element counts; every stage must load."""
+    from zerokit.planner import estimate, make_scenario
+    from zerokit.planner.emit import emit_zerokit
+
+    for stage in (0, 1, 2, 3):
+        emitted = emit_zerokit(estimate(make_scenario("llama2-7b", seq_len=2048), stage))
+        assert load_config(emitted).stage == stage
+
+
+def test_a_disabled_fp16_block_with_scaling_keys_loads_as_deepspeed_templates_do() -> None:
+    config = load_config({"bf16": {"enabled": True}, "fp16": {"enabled": False, "loss_scale": 0,
+                                                            "initial_scale_power": 12}})
+    assert config.precision.param_dtype == torch.bfloat16 and config.loss_scaling is None

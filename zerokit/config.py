@@ -9,6 +9,8 @@ what is accepted, because a silently ignored knob is how a run trains wrong with
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -202,30 +204,82 @@ def _reject_unknown(section: str, given: Mapping[str, Any], accepted: set[str]) 
             raise ValueError(f"unknown config key {section}{key!r}; accepted: {', '.join(sorted(accepted))}")
 
 
+# [Note: reading JSON values strictly]
+# Python's bool("false") is True and int(2.7) is 2, so coercing would turn a quoted or mistyped value into a
+# different setting without a word. Each value is read by one helper below that accepts only what the key
+# means: real JSON booleans, whole numbers (JSON has one number type, so DeepSpeed's 5e8 arrives as a float
+# and is accepted when it is whole), finite floats. bool is an int subclass in Python but never a number here.
+
+def _auto_hint(raw: Any) -> str:
+    # DeepSpeed configs copied from Hugging Face examples carry "auto", which only the HF Trainer fills in.
+    if isinstance(raw, str) and raw == "auto":
+        return " (\"auto\" is a Hugging Face Trainer placeholder; write the value)"
+    return ""
+
+
+def _bool(raw: Any, key: str) -> bool:
+    if not isinstance(raw, bool):
+        raise ValueError(f"{key}={raw!r} is not a boolean; use true or false{_auto_hint(raw)}")
+    return raw
+
+
+def _int(raw: Any, key: str) -> int:
+    if isinstance(raw, numbers.Integral) and not isinstance(raw, bool):
+        return int(raw)
+    if isinstance(raw, numbers.Real) and not isinstance(raw, bool):
+        if math.isfinite(raw) and float(raw).is_integer():
+            return int(raw)
+        raise ValueError(f"{key}={raw!r} must be a whole number")
+    raise ValueError(f"{key}={raw!r} is not a number; zerokit needs a whole number here{_auto_hint(raw)}")
+
+
+def _finite(raw: Any, key: str) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, numbers.Real):
+        raise ValueError(f"{key}={raw!r} is not a number; zerokit needs a number here{_auto_hint(raw)}")
+    if not math.isfinite(raw):  # json.loads reads NaN and Infinity; a nan clip value would disable clipping
+        raise ValueError(f"{key}={raw!r} must be a finite number")
+    return float(raw)
+
+
+def _section(raw: Mapping[str, Any], key: str) -> dict[str, Any]:
+    value = raw.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{key} must be a JSON object, not {value!r}")
+    return dict(value)
+
+
 def _dtype(name: Any, key: str) -> torch.dtype:
-    if name not in DTYPES_BY_NAME:
+    if not isinstance(name, str) or name not in DTYPES_BY_NAME:
         raise ValueError(f"{key}={name!r} is not a dtype zerokit knows; use fp32, bf16 or fp16")
     return DTYPES_BY_NAME[name]
 
 
 def _precision(raw: Mapping[str, Any]) -> tuple[MixedPrecision, LossScaling | None]:
-    bf16, fp16 = dict(raw.get("bf16") or {}), dict(raw.get("fp16") or {})
+    bf16, fp16 = _section(raw, "bf16"), _section(raw, "fp16")
     _reject_unknown("bf16.", bf16, BF16_KEYS)
     _reject_unknown("fp16.", fp16, FP16_KEYS)
-    bf16_on, fp16_on = bool(bf16.get("enabled", False)), bool(fp16.get("enabled", False))
+    bf16_on = _bool(bf16.get("enabled", False), "bf16.enabled")
+    fp16_on = _bool(fp16.get("enabled", False), "fp16.enabled")
     if bf16_on and fp16_on:
         raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
+    scaling_keys = sorted(set(fp16) - {"enabled"})
+    # Loss-scaling keys with no `enabled` leave it unclear whether fp16 was meant. With an explicit
+    # `enabled: false` they are inert, as in DeepSpeed, and the templates that carry them load as they are.
+    if scaling_keys and "enabled" not in fp16:
+        raise ValueError(f"fp16.{scaling_keys[0]} is set but fp16.enabled is not; set fp16.enabled to true or false")
     param_dtype = torch.bfloat16 if bf16_on else torch.float16 if fp16_on else torch.float32
     reduce_dtype = _dtype(raw.get("communication_data_type", "fp32"), "communication_data_type")
     scaling = None
     if fp16_on:
-        loss_scale = float(fp16.get("loss_scale", 0))
+        loss_scale = _finite(fp16.get("loss_scale", 0), "fp16.loss_scale")
         scaling = LossScaling(
             static_scale=loss_scale or None,
-            initial_scale_power=int(fp16.get("initial_scale_power", 16)),
-            window=int(fp16.get("loss_scale_window", 1000)),
-            hysteresis=int(fp16.get("hysteresis", 2)),
-            min_scale=float(fp16.get("min_loss_scale", 1.0)),
+            initial_scale_power=_int(fp16.get("initial_scale_power", 16), "fp16.initial_scale_power"),
+            window=_int(fp16.get("loss_scale_window", 1000), "fp16.loss_scale_window"),
+            hysteresis=_int(fp16.get("hysteresis", 2), "fp16.hysteresis"),
+            min_scale=_finite(fp16.get("min_loss_scale", 1.0), "fp16.min_loss_scale"),
         )
     return MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype), scaling
 
@@ -234,11 +288,11 @@ def _bucket_bytes(zero: Mapping[str, Any], reduce_dtype: torch.dtype) -> int:
     if "reduce_bucket_size" in zero and "reduce_bucket_bytes" in zero:
         raise ValueError("give reduce_bucket_size (elements, DeepSpeed) or reduce_bucket_bytes, not both")
     if "reduce_bucket_size" in zero:  # DeepSpeed counts elements, not bytes
-        elements = float(zero["reduce_bucket_size"])
+        elements = _int(zero["reduce_bucket_size"], "zero_optimization.reduce_bucket_size")
         if elements <= 0:
             raise ValueError(f"zero_optimization.reduce_bucket_size={zero['reduce_bucket_size']} must be > 0")
-        return int(elements) * torch.empty((), dtype=reduce_dtype).element_size()
-    return int(zero.get("reduce_bucket_bytes", DEFAULT_BUCKET_BYTES))
+        return elements * torch.empty((), dtype=reduce_dtype).element_size()
+    return _int(zero.get("reduce_bucket_bytes", DEFAULT_BUCKET_BYTES), "zero_optimization.reduce_bucket_bytes")
 
 
 def _stage3(zero: Mapping[str, Any]) -> Stage3Policy:
@@ -249,34 +303,56 @@ def _stage3(zero: Mapping[str, Any]) -> Stage3Policy:
         if name in fields:
             raise ValueError(f"zero_optimization has both spellings of {name}; keep one")
         value = zero[key]
-        fields[name] = tuple(value) if name == "unit_classes" else int(float(value))
+        if name != "unit_classes":
+            fields[name] = _int(value, f"zero_optimization.{key}")
+        elif isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
+            fields[name] = tuple(value)
+        else:  # a bare string would otherwise become a tuple of its letters
+            raise ValueError(f"zero_optimization.{key}={value!r} must be a list of module class names, "
+                             "like [\"LlamaDecoderLayer\"]")
     return Stage3Policy(**fields)
+
+
+def _optional_int(raw: Mapping[str, Any], key: str, section: str = "") -> int | None:
+    return None if raw.get(key) is None else _int(raw[key], f"{section}{key}")
 
 
 def from_dict(raw: Mapping[str, Any]) -> ZeroConfig:
     """Build a ZeroConfig from DeepSpeed-style keys."""
     _reject_unknown("", raw, TOP_LEVEL_KEYS)
-    zero = dict(raw.get("zero_optimization") or {})
+    zero = _section(raw, "zero_optimization")
     _reject_unknown("zero_optimization.", zero, ZERO_KEYS)
-    if zero.get("contiguous_gradients", True) is False:
+    if not _bool(zero.get("contiguous_gradients", True), "zero_optimization.contiguous_gradients"):
         raise ValueError("zero_optimization.contiguous_gradients=false is not supported; buckets are always contiguous")
     precision, scaling = _precision(raw)
-    return ZeroConfig(
+
+    def flag(key: str, default: bool) -> bool:
+        return _bool(zero.get(key, default), f"zero_optimization.{key}")
+
+    config = ZeroConfig(
         stage=zero.get("stage", 0),
         precision=precision,
         loss_scaling=scaling,
-        gradient_accumulation_steps=int(raw.get("gradient_accumulation_steps", 1)),
-        gradient_clipping=float(raw.get("gradient_clipping", 0.0)),
+        gradient_accumulation_steps=_int(raw.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps"),
+        gradient_clipping=_finite(raw.get("gradient_clipping", 0.0), "gradient_clipping"),
         reduce_bucket_bytes=_bucket_bytes(zero, precision.reduce_dtype),
-        sub_group_size=int(float(zero["sub_group_size"])) if "sub_group_size" in zero else None,
-        reduce_scatter=bool(zero["reduce_scatter"]) if "reduce_scatter" in zero else None,
-        overlap_comm=bool(zero.get("overlap_comm", True)),
-        reduce_every_micro_step=bool(zero.get("reduce_every_micro_step", True)),
+        sub_group_size=_optional_int(zero, "sub_group_size", "zero_optimization."),
+        reduce_scatter=None if zero.get("reduce_scatter") is None else flag("reduce_scatter", True),  # null: auto
+        overlap_comm=flag("overlap_comm", True),
+        reduce_every_micro_step=flag("reduce_every_micro_step", True),
         stage3=_stage3(zero),
-        max_consecutive_skipped_steps=int(raw.get("max_consecutive_skipped_steps", 20)),
-        train_batch_size=raw.get("train_batch_size"),
-        train_micro_batch_size_per_gpu=raw.get("train_micro_batch_size_per_gpu"),
+        max_consecutive_skipped_steps=_int(raw.get("max_consecutive_skipped_steps", 20),
+                                           "max_consecutive_skipped_steps"),
+        train_batch_size=_optional_int(raw, "train_batch_size"),
+        train_micro_batch_size_per_gpu=_optional_int(raw, "train_micro_batch_size_per_gpu"),
     )
+    # Checked once the stage itself is known to be valid. Stages 0-2 never read these keys, and a
+    # stage-3 limit that silently does nothing is the kind of knob this reader exists to catch.
+    stage3_keys = sorted(key for key in zero if key in STAGE3_KEYS)
+    if stage3_keys and config.stage != 3:
+        raise ValueError(f"zero_optimization.{stage3_keys[0]} is a stage-3 key but zero_optimization.stage="
+                         f"{config.stage}; remove it or use stage 3")
+    return config
 
 
 def load_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None) -> ZeroConfig:

@@ -31,7 +31,7 @@ def test_bad_nproc_is_one_line(capsys) -> None:
     assert capsys.readouterr().err.strip() == "zerokit demo: error: --nproc=0 must be >= 1"
 
 
-@pytest.mark.parametrize("stage", [1])
+@pytest.mark.parametrize("stage", [2, 3])
 def test_demo_trains_on_two_processes(stage: int) -> None:
     completed = subprocess.run(
         [sys.executable, "-m", "zerokit", "demo", "--nproc", "2", "--stage", str(stage), "--steps", "4",

@@ -12,7 +12,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                                    description="Launches `torchrun --standalone` with N processes (gloo on CPU) "
                                                "running zerokit.demo.train; other flags are passed through.")
     parser.add_argument("--nproc", type=int, default=2, help="number of local processes (ranks)")
-    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2])
+    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3])
     return parser
 
 

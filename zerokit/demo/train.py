@@ -20,7 +20,7 @@ from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Train a small character-level GPT with zerokit.")
-    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2])
+    parser.add_argument("--stage", type=int, default=2, choices=[0, 1, 2, 3])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank per micro-step")
@@ -45,7 +45,8 @@ def stage0_equivalent(engine: zerokit.Engine, memory: dict[str, int]) -> dict[st
     """What plain data parallel would hold on each rank for the same model: everything unsharded."""
     shards = 1 if engine.config.stage == 0 else engine.world_size
     param_bytes = engine.stage.flat.buffer.element_size()
-    return {"parameters": memory["parameters"], "gradients": param_bytes * engine.trainable_numel(),
+    every_parameter = sum(p.numel() for p in engine.module.parameters())  # true shapes, even when sharded
+    return {"parameters": param_bytes * every_parameter, "gradients": param_bytes * engine.trainable_numel(),
             "optimizer_state": memory["optimizer_state"] * shards}
 
 
@@ -76,7 +77,7 @@ def sample(engine: zerokit.Engine, tokenizer: CharTokenizer, prompt: str, length
     model = engine.module.eval()
     ids = tokenizer.encode(prompt).unsqueeze(0)
     generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
+    with torch.no_grad(), engine.unsharded():  # stage 3: gather once, not once per token
         for _ in range(length):
             logits = model(ids[:, -model.config.block_size:])[:, -1].float()
             probabilities = torch.softmax(logits / 0.8, dim=-1)

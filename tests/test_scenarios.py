@@ -1,17 +1,24 @@
-"""Overflow seen by one rank only is agreed on by all; endless overflow fails loudly."""
+"""Overflow seen by one rank only is agreed on by all, at every stage, in bf16 and in fp16 with dynamic loss
+scaling; endless overflow fails loudly."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from zerokit.testing.scenarios import run_overflow_scenarios
+from zerokit.testing.scenarios import OVERFLOW_SETTINGS, run_overflow_scenarios
 from zerokit.testing.spawn import spawn
 
 
 @pytest.fixture(scope="module")
-def scenarios():
-    return spawn(run_overflow_scenarios, 2, 2)
+def every_setting():
+    return spawn(run_overflow_scenarios, 2)
+
+
+@pytest.fixture(params=[f"stage{s}-{d}" for s, d in OVERFLOW_SETTINGS])
+def scenarios(every_setting, request):
+    """Each rank's results for one stage and 16-bit dtype (fp16 with dynamic loss scaling)."""
+    return [ranks[request.param] for ranks in every_setting]
 
 
 def test_overflow_on_one_shard_skips_the_step_on_every_rank(scenarios) -> None:

@@ -7,7 +7,7 @@ from dataclasses import asdict
 import torch
 
 import zerokit
-from zerokit.testing.parity import Case, engine_config, fp32_state, make_batch, make_model, make_optimizer
+from zerokit.testing.parity import Case, engine_config, make_batch, make_model, make_optimizer
 from zerokit.testing.models import lm_loss
 
 
@@ -25,8 +25,16 @@ def _poison_on_rank0(model: torch.nn.Module, rank: int, steps: set[int], clock: 
     target.register_hook(poison)
 
 
-def run_overflow_scenarios(rank: int, world_size: int, stage: int = 2) -> dict:
-    case = Case("overflow", stage=stage, dtype="bf16", steps=4)
+OVERFLOW_SETTINGS = [(stage, dtype) for stage in (0, 1, 2, 3) for dtype in ("bf16", "fp16")]
+
+
+def run_overflow_scenarios(rank: int, world_size: int) -> dict:
+    """Every stage and 16-bit dtype: {"stage2-bf16": {"agree": ..., "fail_loud": ...}, ...}."""
+    return {f"stage{stage}-{dtype}": _overflow_scenarios(rank, Case("overflow", stage=stage, dtype=dtype, steps=4))
+            for stage, dtype in OVERFLOW_SETTINGS}
+
+
+def _overflow_scenarios(rank: int, case: Case) -> dict:
     out = {}
     for name, poisoned, limit in (("agree", {1}, 20), ("fail_loud", set(range(100)), 3)):
         model = make_model(case)
@@ -40,7 +48,7 @@ def run_overflow_scenarios(rank: int, world_size: int, stage: int = 2) -> dict:
                 tokens = make_batch(case, step, 0, rank)
                 engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))
                 results.append(asdict(engine.step()))
-                snapshots.append(fp32_state(model))
+                snapshots.append(engine.full_state_dict())  # gathered, at stage 3 too
         except zerokit.SkippedStepsError as raised:
             error = str(raised)
         out[name] = {"results": results, "error": error, "snapshots": snapshots}

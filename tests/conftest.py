@@ -58,6 +58,19 @@ STAGE3_EXTRAS = [
     Case("stage3-sgd-no-prefetch-room", stage=3, optimizer="sgd", clip=0.0, n_layer=4, max_live_parameters=17_100),
     *[Case(f"stage3-{m}-{d}", stage=3, dtype=d, model=m, min_unit_params=100)
       for m in ("hf-gpt2", "hf-llama") for d in ("fp32", "bf16")],
+    # Nested units (See [Note: nested units]): the attention is a unit inside each Block unit.
+    *[Case(f"stage3-{d}-nested-units", stage=3, dtype=d, unit_classes=("Block", "CausalSelfAttention"))
+      for d in ("fp32", "bf16")],
+    Case("stage3-bf16-nested-checkpointed-accum2", stage=3, dtype="bf16", checkpoint=True, accumulation=2,
+         unit_classes=("Block", "CausalSelfAttention")),
+    # ln_1 runs first in its Block, so the Block's own gradients are all in before ln_1's backward starts:
+    # the Block is freed for good while an inner unit still has its backward to run.
+    Case("stage3-fp32-nested-inner-runs-first", stage=3, unit_classes=("Block", "LayerNorm")),
+    # Root 2.6k + Block 4.8k + its attention 2.4k + the other Block 4.8k = 14.7k: the nested limit, just met.
+    Case("stage3-fp32-nested-live-limit", stage=3, unit_classes=("Block", "CausalSelfAttention"),
+         max_live_parameters=14_750),
+    # Units given as module instances (resolved on each rank): one nested, and an MLP whose Block is no unit.
+    Case("stage3-fp32-units-by-instance", stage=3, unit_modules=("blocks.0", "blocks.0.attn", "blocks.1.mlp")),
 ]
 
 

@@ -72,8 +72,9 @@ def test_collectives_per_step(parity_runs, world_size: int, case: Case) -> None:
 
 
 def check_stage3_gathers(case: Case, out: dict, step: dict) -> None:
-    """Per micro-step the root is gathered once (it stays for the whole step) and every block twice:
-    before its forward and before its backward. Persistent units are gathered after each step."""
+    """Per micro-step the root is gathered once (it stays for the whole step) and every other unit twice:
+    before its forward and before its backward. Nested units too: each gathers only what it owns, and an
+    outer unit stays gathered while the units inside it run. Persistent units are gathered after each step."""
     root, blocks = out["unit_numel"][0], out["unit_numel"][1:]
     if case.reuse_first_block or case.persistence_threshold:
         return  # counted by their own tests

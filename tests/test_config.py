@@ -79,7 +79,6 @@ def test_defaults_and_typed_config_pass_through() -> None:
      "zero_optimization.stage3_max_live_parameters=inf must be a whole number"),
     ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}},
      "zero_optimization.stage3_prefetch_bucket_size='auto' is not a number"),
-    ({"zero_optimization": {"stage": 3, "stage3_unit_classes": "Block"}}, "must be a list of module class names"),
     ({"fp16": {"enabled": True, "hysteresis": 1.5}}, "fp16.hysteresis=1.5 must be a whole number"),
     ({"max_consecutive_skipped_steps": False}, "max_consecutive_skipped_steps=False is not a number"),
     ({"train_batch_size": "32"}, "train_batch_size='32' is not a number"),

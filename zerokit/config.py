@@ -71,10 +71,19 @@ class Stage3Policy:
     Sizes are in elements, like DeepSpeed's stage3_* keys."""
 
     unit_classes: tuple[str, ...] = ()
-    """Module class names that become units (e.g. "LlamaDecoderLayer"). Empty: the auto-wrap policy,
-    which makes a unit of every module with at least min_unit_params parameters whose parent is not
-    itself small enough to be one unit (transformer blocks, typically); the root takes the rest."""
+    """Names of module classes whose instances become units, e.g. "LlamaDecoderLayer" (the exact class
+    name; subclasses do not match); a single string is one name. Named units, here or in `units`, may
+    nest (a Block and the attention inside it): each is its own unit, and the outer one owns only what
+    the inner ones do not (See [Note: nested units] in zerokit/stages/units.py). A name that matches no
+    module raises. With neither unit_classes nor units, auto-wrap: every member of an nn.ModuleList or
+    nn.Sequential with at least min_unit_params parameters becomes a unit (transformer blocks,
+    typically), nothing inside such a unit is searched (no nesting), and the root takes the rest."""
+    units: tuple[type[torch.nn.Module] | torch.nn.Module, ...] = ()
+    """Module classes (every instance, subclasses included) and module instances that become units,
+    besides those named in unit_classes; a single class or module is one entry. Typed config only:
+    JSON carries names, in stage3_unit_classes. Each must match a module of the model, or it raises."""
     min_unit_params: int = 100_000
+    """Auto-wrap only: the fewest parameters a ModuleList/Sequential member needs to become a unit."""
     max_live_parameters: int = 1_000_000_000
     """Never hold more than this many unsharded parameter elements at once (DeepSpeed
     stage3_max_live_parameters); prefetches that would exceed it wait."""
@@ -84,9 +93,28 @@ class Stage3Policy:
     """Units with fewer parameters stay unsharded for the whole step (stage3_param_persistence_threshold)."""
 
     def __post_init__(self) -> None:
+        # A bare string would otherwise be read as the tuple of its letters, a bare class as an error.
+        object.__setattr__(self, "unit_classes", self._entries(self.unit_classes, (str,)))
+        object.__setattr__(self, "units", self._entries(self.units, (type, torch.nn.Module)))
+        for name in self.unit_classes:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"stage3 unit_classes entry {name!r} is not a class name; give names like "
+                                 "\"LlamaDecoderLayer\" there and classes or module instances in units")
+        for item in self.units:
+            if not isinstance(item, torch.nn.Module) and not (isinstance(item, type)
+                                                               and issubclass(item, torch.nn.Module)):
+                raise ValueError(f"stage3 units entry {item!r} is neither an nn.Module class nor a module "
+                                 "instance; give class names in unit_classes")
         for name in ("min_unit_params", "max_live_parameters", "prefetch_numel", "persistence_threshold"):
             if getattr(self, name) < 0:
                 raise ValueError(f"stage3 {name}={getattr(self, name)} must be >= 0")
+
+    @staticmethod
+    def _entries(value: Any, single: tuple[type, ...]) -> tuple[Any, ...]:
+        """One entry or a collection of them, as a tuple (hashable, like the frozen config around it)."""
+        if isinstance(value, (list, tuple, set, frozenset)) and not isinstance(value, single):
+            return tuple(value)
+        return (value,)  # a single entry; a wrong type is named by the checks that follow
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -305,10 +333,12 @@ def _stage3(zero: Mapping[str, Any]) -> Stage3Policy:
         value = zero[key]
         if name != "unit_classes":
             fields[name] = _int(value, f"zero_optimization.{key}")
+        elif isinstance(value, str):  # one class name, not a tuple of its letters
+            fields[name] = (value,)
         elif isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
             fields[name] = tuple(value)
-        else:  # a bare string would otherwise become a tuple of its letters
-            raise ValueError(f"zero_optimization.{key}={value!r} must be a list of module class names, "
+        else:
+            raise ValueError(f"zero_optimization.{key}={value!r} must be a module class name or a list of them, "
                              "like [\"LlamaDecoderLayer\"]")
     return Stage3Policy(**fields)
 

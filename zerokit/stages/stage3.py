@@ -6,11 +6,30 @@ right after, so full parameters exist only while the module that uses them compu
   root pre-forward: gather the root unit (kept for the whole step; it owns the tied weights)
   unit pre-forward: gather it (or wait for its prefetch), prefetch the next unit in last step's order
   unit post-forward: free it; hook its outputs so that their gradient re-gathers it
-  unit pre-backward (output gradient ready): gather it, prefetch the unit before it in this forward
+  unit pre-backward (output gradient ready): gather it, prefetch the unit whose output came just before
+    its own in this forward (backward reaches units in the reverse of the order their outputs came in)
   gradients ready: stage 2's buckets (one per unit and param group) reduce-scatter them; once all of a
     unit's buckets are launched the unit is freed again
   end of backward: free whatever is still gathered
 The gathers run on their own process group: see Communicator.twin for why.
+
+[Note: hooks around nested units]
+With nested units (See [Note: nested units] in units.py) an inner unit's hooks fire inside its outer
+unit's forward. Nothing above needs a special case, for these reasons:
+  - forward: the outer unit is gathered in its pre-forward and freed in its post-forward, which comes
+    after the inner unit's post-forward; the inner unit gathers and frees only what it owns. Pre-forward
+    order (outer, inner, next outer, ...) is the order units are needed in, so it drives prefetch.
+  - backward: the outer unit's output gradient is ready before any backward inside the outer unit runs,
+    so the outer unit is gathered first. Output order (inner, outer, next inner, ...) reversed is the
+    order backward reaches units in, so the unit to prefetch is the one whose output came just before:
+    never a unit around this one, which may already be freed for good.
+  - freeing in backward: a unit is freed once its own gradients are all launched. A gradient is complete
+    only after the last backward use of its parameter, and the weights an outer unit shares with an
+    inner one belong to the outer one, so no unit is freed while backward still needs what it owns.
+  - activation checkpointing recomputes an outer unit's forward in backward: the inner units it calls
+    are gathered there (state BACKWARD: nothing is freed), and their own pre-backward finds them gathered.
+Live at once: the root, persistent units, a whole chain of nested units, and one unit before it whose
+last gradients may still be accumulating; see _check_live_limit. Prefetches come on top only if they fit.
 """
 
 from __future__ import annotations
@@ -31,7 +50,7 @@ from zerokit.flat import Bucket
 from zerokit.stages.base import BucketReduction, copy_edits, tensor_bytes
 from zerokit.stages.construction import ParamInit, materialise, reset_parameters
 from zerokit.stages.stage2 import ShardedGradients
-from zerokit.stages.units import Unit, find_units
+from zerokit.stages.units import Unit, ancestry, find_units
 
 
 class TrainingState(Enum):
@@ -108,8 +127,9 @@ class ShardedParameters(ShardedGradients):
         self.persistent = {u.index for u in self.units if 0 < self.unit_numel[u.index] < policy.persistence_threshold}
         self._check_live_limit()
         self.state = TrainingState.IDLE
-        self.forward_order: list[int] = []
-        self.last_forward_order: list[int] = []
+        self.forward_order: list[int] = []  # unit indices in pre-forward order, this forward
+        self.last_forward_order: list[int] = []  # the same, last forward: what prefetch expects next
+        self.output_order: list[int] = []  # unit indices in post-forward order: backward runs it in reverse
         self.reduced: set[int] = set()
         for unit in self.units:
             unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
@@ -118,15 +138,23 @@ class ShardedParameters(ShardedGradients):
             self.unshard(self.units[index])
 
     def _check_live_limit(self) -> None:
-        """Root and persistent units stay gathered; at worst two other units are live at once (the one
-        computing and the one whose gradients are not all in yet)."""
-        largest = sorted((n for i, n in enumerate(self.unit_numel) if i and i not in self.persistent), reverse=True)
-        needed = self.unit_numel[0] + sum(self.unit_numel[i] for i in self.persistent if i) + sum(largest[:2])
+        """Root and persistent units stay gathered. Besides them, at worst the unit computing is live with
+        every unit around it (a chain of nested units; just the unit itself without nesting), plus one
+        other unit whose last gradients are not all in yet: two units when none nest. Prefetches are
+        not counted: they wait when they would not fit. See [Note: hooks around nested units]."""
+        sharded = {i for i in range(1, len(self.units)) if i not in self.persistent}
+        largest_first = sorted(sharded, key=lambda i: -self.unit_numel[i])
+        worst = 0
+        for index in sharded:
+            chain = {j for j in ancestry(self.units, index) if j in sharded}
+            other = next((self.unit_numel[k] for k in largest_first if k not in chain), 0)
+            worst = max(worst, sum(self.unit_numel[j] for j in chain) + other)
+        needed = self.unit_numel[0] + sum(self.unit_numel[i] for i in self.persistent if i) + worst
         limit = self.config.stage3.max_live_parameters
         if needed > limit:
             raise ValueError(f"stage3_max_live_parameters={limit} is below the {needed} elements this model needs "
-                             "live at once (root + persistent units + the two largest units); raise it or use "
-                             "smaller units (stage3_unit_classes)")
+                             "live at once (root + persistent units + the largest chain of nested units + one "
+                             "more unit); raise it or use smaller units (stage3_unit_classes)")
 
     # --- gather and free ---------------------------------------------------------------------------
     def _shard(self, bucket: Bucket) -> torch.Tensor:
@@ -197,7 +225,7 @@ class ShardedParameters(ShardedGradients):
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
         if unit.index == 0 and self.state in (TrainingState.IDLE, TrainingState.FORWARD):
             self.state = TrainingState.FORWARD
-            self.forward_order = []
+            self.forward_order, self.output_order = [], []
         if self.state == TrainingState.FORWARD:
             self.forward_order.append(unit.index)
         self.unshard(unit)
@@ -205,8 +233,10 @@ class ShardedParameters(ShardedGradients):
             self._prefetch(_neighbour(self.last_forward_order, unit.index, +1))
 
     def _post_forward(self, unit: Unit, module: nn.Module, args: Any, output: Any) -> None:
+        if self.state == TrainingState.FORWARD:
+            self.output_order.append(unit.index)
         if self.state == TrainingState.FORWARD and unit.index != 0:
-            self.reshard(unit)
+            self.reshard(unit)  # only what it owns: a unit around it stays gathered until its own post-forward
         if unit.index == 0 and self.state == TrainingState.FORWARD:
             self.last_forward_order = self.forward_order
             if not torch.is_grad_enabled():  # no backward will follow (eval, generation)
@@ -223,7 +253,8 @@ class ShardedParameters(ShardedGradients):
         self.state = TrainingState.BACKWARD
         if not self.is_gathered(unit):
             self.unshard(unit)
-        self._prefetch(_neighbour(self.forward_order, unit.index, -1))
+        # See [Note: hooks around nested units]
+        self._prefetch(_neighbour(self.output_order, unit.index, -1))
 
     # --- gradients, step -----------------------------------------------------------------------------
     def reduce_bucket(self, bucket: Bucket) -> BucketReduction:
@@ -285,7 +316,8 @@ class ShardedParameters(ShardedGradients):
                     self.reshard(unit)
 
     def saving_plan(self, model: nn.Module) -> list[tuple[list[Unit], list[nn.Parameter]]]:
-        """One unit at a time: saving never holds more than one unit's full parameters."""
+        """One unit at a time: saving never holds more than one unit's full parameters (an outer unit's
+        own, without the units inside it: units never share a parameter)."""
         return [([unit], [p for p in model.parameters() if id(p) in unit.param_ids]) for unit in self.units]
 
     def units_of(self, params: list[nn.Parameter]) -> list[Unit]:

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from zerokit.config import DTYPES_BY_NAME, LossScaling
+from zerokit.config import DTYPES_BY_NAME, LossScaling, load_config
 from zerokit.precision import make_loss_scaler
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups, seeded_init
 
@@ -49,6 +49,10 @@ class Case:
     meta: bool = False  # stage 3: zerokit builds the model on the meta device and materialises it by unit
     sub_group_size: int | None = None  # the optimizer steps masters in pieces of this many elements
     reduce_scatter: bool = True  # stages 1-3: False all-reduces each bucket and keeps the shard
+    unit_classes: tuple[str, ...] = ()  # stage 3: class names that become units (may nest), sent in the JSON dict
+    # stage 3: modules that become units, by name in the model ("blocks.0.attn"): the case is pickled to
+    # the ranks, so run_engine resolves the names to the model's own instances
+    unit_modules: tuple[str, ...] = ()
 
 
 def make_model(case: Case) -> torch.nn.Module:
@@ -123,6 +127,8 @@ def engine_config(case: Case) -> dict:
             "stage3_min_unit_params": case.min_unit_params,
             "stage3_param_persistence_threshold": case.persistence_threshold,
             "stage3_max_live_parameters": case.max_live_parameters})
+        if case.unit_classes:
+            config["zero_optimization"]["stage3_unit_classes"] = list(case.unit_classes)
     if case.dtype == "bf16":
         config["bf16"] = {"enabled": True}
     if case.dtype == "fp16":
@@ -141,11 +147,14 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
     if case.meta:
         with torch.device("meta"):
             model = TinyGPT(TinyGPTConfig(n_layer=case.n_layer))
-        engine = zerokit.initialize(model, make_optimizer(case, model), engine_config(case),
-                                    param_init=seeded_init(model))
     else:
         model = make_model(case)
-        engine = zerokit.initialize(model, make_optimizer(case, model), engine_config(case))
+    config = load_config(engine_config(case))
+    if case.unit_modules:  # instances exist only on the typed config: JSON carries class names
+        units = tuple(model.get_submodule(name) for name in case.unit_modules)
+        config = replace(config, stage3=replace(config.stage3, units=units))
+    engine = zerokit.initialize(model, make_optimizer(case, model), config,
+                                param_init=seeded_init(model) if case.meta else None)
     losses, results, comm_per_step, overlapped = [], [], [], []
     for step in range(case.steps):
         before = engine.comm_stats()

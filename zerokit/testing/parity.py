@@ -48,7 +48,7 @@ class Case:
     freeze_matrices: bool = False  # an adapter-style fine-tune: only 1-D parameters (norms, biases) train
     meta: bool = False  # stage 3: zerokit builds the model on the meta device and materialises it by unit
     sub_group_size: int | None = None  # the optimizer steps masters in pieces of this many elements
-    reduce_scatter: bool = True  # stages 1-3: False all-reduces each bucket and keeps the shard
+    reduce_scatter: bool | None = None  # stages 1-3: None is zerokit's default (on gloo: all-reduce, keep the shard)
     unit_classes: tuple[str, ...] = ()  # stage 3: class names that become units (may nest), sent in the JSON dict
     # stage 3: modules that become units, by name in the model ("blocks.0.attn"): the case is pickled to
     # the ranks, so run_engine resolves the names to the model's own instances
@@ -118,7 +118,7 @@ def engine_config(case: Case) -> dict:
     }
     if case.stage == 2:
         config["zero_optimization"]["reduce_every_micro_step"] = case.reduce_every_micro_step
-    if case.stage > 0:
+    if case.stage > 0 and case.reduce_scatter is not None:
         config["zero_optimization"]["reduce_scatter"] = case.reduce_scatter
     if case.sub_group_size is not None:
         config["zero_optimization"]["sub_group_size"] = case.sub_group_size
@@ -173,6 +173,7 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
         "params": {name: value for name, value in engine.full_state_dict().items() if name in dict(model.named_parameters())},
         "memory": engine.memory_stats(),
         "layout_numel": engine.stage.layout.numel, "buckets": len(engine.stage.layout.buckets),
+        "reduce_scatter": engine.stage.reduce_scatter,
         "optimizer_pieces": sum(len(pieces) for pieces in engine.stage.pieces),
         "trainable_numel": engine.trainable_numel(), "launched_in_backward": overlapped,
         "unit_numel": getattr(engine.stage, "unit_numel", None),

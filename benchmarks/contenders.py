@@ -13,6 +13,7 @@ contenders differ only in how they distribute the work.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 from dataclasses import dataclass
@@ -89,24 +90,8 @@ def _zerokit(model: nn.Module, settings: BenchSettings, stage: int) -> Trainer:
     return Trainer(engine, engine.backward, engine.step, engine.memory_stats)
 
 
-@contender("zerokit-0", stage=0, family="zerokit")
-def zerokit_stage0(model: nn.Module, settings: BenchSettings) -> Trainer:
-    return _zerokit(model, settings, stage=0)
-
-
-@contender("zerokit-1", stage=1, family="zerokit")
-def zerokit_stage1(model: nn.Module, settings: BenchSettings) -> Trainer:
-    return _zerokit(model, settings, stage=1)
-
-
-@contender("zerokit-2", stage=2, family="zerokit")
-def zerokit_stage2(model: nn.Module, settings: BenchSettings) -> Trainer:
-    return _zerokit(model, settings, stage=2)
-
-
-@contender("zerokit-3", stage=3, family="zerokit")
-def zerokit_stage3(model: nn.Module, settings: BenchSettings) -> Trainer:
-    return _zerokit(model, settings, stage=3)
+for _stage in range(4):  # zerokit-0 .. zerokit-3 (a partial of a module-level function pickles to the ranks)
+    contender(f"zerokit-{_stage}", stage=_stage, family="zerokit")(functools.partial(_zerokit, stage=_stage))
 
 
 # --- torch --------------------------------------------------------------------------------------

@@ -17,18 +17,22 @@ def expected_memory(case: Case, world_size: int, out: dict) -> dict[str, int]:
     """The paper's accounting with this run's dtypes. padded = Ψ plus bucket padding; every bucket
     is one master tensor, stepped in pieces (sub_group_size), and each piece's AdamW state is
     exp_avg + exp_avg_sq (fp32) and a 4-byte step count.
-    Frozen parameters are held whole by every rank; so are stage 3's persistent units."""
+    Stages 0-2: frozen parameters are held whole by every rank. Stage 3: each unit's frozen parameters
+    are one buffer padded to a multiple of N, of which a rank keeps its shard; persistent units (by
+    their trainable and frozen size) are also held whole."""
     padded, pieces = out["layout_numel"], out["optimizer_pieces"]
     param_bytes = DTYPE_BYTES[case.dtype]
     shards = 1 if case.stage == 0 else world_size
     master_bytes = 0 if case.dtype == "fp32" else 4  # fp32 trains the parameters themselves
     gradients = param_bytes * padded if case.stage < 2 else REDUCE_BYTES * padded // world_size
-    held_params = padded
+    held_params, held_frozen = padded, out["frozen_numel"]
     if case.stage == 3:
-        persistent = [n for n in out["unit_numel"] if 0 < n < case.persistence_threshold]
-        held_params = padded // world_size + sum(persistent)
+        trainable, frozen = out["unit_numel"], out["unit_frozen_numel"]
+        persistent = [i for i in range(len(trainable)) if 0 < trainable[i] + frozen[i] < case.persistence_threshold]
+        held_params = padded // world_size + sum(trainable[i] for i in persistent)
+        held_frozen = out["frozen_shard_numel"] + sum(frozen[i] for i in persistent)
     return {
-        "parameters": param_bytes * (held_params + out["frozen_numel"]),
+        "parameters": param_bytes * (held_params + held_frozen),
         "gradients": gradients,
         "optimizer_state": (master_bytes + 8) * padded // shards + 4 * pieces,
     }
@@ -74,8 +78,10 @@ def test_collectives_per_step(parity_runs, world_size: int, case: Case) -> None:
 def check_stage3_gathers(case: Case, out: dict, step: dict) -> None:
     """Per micro-step the root is gathered once (it stays for the whole step) and every other unit twice:
     before its forward and before its backward. Nested units too: each gathers only what it owns, and an
-    outer unit stays gathered while the units inside it run. Persistent units are gathered after each step."""
-    root, blocks = out["unit_numel"][0], out["unit_numel"][1:]
+    outer unit stays gathered while the units inside it run. Persistent units are gathered after each step.
+    A unit's frozen parameters are gathered with it (one padded buffer per unit)."""
+    gathered = [t + f for t, f in zip(out["unit_numel"], out["unit_frozen_numel"])]
+    root, blocks = gathered[0], gathered[1:]
     if case.reuse_first_block or case.persistence_threshold:
         return  # counted by their own tests
     assert step["all_gather"]["elements"] == case.accumulation * (root + 2 * sum(blocks))
@@ -83,7 +89,8 @@ def check_stage3_gathers(case: Case, out: dict, step: dict) -> None:
 
 def test_stage3_moves_three_psi(parity_runs) -> None:
     """~3Ψ per step (gather for forward, gather for backward, reduce-scatter), 1.5x stage 2; the root
-    unit, gathered once for both passes, is what makes it a little less."""
+    unit, gathered once for both passes, is what makes it a little less. TinyGPT's frozen layer (the
+    root's) is gathered too, once a step, though it is not in Ψ."""
     runs = parity_runs(3)[0]
     stage2 = runs["stage2-fp32-reduce-scatter"]["comm_per_step"][-1]
     stage3 = runs["stage3-fp32-reduce-scatter"]["comm_per_step"][-1]
@@ -91,7 +98,8 @@ def test_stage3_moves_three_psi(parity_runs) -> None:
     moved3 = stage3["all_gather"]["elements"] + stage3["reduce_scatter"]["elements"]
     moved2 = stage2["all_gather"]["elements"] + stage2["reduce_scatter"]["elements"]
     root = runs["stage3-fp32-reduce-scatter"]["unit_numel"][0]
-    assert moved3 == 3 * psi - root
+    root_frozen = runs["stage3-fp32-reduce-scatter"]["unit_frozen_numel"][0]
+    assert moved3 == 3 * psi - root + root_frozen
     assert 1.3 < moved3 / moved2 <= 1.5
 
 
@@ -101,7 +109,8 @@ def test_stage3_never_exceeds_the_live_parameter_limit(parity_runs) -> None:
             out = runs[name]
             assert out["peak_live_numel"] <= out["case"]["max_live_parameters"]
     unlimited = parity_runs(2)[0]["stage3-fp32"]
-    assert unlimited["peak_live_numel"] > unlimited["unit_numel"][0] + max(unlimited["unit_numel"][1:])  # prefetch
+    gathered = [t + f for t, f in zip(unlimited["unit_numel"], unlimited["unit_frozen_numel"])]
+    assert unlimited["peak_live_numel"] > gathered[0] + max(gathered[1:])  # prefetch
 
 
 def test_stages_1_and_2_move_what_ddp_moves(parity_runs) -> None:

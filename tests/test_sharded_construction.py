@@ -19,8 +19,8 @@ def ranks():
 
 def test_meta_model_holds_only_shards_after_initialize(ranks) -> None:
     for out in ranks:
-        assert out["trainable_storage_bytes"] == {4}  # one shared NaN placeholder, nothing else
-        frozen = 4 * (24 * 24 + 24)  # the frozen layer is materialised whole: it is not sharded
+        assert out["storage_bytes"] == {4}  # one shared NaN placeholder, nothing else, frozen parameters too
+        frozen = 4 * (24 * 24 + 24) // 2  # this rank's half of the frozen layer
         assert out["memory"]["parameters"] == out["shard_bytes"] + frozen
 
 

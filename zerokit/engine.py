@@ -21,7 +21,6 @@ from zerokit.precision import (StepResult, clip_coefficient, global_grad_norm, m
                                unscale_)
 from zerokit.runtime import default_device, ensure_process_group
 from zerokit.stages import STAGES, BucketReducer
-from zerokit.stages.base import tensor_bytes
 from zerokit.stages.construction import (ParamInit, has_meta_parameters, init_buffer_owners,
                                         replace_meta_parameters, reset_parameters)
 from zerokit.stages.optimizer import trainable_groups
@@ -58,7 +57,9 @@ class Engine:
             self._broadcast_from_rank0()
         params, groups = _backward_ordered(model, trainable_groups(model, optimizer))
         self.stage = STAGES[config.stage](model, params, groups, optimizer, config, self.comm, **extra)
-        model.to(dtype=config.precision.param_dtype)  # frozen parameters and buffers; trainable ones are cast
+        # Frozen parameters (stages 0-2; stage 3 shards them in the compute dtype already) and buffers;
+        # trainable ones are cast.
+        model.to(dtype=config.precision.param_dtype)
         self.optimizer = self.stage.optimizer
         self.reducer = BucketReducer(self.stage)
         self._hooks = [p.register_post_accumulate_grad_hook(lambda _, i=i: self.reducer.grad_ready(i))
@@ -151,8 +152,7 @@ class Engine:
         """Bytes this rank holds, by category: parameters (trainable and frozen), gradients,
         optimizer_state (fp32 masters, when separate, and the optimizer's own state)."""
         stats = self.stage.memory_by_category()
-        trainable = {id(p) for p in self.stage.flat.params}
-        stats["parameters"] += tensor_bytes(p for p in self.module.parameters() if id(p) not in trainable)
+        stats["parameters"] += self.stage.frozen_bytes(self.module)  # whole at stages 0-2, sharded at stage 3
         return stats
 
     def unsharded(self, params: list[nn.Parameter] | None = None, write_back: bool = False):

@@ -210,6 +210,12 @@ class ZeroStage:
         """What to gather together when saving: (units, their parameters); here all at once."""
         return [(None, list(model.parameters()))]
 
+    def frozen_bytes(self, model: nn.Module) -> int:
+        """Bytes this rank holds for the frozen parameters (requires_grad=False) of `model`: stages 0-2
+        keep them whole, in the compute dtype."""
+        trainable = {id(p) for p in self.flat.params}
+        return tensor_bytes(p for p in model.parameters() if id(p) not in trainable)
+
     def memory_by_category(self) -> dict[str, int]:
         """Bytes this rank holds for trainable parameters, their gradients and optimizer state."""
         state = [t for per_param in self.optimizer.state.values() for t in per_param.values()]

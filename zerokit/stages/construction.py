@@ -7,8 +7,8 @@ parameters, then call `zerokit.initialize(..., param_init=fn)` at stage 3. zerok
 parameter for a real one that holds no memory (one NaN broadcast to its shape: see
 ShardedParameters._release_params), keeping ties and the optimizer's param groups. Then, unit by
 unit, it gives the unit's parameters real storage, calls `param_init(module)` on each module that
-owns them (default: the module's own `reset_parameters()`), keeps this rank's shard and fp32 master,
-and frees the rest. Ranks must initialise identically (seed them the same, or load the same file):
+owns them (default: the module's own `reset_parameters()`), keeps this rank's shard and fp32 master
+(frozen parameters: the shard only), and frees the rest. Ranks must initialise identically (seed them the same, or load the same file):
 a checksum of every unit is compared across ranks and a difference raises.
 
 Loading pretrained weights, streaming: make `param_init` read the module's tensors from the file:

@@ -11,7 +11,9 @@ right after, so full parameters exist only while the module that uses them compu
   gradients ready: stage 2's buckets (one per unit and param group) reduce-scatter them; once all of a
     unit's buckets are launched the unit is freed again
   end of backward: free whatever is still gathered
-The gathers run on their own process group: see Communicator.twin for why.
+The gathers run on their own process group: see Communicator.twin for why. A unit's frozen parameters
+are sharded, gathered and freed with it; freeing one in backward also waits for its inputs' gradients:
+see [Note: frozen parameters at stage 3] in frozen.py.
 
 [Note: hooks around nested units]
 With nested units (See [Note: nested units] in units.py) an inner unit's hooks fire inside its outer
@@ -26,6 +28,8 @@ unit's forward. Nothing above needs a special case, for these reasons:
   - freeing in backward: a unit is freed once its own gradients are all launched. A gradient is complete
     only after the last backward use of its parameter, and the weights an outer unit shares with an
     inner one belong to the outer one, so no unit is freed while backward still needs what it owns.
+    (A unit with frozen parameters also waits for its inputs' gradients: frozen weights have no
+    gradient to say they are done.)
   - activation checkpointing recomputes an outer unit's forward in backward: the inner units it calls
     are gathered there (state BACKWARD: nothing is freed), and their own pre-backward finds them gathered.
 Live at once: the root, persistent units, a whole chain of nested units, and one unit before it whose
@@ -49,6 +53,7 @@ from zerokit.comm import Pending, wait
 from zerokit.flat import Bucket
 from zerokit.stages.base import BucketReduction, copy_edits, tensor_bytes
 from zerokit.stages.construction import ParamInit, materialise, reset_parameters
+from zerokit.stages.frozen import FrozenShards
 from zerokit.stages.stage2 import ShardedGradients
 from zerokit.stages.units import Unit, ancestry, find_units
 
@@ -78,15 +83,19 @@ class ShardedParameters(ShardedGradients):
         return [unit_of[id(p)] * self.groups_per_unit + g for p, g in zip(params, groups)], sys.maxsize
 
     def place_parameters(self) -> list[nn.Parameter]:
-        """Unit by unit, bucket by bucket: keep this rank's shard and fp32 master, free the rest. The
-        peak is one bucket in fp32, and a model built on the meta device is materialised here, one
-        unit at a time (See [Note: sharded construction])."""
+        """Unit by unit, bucket by bucket: keep this rank's shard and fp32 master (of frozen parameters:
+        the shard), free the rest. The peak is one bucket in fp32, and a model built on the meta device
+        is materialised here, one unit at a time (See [Note: sharded construction])."""
         self.reduces_every_micro_step = True
         self.gather_comm = self.comm.twin()
         self.unit_buckets: list[list[Bucket]] = [[] for _ in self.units]
         for bucket in self.layout.buckets:
             self.unit_buckets[bucket.group // self.groups_per_unit].append(bucket)
-        self.unit_numel = [sum(b.numel for b in buckets) for buckets in self.unit_buckets]
+        self.unit_numel = [sum(b.numel for b in buckets) for buckets in self.unit_buckets]  # trainable, padded
+        self.frozen = self._frozen_by_unit()  # unit index -> its frozen parameters' shard
+        # Elements a unit holds while gathered: its trainable buckets and its frozen buffer, padded.
+        self.gathered_numel = [self.unit_numel[u.index] + (self.frozen[u.index].numel if u.index in self.frozen else 0)
+                               for u in self.units]
         # 1-D, param dtype: this rank's shard of every bucket, back to back (bucket b at b.start / N).
         self.shards = torch.empty(self.layout.shard_numel, dtype=self.flat.dtype, device=self.flat.device)
         self.placeholder = torch.full((1,), float("nan"), dtype=self.flat.dtype, device=self.flat.device)
@@ -95,9 +104,28 @@ class ShardedParameters(ShardedGradients):
             materialise(self.model, unit.param_ids, self.pending_init, self.param_init)
             for bucket in self.unit_buckets[unit.index]:
                 masters[bucket.index] = self._shard_bucket(unit, bucket)
+            if unit.index in self.frozen:
+                self._shard_frozen(unit)
             self._release_params(unit)
         self._init_runtime_state()
         return [masters[bucket.index] for bucket in self.layout.buckets]
+
+    def _frozen_by_unit(self) -> dict[int, FrozenShards]:
+        """Each unit's floating-point frozen parameters, in model order, as one sharded buffer per unit
+        (See [Note: frozen parameters at stage 3]). Other frozen parameters stay whole."""
+        trainable = {id(p) for p in self.flat.params}
+        unit_of = {param_id: unit.index for unit in self.units for param_id in unit.param_ids}
+        by_unit: dict[int, list[nn.Parameter]] = {}
+        for param in self.model.parameters():
+            if id(param) not in trainable and param.is_floating_point():
+                by_unit.setdefault(unit_of[id(param)], []).append(param)
+        return {index: FrozenShards(params, self.rank, self.world_size, self.flat.dtype)
+                for index, params in by_unit.items()}
+
+    def _shard_frozen(self, unit: Unit) -> None:
+        values = self.frozen[unit.index].pack()  # 1-D fp32, the unit's frozen parameters; dropped on return
+        if self.verify_init:
+            self._check_identical_across_ranks(unit, values)
 
     def _shard_bucket(self, unit: Unit, bucket: Bucket) -> nn.Parameter:
         full = torch.zeros(bucket.numel, dtype=torch.float32, device=self.flat.device)  # 1-D, this bucket
@@ -124,15 +152,19 @@ class ShardedParameters(ShardedGradients):
         self.in_flight: dict[int, Pending] = {}
         self.live_numel = self.peak_live_numel = 0
         policy = self.config.stage3
-        self.persistent = {u.index for u in self.units if 0 < self.unit_numel[u.index] < policy.persistence_threshold}
+        self.persistent = {u.index for u in self.units
+                           if 0 < self.gathered_numel[u.index] < policy.persistence_threshold}
         self._check_live_limit()
         self.state = TrainingState.IDLE
         self.forward_order: list[int] = []  # unit indices in pre-forward order, this forward
         self.last_forward_order: list[int] = []  # the same, last forward: what prefetch expects next
         self.output_order: list[int] = []  # unit indices in post-forward order: backward runs it in reverse
         self.reduced: set[int] = set()
+        # unit index -> gradients of its forward inputs still to come, this backward (units with frozen
+        # parameters only: See [Note: frozen parameters at stage 3])
+        self.awaiting_inputs: dict[int, int] = {}
         for unit in self.units:
-            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit))
+            unit.module.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True)
             unit.module.register_forward_hook(partial(self._post_forward, unit))
         for index in sorted(self.persistent):
             self.unshard(self.units[index])
@@ -141,15 +173,17 @@ class ShardedParameters(ShardedGradients):
         """Root and persistent units stay gathered. Besides them, at worst the unit computing is live with
         every unit around it (a chain of nested units; just the unit itself without nesting), plus one
         other unit whose last gradients are not all in yet: two units when none nest. Prefetches are
-        not counted: they wait when they would not fit. See [Note: hooks around nested units]."""
+        not counted: they wait when they would not fit. A unit's size counts its frozen parameters too.
+        See [Note: hooks around nested units]."""
+        size = self.gathered_numel
         sharded = {i for i in range(1, len(self.units)) if i not in self.persistent}
-        largest_first = sorted(sharded, key=lambda i: -self.unit_numel[i])
+        largest_first = sorted(sharded, key=lambda i: -size[i])
         worst = 0
         for index in sharded:
             chain = {j for j in ancestry(self.units, index) if j in sharded}
-            other = next((self.unit_numel[k] for k in largest_first if k not in chain), 0)
-            worst = max(worst, sum(self.unit_numel[j] for j in chain) + other)
-        needed = self.unit_numel[0] + sum(self.unit_numel[i] for i in self.persistent if i) + worst
+            other = next((size[k] for k in largest_first if k not in chain), 0)
+            worst = max(worst, sum(size[j] for j in chain) + other)
+        needed = size[0] + sum(size[i] for i in self.persistent if i) + worst
         limit = self.config.stage3.max_live_parameters
         if needed > limit:
             raise ValueError(f"stage3_max_live_parameters={limit} is below the {needed} elements this model needs "
@@ -162,26 +196,46 @@ class ShardedParameters(ShardedGradients):
         return self.shards[begin:begin + bucket.shard_numel]
 
     def is_gathered(self, unit: Unit) -> bool:
-        return all(b.index in self.full and b.index not in self.in_flight for b in self.unit_buckets[unit.index])
+        frozen = self.frozen.get(unit.index)
+        return (frozen is None or frozen.ready) and all(
+            b.index in self.full and b.index not in self.in_flight for b in self.unit_buckets[unit.index])
+
+    def _any_gathered(self, unit: Unit) -> bool:
+        """Some of the unit is gathered or on its way (a prefetch was launched)."""
+        frozen = self.frozen.get(unit.index)
+        return (frozen is not None and frozen.gathered) or any(
+            b.index in self.full for b in self.unit_buckets[unit.index])
 
     def unshard(self, unit: Unit, async_op: bool = False) -> None:
         for bucket in self.unit_buckets[unit.index]:
             if bucket.index in self.full:
                 continue
-            if not async_op and self.live_numel + bucket.numel > self.config.stage3.max_live_parameters:
-                raise RuntimeError(f"rank {self.rank}: gathering unit {unit.name!r} would hold "
-                                   f"{self.live_numel + bucket.numel} unsharded elements, over "
-                                   f"stage3_max_live_parameters={self.config.stage3.max_live_parameters}")
+            self._count_live(unit, bucket.numel, async_op)
             full = torch.empty(bucket.numel, dtype=self.flat.dtype, device=self.flat.device)
             self.in_flight[bucket.index] = self.gather_comm.all_gather(full, self._shard(bucket), async_op=True)
             self.full[bucket.index] = full
-            self.live_numel += bucket.numel
-            self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
+        frozen = self.frozen.get(unit.index)
+        if frozen is not None and not frozen.gathered:
+            self._count_live(unit, frozen.numel, async_op)
+            frozen.gather(self.gather_comm)
         if not async_op:
             for bucket in self.unit_buckets[unit.index]:
                 if bucket.index in self.in_flight:
                     wait(self.in_flight.pop(bucket.index))
+            if frozen is not None:
+                frozen.wait()
             self._point_params(unit)
+
+    def _count_live(self, unit: Unit, numel: int, async_op: bool) -> None:
+        """`numel` more unsharded elements; a gather that must happen now may not break the limit
+        (a prefetch was checked against it before it was asked for)."""
+        limit = self.config.stage3.max_live_parameters
+        if not async_op and self.live_numel + numel > limit:
+            raise RuntimeError(f"rank {self.rank}: gathering unit {unit.name!r} would hold "
+                               f"{self.live_numel + numel} unsharded elements, over "
+                               f"stage3_max_live_parameters={limit}")
+        self.live_numel += numel
+        self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
     def reshard(self, unit: Unit) -> None:
         if unit.index in self.persistent or self.state == TrainingState.PINNED:
@@ -191,6 +245,8 @@ class ShardedParameters(ShardedGradients):
                 wait(self.in_flight.pop(bucket.index))
             if self.full.pop(bucket.index, None) is not None:
                 self.live_numel -= bucket.numel
+        if unit.index in self.frozen:
+            self.live_numel -= self.frozen[unit.index].free()
         self._release_params(unit)
 
     def _point_params(self, unit: Unit) -> None:
@@ -200,6 +256,8 @@ class ShardedParameters(ShardedGradients):
                 param = self.flat.params[slot.param_index]
                 begin = slot.offset - bucket.start
                 param.data = full[begin:begin + slot.numel].view(param.shape)
+        if unit.index in self.frozen:
+            self.frozen[unit.index].point()
 
     def _release_params(self, unit: Unit) -> None:
         """A sharded parameter keeps its true shape and dtype (no torch.Size([0]) surprise): its data is
@@ -210,24 +268,28 @@ class ShardedParameters(ShardedGradients):
             for slot in bucket.slots:
                 param = self.flat.params[slot.param_index]
                 param.data = self.placeholder.expand(param.shape)
+        if unit.index in self.frozen:
+            self.frozen[unit.index].release_params(self.placeholder)
 
     def _prefetch(self, unit_index: int | None) -> None:
         if unit_index is None:
             return
         unit = self.units[unit_index]
-        numel = self.unit_numel[unit_index]
+        numel = self.gathered_numel[unit_index]
         fits = self.live_numel + numel <= self.config.stage3.max_live_parameters
-        if fits and numel <= self.config.stage3.prefetch_numel and not any(
-                b.index in self.full for b in self.unit_buckets[unit_index]):
+        if fits and numel <= self.config.stage3.prefetch_numel and not self._any_gathered(unit):
             self.unshard(unit, async_op=True)
 
     # --- hooks ---------------------------------------------------------------------------------------
-    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any) -> None:
+    def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if unit.index == 0 and self.state in (TrainingState.IDLE, TrainingState.FORWARD):
             self.state = TrainingState.FORWARD
             self.forward_order, self.output_order = [], []
+            self.awaiting_inputs.clear()
         if self.state == TrainingState.FORWARD:
             self.forward_order.append(unit.index)
+            if unit.index in self.frozen and unit.index and torch.is_grad_enabled():
+                self._hook_inputs(unit, (args, kwargs))
         self.unshard(unit)
         if self.state == TrainingState.FORWARD:
             self._prefetch(_neighbour(self.last_forward_order, unit.index, +1))
@@ -247,6 +309,27 @@ class ShardedParameters(ShardedGradients):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(partial(self._pre_backward, unit))
 
+    def _hook_inputs(self, unit: Unit, inputs: Any) -> None:
+        """Count the inputs whose gradients must be in before the unit's frozen weights may go. Only in
+        the real forward: a recomputation's tensors (activation checkpointing) are not on backward's path."""
+        needing_grad = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        self.awaiting_inputs[unit.index] = self.awaiting_inputs.get(unit.index, 0) + len(needing_grad)
+        for tensor in needing_grad:
+            tensor.register_hook(partial(self._input_grad_ready, unit))
+
+    def _input_grad_ready(self, unit: Unit, grad: torch.Tensor) -> None:
+        # .get: a hook of an earlier forward whose backward never ran may fire after the count was reset
+        self.awaiting_inputs[unit.index] = self.awaiting_inputs.get(unit.index, 0) - 1
+        if self.state == TrainingState.BACKWARD:
+            self._reshard_if_done(unit)
+
+    def _reshard_if_done(self, unit: Unit) -> None:
+        """In backward: free a unit once its gradients are launched and, if it has frozen parameters, its
+        inputs' gradients are in (See [Note: frozen parameters at stage 3]). The root stays to the end."""
+        if unit.index and self.awaiting_inputs.get(unit.index, 0) <= 0 and all(
+                b.index in self.reduced for b in self.unit_buckets[unit.index]):
+            self.reshard(unit)
+
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
         if self.state == TrainingState.PINNED:
             return
@@ -260,13 +343,13 @@ class ShardedParameters(ShardedGradients):
     def reduce_bucket(self, bucket: Bucket) -> BucketReduction:
         reduction = super().reduce_bucket(bucket)
         self.reduced.add(bucket.index)
-        unit = self.units[bucket.group // self.groups_per_unit]
-        if unit.index and all(b.index in self.reduced for b in self.unit_buckets[unit.index]):
-            self.reshard(unit)  # its gradients are staged and on their way: the full parameters can go
+        # Its gradients are staged and on their way: the full parameters can go.
+        self._reshard_if_done(self.units[bucket.group // self.groups_per_unit])
         return reduction
 
     def finish_backward(self) -> None:
         self.reduced.clear()
+        self.awaiting_inputs.clear()
         if self.state != TrainingState.PINNED:
             for unit in self.units:
                 self.reshard(unit)
@@ -283,7 +366,9 @@ class ShardedParameters(ShardedGradients):
 
     def write_back_params(self) -> None:
         """The user changed gathered parameters in place: keep this rank's slice of each, in the shard
-        and in the fp32 master."""
+        and in the fp32 master (frozen ones: in their shard)."""
+        for frozen in self.frozen.values():
+            frozen.write_back()
         for bucket, master in zip(self.layout.buckets, self.masters):
             if bucket.index in self.full:
                 own = self.full[bucket.index][self.rank * bucket.shard_numel:(self.rank + 1) * bucket.shard_numel]
@@ -295,6 +380,14 @@ class ShardedParameters(ShardedGradients):
         stats = super().memory_by_category()
         stats["parameters"] = tensor_bytes([self.shards, *self.full.values()])
         return stats
+
+    def frozen_bytes(self, model: nn.Module) -> int:
+        """Frozen shards, the frozen buffers of gathered units, and whatever frozen parameters stay whole.
+        (A released parameter's numel * element_size would count its full size: it holds one element.)"""
+        sharded = {id(p) for frozen in self.frozen.values() for p in frozen.params}
+        trainable = {id(p) for p in self.flat.params}
+        whole = [p for p in model.parameters() if id(p) not in sharded and id(p) not in trainable]
+        return tensor_bytes(t for frozen in self.frozen.values() for t in frozen.tensors()) + tensor_bytes(whole)
 
     @contextmanager
     def gathered(self, units: list[Unit] | None = None, write_back: bool = False) -> Iterator[None]:

@@ -46,6 +46,8 @@ class Case:
     n_layer: int = 2
     reuse_first_block: bool = False  # a module called twice in one forward
     freeze_matrices: bool = False  # an adapter-style fine-tune: only 1-D parameters (norms, biases) train
+    freeze_norms: bool = False  # frozen LayerNorms: at stage 3 a block's ln_1 backward comes after its gradients
+    frozen_blocks: tuple[int, ...] = ()  # blocks with every parameter frozen (at stage 3: units with no gradient)
     meta: bool = False  # stage 3: zerokit builds the model on the meta device and materialises it by unit
     sub_group_size: int | None = None  # the optimizer steps masters in pieces of this many elements
     reduce_scatter: bool | None = None  # stages 1-3: None is zerokit's default (on gloo: all-reduce, keep the shard)
@@ -65,9 +67,7 @@ def make_model(case: Case) -> torch.nn.Module:
                 init = seeded_init(model)
                 for module in model.modules():
                     init(module)
-        if case.freeze_matrices:
-            for param in model.parameters():
-                param.requires_grad_(param.dim() < 2)
+        freeze(model, case)
         return model
     import transformers  # an optional test dependency
 
@@ -82,6 +82,19 @@ def make_model(case: Case) -> torch.nn.Module:
                                           tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
         return transformers.LlamaForCausalLM(config)
     raise ValueError(f"unknown model {case.model!r}")
+
+
+def freeze(model: torch.nn.Module, case: Case) -> None:
+    """Freeze what the case asks for, on a TinyGPT built eagerly or on the meta device alike."""
+    if case.freeze_matrices:
+        for param in model.parameters():
+            param.requires_grad_(param.dim() < 2)
+    if case.freeze_norms:
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.requires_grad_(False)
+    for index in case.frozen_blocks:
+        model.blocks[index].requires_grad_(False)
 
 
 def forward_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -147,6 +160,7 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
     if case.meta:
         with torch.device("meta"):
             model = TinyGPT(TinyGPTConfig(n_layer=case.n_layer))
+        freeze(model, case)
     else:
         model = make_model(case)
     config = load_config(engine_config(case))
@@ -178,8 +192,19 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
         "trainable_numel": engine.trainable_numel(), "launched_in_backward": overlapped,
         "unit_numel": getattr(engine.stage, "unit_numel", None),
         "frozen_numel": sum(p.numel() for p in model.parameters() if not p.requires_grad),
+        **stage3_frozen_layout(engine.stage),
         "peak_live_numel": getattr(engine.stage, "peak_live_numel", None),
     }
+
+
+def stage3_frozen_layout(stage) -> dict:
+    """Stage 3 shards frozen parameters per unit: each unit's gathered (padded) frozen elements, and
+    this rank's shards of them all. Empty at other stages."""
+    frozen = getattr(stage, "frozen", None)
+    if frozen is None:
+        return {}
+    return {"unit_frozen_numel": [frozen[u.index].numel if u.index in frozen else 0 for u in stage.units],
+            "frozen_shard_numel": sum(f.shard_numel for f in frozen.values())}
 
 
 def run_reference(case: Case, world_size: int) -> dict:

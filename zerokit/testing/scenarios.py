@@ -93,8 +93,8 @@ def run_meta_construction_checks(rank: int, world_size: int) -> dict:
     with torch.device("meta"):
         model = TinyGPT(TinyGPTConfig())
     engine = zerokit.initialize(model, make_optimizer(case, model), engine_config(case), param_init=seeded_init(model))
-    storage = {p.untyped_storage().nbytes() for p in model.parameters() if p.requires_grad}
-    out = {"trainable_storage_bytes": storage, "memory": engine.memory_stats(),
+    storage = {p.untyped_storage().nbytes() for p in model.parameters()}
+    out = {"storage_bytes": storage, "memory": engine.memory_stats(),
            "shard_bytes": engine.stage.shards.numel() * 4}
     with torch.device("meta"):
         divergent = TinyGPT(TinyGPTConfig())
@@ -110,3 +110,51 @@ def run_meta_construction_checks(rank: int, world_size: int) -> dict:
     except ValueError as error:
         out["divergent_error"] = str(error)
     return out
+
+
+def run_stage3_frozen_checks(rank: int, world_size: int) -> dict:
+    """A LoRA-like fine-tune at stage 3 (every matrix frozen, the blocks are units), built eagerly and on
+    the meta device: what a rank holds of the frozen weights, what it reports, what it saves, and that
+    training and edits treat them right."""
+    from zerokit.testing.models import TinyGPT, TinyGPTConfig, seeded_init
+    from zerokit.testing.parity import freeze
+
+    case = Case("frozen", stage=3, freeze_matrices=True, min_unit_params=100)
+    model = make_model(case)
+    engine = zerokit.initialize(model, make_optimizer(case, model), engine_config(case))
+    out = _frozen_holdings(engine, model)
+    out["state_before"] = engine.full_state_dict()
+    tokens = make_batch(case, 0, 0, rank)
+    engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))
+    out["step"] = asdict(engine.step())
+    out["state_after"] = engine.full_state_dict()
+    out["after_step"] = _frozen_holdings(engine, model)
+    with engine.unsharded([model.blocks[1].mlp[0].weight], write_back=True):
+        model.blocks[1].mlp[0].weight.data.fill_(0.5)  # every rank makes the same edit
+    out["after_edit"] = engine.full_state_dict()["blocks.1.mlp.0.weight"]
+
+    meta_case = Case("frozen-meta", stage=3, meta=True, freeze_matrices=True, min_unit_params=100)
+    with torch.device("meta"):
+        meta_model = TinyGPT(TinyGPTConfig())
+    freeze(meta_model, meta_case)
+    meta_engine = zerokit.initialize(meta_model, make_optimizer(meta_case, meta_model), engine_config(meta_case),
+                                     param_init=seeded_init(meta_model))
+    out["meta"] = _frozen_holdings(meta_engine, meta_model)
+    out["meta_state"] = meta_engine.full_state_dict()
+    return out
+
+
+def _frozen_holdings(engine: zerokit.Engine, model: torch.nn.Module) -> dict:
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    in_blocks = [(name, p) for name, p in model.blocks.named_parameters() if not p.requires_grad]
+    shards = [f.shard for f in engine.stage.frozen.values()]
+    return {
+        "frozen_numel": sum(p.numel() for p in frozen),
+        "frozen_shard_bytes": sum(t.numel() * t.element_size() for t in shards),
+        "frozen_units": len(shards),
+        "frozen_storage_bytes": {p.untyped_storage().nbytes() for p in frozen},  # what each really holds
+        "memory": engine.memory_stats(),
+        "trainable_shard_bytes": engine.stage.shards.numel() * engine.stage.shards.element_size(),
+        "block_frozen_shapes": {name: tuple(p.shape) for name, p in in_blocks},
+        "block_frozen_all_nan": all(bool(p.isnan().all()) for _, p in in_blocks),
+    }

@@ -48,6 +48,11 @@ def cases_for(world_size: int) -> list[Case]:
 # layer) + two 7.2k blocks fit under 18.1k elements, a third gathered block would not; four blocks make
 # prefetch want one.
 STAGE3_EXTRAS = [
+    # Prefetch follows last step's order; when the order changes, the wrong guess costs a gather, not
+    # correctness: the unit that runs is gathered when it is needed.
+    Case("stage3-fp32-order-changes", stage=3, n_layer=3, reverse_on_odd_steps=True),
+    Case("stage3-bf16-order-changes-checkpointed", stage=3, dtype="bf16", n_layer=3, reverse_on_odd_steps=True,
+         checkpoint=True),
     Case("stage3-fp16-accum2", stage=3, dtype="fp16", accumulation=2),
     Case("stage3-fp32-accum2", stage=3, accumulation=2),
     Case("stage3-bf16-checkpointed", stage=3, dtype="bf16", checkpoint=True),

@@ -23,6 +23,8 @@ class TinyGPTConfig:
     checkpoint_blocks: bool = False
     with_test_features: bool = True  # the frozen and the sometimes-unused layers
     reuse_first_block: bool = False  # run blocks[0] a second time at the end (a module called twice)
+    # Data-dependent block order: when the second sequence starts with token 1, the blocks run in reverse.
+    reverse_on_marker: bool = False
 
 
 class CausalSelfAttention(nn.Module):
@@ -77,7 +79,9 @@ class TinyGPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.size(1), device=idx.device)
         x = self.wte(idx) + self.wpe(positions)
-        blocks = [*self.blocks, self.blocks[0]] if self.config.reuse_first_block else self.blocks
+        blocks = [*self.blocks, self.blocks[0]] if self.config.reuse_first_block else list(self.blocks)
+        if self.config.reverse_on_marker and idx.size(0) > 1 and int(idx[1, 0]) == 1:
+            blocks.reverse()
         for block in blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.config.checkpoint_blocks else block(x)
         if self.config.with_test_features:

@@ -45,6 +45,7 @@ class Case:
     max_live_parameters: int = 10**9  # stage 3
     n_layer: int = 2
     reuse_first_block: bool = False  # a module called twice in one forward
+    reverse_on_odd_steps: bool = False  # stage 3: the block order changes from step to step (all ranks alike)
     freeze_matrices: bool = False  # an adapter-style fine-tune: only 1-D parameters (norms, biases) train
     freeze_norms: bool = False  # frozen LayerNorms: at stage 3 a block's ln_1 backward comes after its gradients
     frozen_blocks: tuple[int, ...] = ()  # blocks with every parameter frozen (at stage 3: units with no gradient)
@@ -61,7 +62,8 @@ def make_model(case: Case) -> torch.nn.Module:
     torch.manual_seed(1234)
     if case.model == "tiny":
         model = TinyGPT(TinyGPTConfig(checkpoint_blocks=case.checkpoint, n_layer=case.n_layer,
-                                      reuse_first_block=case.reuse_first_block))
+                                      reuse_first_block=case.reuse_first_block,
+                                      reverse_on_marker=case.reverse_on_odd_steps))
         if case.meta:  # the same values zerokit's param_init gives the meta-built copy
             with torch.no_grad():
                 init = seeded_init(model)
@@ -119,6 +121,8 @@ def make_batch(case: Case, step: int, micro: int, rank: int, vocab: int = 67, bl
     generator = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
     tokens = torch.randint(0, vocab, (case.micro_batch, block + 1), generator=generator)
     tokens[0, 0] = (step + micro + rank) % 3
+    if case.reverse_on_odd_steps:  # the model's order marker: the same on every rank, odd steps reversed
+        tokens[1, 0] = step % 2
     return tokens
 
 

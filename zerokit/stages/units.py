@@ -6,7 +6,15 @@ runs and freed right after. The root module is always a unit: it owns every para
 claims, and it stays gathered for the whole step. A parameter reachable from two units (an embedding
 tied to the output head, say) cannot be gathered and freed with either one alone, so it is found by
 identity and given to the root: tied weights need no grouping from the user. The one exception is a
-parameter shared by units nested in one another: see [Note: nested units].
+parameter shared by units nested in one another: see [Note: small parameters stay with the root]
+Parameters with fewer elements than stage3_param_persistence_threshold (norms, biases) are given to
+the root unit whatever unit holds them, as DeepSpeed keeps such parameters unpartitioned: gathering
+them with their unit would cost two collectives per unit per step for a few kilobytes. The root is
+gathered once at the start of each step and stays gathered through forward and backward, so they are
+replicated for the whole step and travel in one gather a step; their gradients and optimizer state
+are sharded like any other. (A unit left with nothing is harmless: its hooks gather nothing.)
+
+[Note: nested units].
 
 [Note: nested units]
 Units named by the user (class names, classes or module instances) may nest: a transformer Block and
@@ -72,7 +80,17 @@ def find_units(model: nn.Module, policy: Stage3Policy) -> list[Unit]:
 
     visit(model, "", 0)
     _assign_parameters(units)
+    _keep_small_parameters_with_root(units, model, policy.persistence_threshold)
     return units
+
+
+def _keep_small_parameters_with_root(units: list[Unit], model: nn.Module, threshold: int) -> None:
+    """See [Note: small parameters stay with the root]."""
+    small = {id(p) for p in model.parameters() if p.numel() < threshold}
+    for unit in units[1:]:
+        moved = unit.param_ids & small
+        unit.param_ids -= moved
+        units[0].param_ids |= moved
 
 
 def ancestry(units: list[Unit], index: int) -> list[int]:

@@ -34,3 +34,10 @@ def test_meta_model_needs_stage_3() -> None:
         model = TinyGPT(TinyGPTConfig())
     with pytest.raises(ValueError, match="a model on the meta device needs zero_optimization.stage=3"):
         zerokit.initialize(model, torch.optim.AdamW(param_groups(model)), {"zero_optimization": {"stage": 2}})
+
+
+def test_pretrained_weights_stream_from_safetensors_into_a_meta_model(ranks) -> None:
+    for out in ranks:
+        assert set(out["loaded"]) == set(out["pretrained"])
+        for name, value in out["pretrained"].items():  # lm_head.weight came through its tie to wte.weight
+            assert torch.equal(out["loaded"][name], value), name

@@ -12,7 +12,7 @@ _LAZY = {
     "Engine": "zerokit.engine", "SkippedStepsError": "zerokit.engine", "initialize": "zerokit.engine",
     "LossScaling": "zerokit.config", "MixedPrecision": "zerokit.config", "Stage3Policy": "zerokit.config",
     "ZeroConfig": "zerokit.config", "load_config": "zerokit.config", "StepResult": "zerokit.precision",
-    "plan": "zerokit.planner", "estimate": "zerokit.planner",
+    "plan": "zerokit.planner", "estimate": "zerokit.planner", "safetensors_init": "zerokit.stages.construction",
 }
 __all__ = sorted(_LAZY)
 

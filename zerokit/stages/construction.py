@@ -11,21 +11,15 @@ owns them (default: the module's own `reset_parameters()`), keeps this rank's sh
 (frozen parameters: the shard only), and frees the rest. Ranks must initialise identically (seed them the same, or load the same file):
 a checksum of every unit is compared across ranks and a difference raises.
 
-Loading pretrained weights, streaming: make `param_init` read the module's tensors from the file:
-
-    from safetensors import safe_open
-    names = {module: prefix for prefix, module in model.named_modules()}
-    with safe_open("model.safetensors", framework="pt") as weights:
-        def load(module):
-            for name, param in module.named_parameters(recurse=False):
-                param.data.copy_(weights.get_tensor(f"{names[module]}.{name}".lstrip(".")))
-        engine = zerokit.initialize(model, optimizer, config, param_init=load)
-
-Peak host memory is then one unit in fp32, plus what safetensors maps.
+Loading pretrained weights, streaming: `param_init=zerokit.safetensors_init(model, "model.safetensors")`
+reads each module's tensors from the (memory-mapped) file as its unit is built, so peak host memory is
+one unit in fp32, plus what safetensors maps. A tied weight saved under one of its names only (as
+Hugging Face saves an LM head tied to the embedding) is found under that name.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -98,3 +92,27 @@ def materialise(model: nn.Module, param_ids: set[int], pending: set[int], param_
         for module in owners:
             param_init(module)
     pending -= todo
+
+
+def safetensors_init(model: nn.Module, path: str | Path) -> ParamInit:
+    """A `param_init` that fills each module's parameters and buffers from a safetensors file, tensor by
+    tensor, as zerokit materialises the module's unit (See [Note: sharded construction])."""
+    from safetensors import safe_open  # a dependency of zerokit, imported when used
+
+    weights = safe_open(str(path), framework="pt")
+    stored = set(weights.keys())
+    names: dict[int, list[str]] = {}  # every name of a tensor (tied parameters have several), by id
+
+    def load(module: nn.Module) -> None:
+        if not names:  # built at the first call: initialize() has replaced the meta tensors by then
+            for name, tensor in [*model.named_parameters(remove_duplicate=False),
+                                 *model.named_buffers(remove_duplicate=False)]:
+                names.setdefault(id(tensor), []).append(name)
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            key = next((name for name in names[id(tensor)] if name in stored), None)
+            if key is None:
+                raise ValueError(f"{path} holds no tensor named {' or '.join(map(repr, names[id(tensor)]))}; "
+                                 "it must hold every parameter and buffer of the model under its state-dict name")
+            tensor.data.copy_(weights.get_tensor(key))
+
+    return load

@@ -109,7 +109,31 @@ def run_meta_construction_checks(rank: int, world_size: int) -> dict:
         zerokit.initialize(divergent, make_optimizer(case, divergent), engine_config(case), param_init=rank_dependent)
     except ValueError as error:
         out["divergent_error"] = str(error)
+    out.update(_load_from_safetensors(rank, case))
     return out
+
+
+def _load_from_safetensors(rank: int, case: Case) -> dict:
+    """Pretrained weights streamed into a meta-built model from a safetensors file holding the tied
+    embedding under one name only, as Hugging Face saves it."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from zerokit.testing.models import TinyGPT, TinyGPTConfig
+
+    torch.manual_seed(99)
+    pretrained = TinyGPT(TinyGPTConfig())
+    state = {k: v.clone() for k, v in pretrained.state_dict().items() if k != "lm_head.weight"}
+    with tempfile.TemporaryDirectory() as directory:
+        path = f"{directory}/model_rank{rank}.safetensors"
+        save_file(state, path)
+        with torch.device("meta"):
+            model = TinyGPT(TinyGPTConfig())
+        engine = zerokit.initialize(model, make_optimizer(case, model), engine_config(case),
+                                    param_init=zerokit.safetensors_init(model, path))
+        loaded = engine.full_state_dict()
+    return {"loaded": loaded, "pretrained": pretrained.state_dict()}
 
 
 def run_stage3_frozen_checks(rank: int, world_size: int) -> dict:

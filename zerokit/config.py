@@ -90,9 +90,10 @@ class Stage3Policy:
     prefetch_numel: int = 50_000_000
     """Gather the next units ahead of use while their total stays under this (stage3_prefetch_bucket_size)."""
     persistence_threshold: int = 100_000
-    """Parameters with fewer elements stay gathered for the whole step, with the root unit, and so do
-    units (the root included) whose parameters number fewer in all (stage3_param_persistence_threshold;
-    See [Note: small parameters stay with the root] in zerokit/stages/units.py)."""
+    """Parameters with fewer elements join the root unit and stay gathered for the whole step; a unit
+    smaller than this in all stays gathered between steps too, which, since every small parameter is the
+    root's, only the root can be (stage3_param_persistence_threshold; See [Note: small parameters stay
+    with the root] in zerokit/stages/units.py)."""
 
     def __post_init__(self) -> None:
         # A bare string would otherwise be read as the tuple of its letters, a bare class as an error.

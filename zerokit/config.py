@@ -17,12 +17,13 @@ from typing import Any, Mapping
 
 import torch
 
+from zerokit.defaults import DEFAULT_BUCKET_BYTES
+
 DTYPES_BY_NAME = {
     "fp32": torch.float32, "float32": torch.float32,
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16,
 }
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # the same default as torch DDP's bucket_cap_mb=25
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT
 from zerokit.planner.models import Architecture, ModelSpec, ParamCounts
 from zerokit.planner.spec import Assumptions, Layout, Offload, Training
 
@@ -50,7 +51,7 @@ OPTIMIZER_STATE_BYTES = {
     ("adamw", True): 12, ("adam", True): 12, ("sgd-momentum", True): 8, ("sgd", True): 4,
     ("adamw", False): 8, ("adam", False): 8, ("sgd-momentum", False): 4, ("sgd", False): 0,
 }
-IN_FLIGHT_BUCKETS = 3  # the engine's BucketReducer: two buckets in flight while a third launches
+IN_FLIGHT_BUCKETS = MAX_BUCKETS_IN_FLIGHT + 1  # the engine's BucketReducer: see zerokit/defaults.py
 
 
 @dataclass(frozen=True)

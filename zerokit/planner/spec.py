@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from zerokit.defaults import DEFAULT_BUCKET_BYTES
+
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd-momentum", "sgd")
 CHECKPOINTING = ("none", "full")
@@ -17,7 +19,6 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 BYTES_PER_ELEMENT = {"bf16": 2, "fp16": 2, "fp32": 4}
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # zerokit's engine default (torch DDP's bucket_cap_mb=25)
 GB = 10**9  # reports use decimal GB, as the ZeRO paper does; capacities are stored in bytes
 
 

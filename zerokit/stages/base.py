@@ -32,6 +32,7 @@ from torch import nn
 
 from zerokit.comm import Communicator, Pending, wait
 from zerokit.config import ZeroConfig
+from zerokit.defaults import CPU_OPTIMIZER_PIECE_NUMEL
 from zerokit.flat import Bucket, FlatParameters, bucket_view, build_layout, shard_view
 from zerokit.stages.optimizer import rebuild_optimizer
 
@@ -46,7 +47,7 @@ class BucketReduction(NamedTuple):
 
 
 # Default elements per optimizer piece, by device type; absent: one piece per master. See [Note: optimizer pieces].
-OPTIMIZER_PIECE_NUMEL = {"cpu": 1 << 16}
+OPTIMIZER_PIECE_NUMEL = {"cpu": CPU_OPTIMIZER_PIECE_NUMEL}
 
 
 def _split(master: nn.Parameter, piece_numel: int) -> list[nn.Parameter]:

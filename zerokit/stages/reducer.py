@@ -15,11 +15,12 @@ from collections import deque
 import torch
 
 from zerokit.comm import wait
+from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT
 from zerokit.stages.base import BucketReduction, ZeroStage
 
 
 class BucketReducer:
-    def __init__(self, stage: ZeroStage, max_in_flight: int = 2) -> None:
+    def __init__(self, stage: ZeroStage, max_in_flight: int = MAX_BUCKETS_IN_FLIGHT) -> None:
         self.stage = stage
         self.buckets = stage.layout.buckets
         self.overlap = stage.config.overlap_comm

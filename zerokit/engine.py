@@ -9,6 +9,7 @@ One optimizer step, in order (See [Note: buckets are the unit of sharding]):
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -17,65 +18,75 @@ from torch import nn
 
 from zerokit.comm import Communicator
 from zerokit.config import ZeroConfig, load_config
-from zerokit.precision import (StepResult, clip_coefficient, global_grad_norm, make_loss_scaler,
-                               unscale_)
-from zerokit.runtime import default_device, ensure_process_group
-from zerokit.stages import STAGES, BucketReducer
-from zerokit.stages.construction import (ParamInit, has_meta_parameters, init_buffer_owners,
+from zerokit.masters import trainable_groups
+from zerokit.precision import StepResult, clip_coefficient, global_grad_norm, make_loss_scaler, unscale_
+from zerokit.runtime import default_device, ensure_process_group, log_startup
+from zerokit.stages import STAGES, BucketReducer, install_hooks
+from zerokit.stages.construction import (Construction, ParamInit, has_meta_parameters, init_buffer_owners,
                                         replace_meta_parameters, reset_parameters)
-from zerokit.stages.optimizer import trainable_groups
 
 
 class SkippedStepsError(RuntimeError):
     """Too many optimizer steps in a row were skipped for inf/nan gradients."""
 
 
+@dataclass
+class Progress:
+    """Where training stands: what a resumed run must restore besides the model states."""
+
+    micro_step: int = 0
+    optimizer_step: int = 0
+    consecutive_skips: int = 0
+    total_skips: int = 0
+    backward_since_step: bool = False  # a second step() after one backward() would step on stale gradients
+
+
 class Engine:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig,
                  device: torch.device | None = None, param_init: ParamInit | None = None) -> None:
+        """Built in the order a step's data flows: the process group, the model on its device, the stage
+        (layout, flat buffers, masters; See ZeroStage.build), the reducer, then the hooks that drive them."""
         ensure_process_group()
         self.config = config
         self.comm = Communicator()
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         config.check_batch_sizes(self.world_size)
-        if config.stage not in STAGES:
-            raise ValueError(f"zero_optimization.stage={config.stage} is not available in this version; "
-                             f"use one of {sorted(STAGES)}")
         self.device = device or default_device()
-        extra = {}
-        if has_meta_parameters(model):  # See [Note: sharded construction]
-            if config.stage != 3:
-                raise ValueError(f"a model on the meta device needs zero_optimization.stage=3 (got {config.stage}): "
-                                 "only stage 3 never holds the whole model")
-            pending_init, buffer_owners = replace_meta_parameters(model, optimizer, self.device)
-            init_buffer_owners(buffer_owners, param_init or reset_parameters)
-            extra = {"param_init": param_init, "pending_init": pending_init}
-        elif param_init is not None:
-            raise ValueError("param_init is for models built on the meta device; this model has real parameters")
-        self.module = model.to(device=self.device)
-        if not extra:
-            self._broadcast_from_rank0()
+        construction = self._place_model(model, optimizer, param_init)
+        self.module = model
         params, groups = _backward_ordered(model, trainable_groups(model, optimizer))
-        self.stage = STAGES[config.stage](model, params, groups, optimizer, config, self.comm, **extra)
+        extra = {"construction": construction} if construction is not None else {}
+        self.stage = STAGES[config.stage].build(model, params, groups, optimizer, config, self.comm, **extra)
         # Frozen parameters (stages 0-2; stage 3 shards them in the compute dtype already) and buffers;
         # trainable ones are cast.
         model.to(dtype=config.precision.param_dtype)
         self.optimizer = self.stage.optimizer
         self.reducer = BucketReducer(self.stage)
-        self._hooks = [p.register_post_accumulate_grad_hook(lambda _, i=i: self.reducer.grad_ready(i))
-                       for i, p in enumerate(params)]
+        self._hooks = install_hooks(self.stage, self.reducer)
         self.loss_scaler = make_loss_scaler(config.loss_scaling)
-        self.micro_step = 0
-        self.backward_since_step = False  # a second step() after one backward() would step on stale gradients
-        self.optimizer_step = 0
-        self.consecutive_skips = 0
-        self.total_skips = 0
+        self.progress = Progress()
+        log_startup(self.stage)
 
-    def _broadcast_from_rank0(self) -> None:
-        """Every rank starts from rank 0's weights and buffers, as torch DDP does."""
+    def _place_model(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     param_init: ParamInit | None) -> Construction | None:
+        """Move the model to this rank's device. A model built on the meta device is left for stage 3 to
+        materialise unit by unit (See [Note: sharded construction]); any other starts from rank 0's
+        weights and buffers, as torch DDP does."""
+        if has_meta_parameters(model):
+            if self.config.stage != 3:
+                raise ValueError(f"a model on the meta device needs zero_optimization.stage=3 (got {self.config.stage}): "
+                                 "only stage 3 never holds the whole model")
+            pending, buffer_owners = replace_meta_parameters(model, optimizer, self.device)
+            init_buffer_owners(buffer_owners, param_init or reset_parameters)
+            model.to(device=self.device)
+            return Construction(pending, param_init or reset_parameters, verify=True)
+        if param_init is not None:
+            raise ValueError("param_init is for models built on the meta device; this model has real parameters")
+        model.to(device=self.device)
         with torch.no_grad():
-            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+            for tensor in [*model.parameters(), *model.buffers()]:
                 self.comm.broadcast(tensor.data, src=0)
+        return None
 
     # --- the training loop ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -84,7 +95,7 @@ class Engine:
     @property
     def at_boundary(self) -> bool:
         """The next backward ends an accumulation window."""
-        return (self.micro_step + 1) % self.config.gradient_accumulation_steps == 0
+        return (self.progress.micro_step + 1) % self.config.gradient_accumulation_steps == 0
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss / gradient_accumulation_steps` (times the fp16 loss scale), with the
@@ -97,21 +108,22 @@ class Engine:
         scaled.backward()
         self.reducer.flush()
         self.stage.finish_backward()
-        self.micro_step += 1
-        self.backward_since_step = True
+        self.progress.micro_step += 1
+        self.progress.backward_since_step = True
 
     def step(self) -> StepResult:
         """Step the optimizer if this micro-step ended an accumulation window; report either way."""
-        if not self.backward_since_step:
+        progress = self.progress
+        if not progress.backward_since_step:
             raise RuntimeError("engine.step() was called without an engine.backward() since the last step; "
                                "call engine.backward(loss) once before each engine.step()")
-        self.backward_since_step = False
-        boundary = self.micro_step % self.config.gradient_accumulation_steps == 0
-        if not boundary:
+        progress.backward_since_step = False
+        if progress.micro_step % self.config.gradient_accumulation_steps != 0:
             return self._result(boundary=False, stepped=False, norm=None, clipped=False)
-        grads = self.stage.attach_master_grads()
+        self.stage.hand_in_grads()
+        grads = self.stage.masters.gradients()
         unscale_(grads, self.loss_scaler.scale)
-        norm = global_grad_norm(grads, self.comm if self.stage.shards_optimizer else None)
+        norm = global_grad_norm(grads, self.stage.norm_comm)
         overflow = norm != norm  # nan: some gradient was inf or nan on some rank
         self.loss_scaler.update(overflow)
         if overflow:
@@ -120,28 +132,30 @@ class Engine:
         coefficient = clip_coefficient(norm, self.config.gradient_clipping)
         if coefficient < 1.0:
             torch._foreach_mul_(grads, coefficient)
-        self.optimizer.step()
+        self.stage.masters.step()
         self.stage.release_grads()
         self.stage.publish_params()
-        self.optimizer_step += 1
-        self.consecutive_skips = 0
+        progress.optimizer_step += 1
+        progress.consecutive_skips = 0
         return self._result(boundary=True, stepped=True, norm=norm, clipped=coefficient < 1.0)
 
     def _skip(self) -> StepResult:
-        self.consecutive_skips += 1
-        self.total_skips += 1
-        if self.consecutive_skips >= self.config.max_consecutive_skipped_steps:
+        progress = self.progress
+        progress.consecutive_skips += 1
+        progress.total_skips += 1
+        if progress.consecutive_skips >= self.config.max_consecutive_skipped_steps:
             raise SkippedStepsError(
-                f"{self.consecutive_skips} optimizer steps in a row were skipped for inf/nan gradients "
+                f"{progress.consecutive_skips} optimizer steps in a row were skipped for inf/nan gradients "
                 f"(loss scale now {self.loss_scaler.scale:g}); the model is not training. Lower the learning "
                 "rate, check the data, or raise max_consecutive_skipped_steps")
         return self._result(boundary=True, stepped=False, norm=float("nan"), clipped=False)
 
     def _result(self, boundary: bool, stepped: bool, norm: float | None, clipped: bool) -> StepResult:
-        return StepResult(micro_step=self.micro_step, optimizer_step=self.optimizer_step, boundary=boundary,
+        progress = self.progress
+        return StepResult(micro_step=progress.micro_step, optimizer_step=progress.optimizer_step, boundary=boundary,
                           stepped=stepped, skipped=boundary and not stepped, loss_scale=self.loss_scaler.scale,
-                          grad_norm=norm, clipped=clipped, consecutive_skips=self.consecutive_skips,
-                          total_skips=self.total_skips)
+                          grad_norm=norm, clipped=clipped, consecutive_skips=progress.consecutive_skips,
+                          total_skips=progress.total_skips)
 
     # --- what it holds and sends -----------------------------------------------------------------
     def comm_stats(self) -> dict[str, dict[str, int]]:
@@ -180,6 +194,18 @@ class Engine:
             if name in saved:
                 state[name] = buffer.detach().cpu().clone()
         return {name: state[name] for name in saved}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this rank holds that a resumed run needs: its shard of the model states (masters,
+        optimizer, and at stage 3 the frozen shards), the loss scaler and the step counters."""
+        return {"stage": self.stage.state_dict(), "loss_scaler": self.loss_scaler.state_dict(),
+                "progress": asdict(self.progress)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The inverse of state_dict(), on the same world size, stage and layout."""
+        self.stage.load_state_dict(state["stage"])
+        self.loss_scaler.load_state_dict(state["loss_scaler"])
+        self.progress = Progress(**state["progress"])
 
     def trainable_numel(self) -> int:
         """Ψ: trainable parameters, without padding."""

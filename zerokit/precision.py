@@ -50,6 +50,11 @@ class DynamicLossScaler:
     def state_dict(self) -> dict[str, float | int]:
         return {"scale": self.scale, "clean_steps": self._clean_steps, "hysteresis_left": self._hysteresis_left}
 
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.scale = float(state["scale"])
+        self._clean_steps = int(state["clean_steps"])
+        self._hysteresis_left = int(state["hysteresis_left"])
+
 
 class NoLossScaler:
     """bf16 and fp32: scale 1, nothing to update."""
@@ -62,6 +67,10 @@ class NoLossScaler:
 
     def state_dict(self) -> dict[str, float | int]:
         return {"scale": 1.0}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        if state.get("scale", 1.0) != 1.0:
+            raise ValueError(f"the saved loss scale is {state['scale']}, but this run does not use fp16 loss scaling")
 
 
 def make_loss_scaler(policy: LossScaling | None) -> DynamicLossScaler | NoLossScaler:

@@ -1,12 +1,18 @@
-"""Process group and device: torchrun's environment, or one plain process."""
+"""Process group, device and logging: torchrun's environment, or one plain process."""
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from zerokit.stages.base import ZeroStage
+
+logger = logging.getLogger("zerokit")
 
 
 def ensure_process_group() -> None:
@@ -30,6 +36,30 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def log_rank0(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, file=sys.stderr, flush=True)
+class _RankFilter(logging.Filter):
+    """Puts the rank into every record (`%(rank)s`), so that lines from many ranks can be told apart."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank = dist.get_rank() if dist.is_initialized() else 0
+        return True
+
+
+def configure_logging() -> None:
+    """The `zerokit` logger writes INFO and above to stderr as `[zerokit rank R] message`, unless the
+    application configured it (gave it handlers) first; ZEROKIT_LOG_LEVEL changes the level."""
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.addFilter(_RankFilter())
+    handler.setFormatter(logging.Formatter("[zerokit rank %(rank)s] %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(os.environ.get("ZEROKIT_LOG_LEVEL", "INFO").upper())
+    logger.propagate = False
+
+
+def log_startup(stage: "ZeroStage") -> None:
+    """What a user should see once, on rank 0: the stage, its buckets, how they are reduced, the units."""
+    configure_logging()
+    if stage.rank == 0:
+        for line in stage.describe():
+            logger.info(line)

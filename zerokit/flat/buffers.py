@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zerokit.flat.layout import Bucket, FlatLayout
+from zerokit.flat.layout import Bucket, FlatLayout, Slot
 
 
 class FlatParameters:
-    """One flat buffer (1-D, padded per bucket) holding every trainable parameter of the model."""
+    """Parameters laid out in buckets (see layout.py): packed into, or pointed at, flat 1-D buffers."""
 
     def __init__(self, params: list[nn.Parameter], layout: FlatLayout, dtype: torch.dtype) -> None:
         devices = {p.device for p in params}
@@ -36,6 +36,14 @@ class FlatParameters:
             view.copy_(param.data)
         return packed
 
+    def pack_bucket(self, bucket: Bucket) -> torch.Tensor:
+        """The current values of one bucket's parameters as a new 1-D fp32 tensor, padding zeroed."""
+        packed = torch.zeros(bucket.numel, dtype=torch.float32, device=self.device)
+        for slot in bucket.slots:
+            begin, end = bucket.slot_range(slot)
+            packed[begin:end].copy_(self.params[slot.param_index].data.reshape(-1))
+        return packed
+
     def adopt(self, values: torch.Tensor) -> None:
         """Make `values` (cast to the param dtype) the buffer and every parameter a view of it."""
         self.buffer = values.to(self.dtype)
@@ -47,18 +55,50 @@ class FlatParameters:
         views: list[torch.Tensor | None] = [None] * len(self.params)
         for bucket in self.layout.buckets:
             for slot in bucket.slots:
-                shape = self.params[slot.param_index].shape
-                views[slot.param_index] = buffer[slot.offset:slot.offset + slot.numel].view(shape)
+                views[slot.param_index] = buffer[slot.offset:slot.offset + slot.numel].view(self._shape(slot))
         return views  # type: ignore[return-value]
+
+    def point(self, bucket: Bucket, full: torch.Tensor) -> None:
+        """Make the bucket's parameters views of `full`, the bucket's values alone (1-D)."""
+        for slot in bucket.slots:
+            begin, end = bucket.slot_range(slot)
+            self.params[slot.param_index].data = full[begin:end].view(self._shape(slot))
+
+    def release(self, bucket: Bucket, placeholder: torch.Tensor) -> None:
+        """Every parameter of the bucket becomes `placeholder` (one element) broadcast to its shape."""
+        for slot in bucket.slots:
+            self.params[slot.param_index].data = placeholder.expand(self._shape(slot))
 
     def new_buffer(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return torch.zeros(self.layout.numel, dtype=dtype or self.dtype, device=self.device)
 
+    def _shape(self, slot: Slot) -> torch.Size:
+        return self.params[slot.param_index].shape
+
 
 def bucket_view(buffer: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+    """The bucket in a flat buffer of the whole layout."""
     return buffer[bucket.start:bucket.end]
 
 
 def shard_view(buffer: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:
+    """Rank's shard of the bucket in a flat buffer of the whole layout."""
     begin, end = bucket.shard_range(rank)
     return buffer[begin:end]
+
+
+def local_view(shards: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+    """The bucket's shard in a rank's shard buffer (every bucket's shard, back to back)."""
+    begin, end = bucket.local_range
+    return shards[begin:end]
+
+
+def own_part(bucket_values: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:
+    """Rank's shard of a tensor that holds the bucket alone."""
+    begin, end = bucket.shard_in_bucket(rank)
+    return bucket_values[begin:end]
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes held by the tensors among `tensors` (other items are ignored: optimizer state has ints)."""
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))

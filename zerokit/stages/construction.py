@@ -19,6 +19,7 @@ Hugging Face saves an LM head tied to the embedding) is found under that name.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +27,25 @@ import torch
 from torch import nn
 
 ParamInit = Callable[[nn.Module], None]
+
+
+def reset_parameters(module: nn.Module) -> None:
+    """The default param_init: the module's own reset_parameters(), as torch layers define it."""
+    if not hasattr(module, "reset_parameters"):
+        raise ValueError(f"{type(module).__name__} was built on the meta device and has no reset_parameters(); "
+                         "pass param_init=fn to zerokit.initialize to initialise or load its parameters and buffers")
+    module.reset_parameters()
+
+
+@dataclass
+class Construction:
+    """What stage 3 still has to build of a model that came from the meta device."""
+
+    pending: set[int] = field(default_factory=set)
+    """ids of parameters that still need `param_init` (they hold no memory yet)."""
+    param_init: ParamInit = reset_parameters
+    verify: bool = False
+    """Compare a checksum of every unit across ranks once it is built (ranks must initialise alike)."""
 
 
 def has_meta_parameters(model: nn.Module) -> bool:
@@ -67,18 +87,10 @@ def init_buffer_owners(owners: list[nn.Module], param_init: ParamInit) -> None:
             param_init(module)
 
 
-def reset_parameters(module: nn.Module) -> None:
-    """The default param_init: the module's own reset_parameters(), as torch layers define it."""
-    if not hasattr(module, "reset_parameters"):
-        raise ValueError(f"{type(module).__name__} was built on the meta device and has no reset_parameters(); "
-                         "pass param_init=fn to zerokit.initialize to initialise or load its parameters and buffers")
-    module.reset_parameters()
-
-
-def materialise(model: nn.Module, param_ids: set[int], pending: set[int], param_init: ParamInit) -> None:
-    """Give the parameters in `param_ids` that are still `pending` real storage, then run
-    `param_init` on every module that owns one of them (in model order, as a normal init would)."""
-    todo = param_ids & pending
+def materialise(model: nn.Module, param_ids: set[int], construction: Construction) -> None:
+    """Give the parameters in `param_ids` that are still pending real storage, then run `param_init` on
+    every module that owns one of them (in model order, as a normal init would)."""
+    todo = param_ids & construction.pending
     if not todo:
         return
     owners = []
@@ -90,8 +102,8 @@ def materialise(model: nn.Module, param_ids: set[int], pending: set[int], param_
             param.data = torch.empty(param.shape, dtype=param.dtype, device=param.device)
     with torch.no_grad():
         for module in owners:
-            param_init(module)
-    pending -= todo
+            construction.param_init(module)
+    construction.pending -= todo
 
 
 def safetensors_init(model: nn.Module, path: str | Path) -> ParamInit:

@@ -14,9 +14,9 @@ from collections import deque
 
 import torch
 
-from zerokit.comm import wait
+from zerokit.comm import Reduction
 from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT
-from zerokit.stages.base import BucketReduction, ZeroStage
+from zerokit.stages.base import ZeroStage
 
 
 class BucketReducer:
@@ -27,7 +27,7 @@ class BucketReducer:
         self.max_in_flight = max_in_flight  # bounds staging memory to this many full buckets
         self.bucket_of = {slot.param_index: bucket.index for bucket in self.buckets for slot in bucket.slots}
         self.index_of = {id(param): index for index, param in enumerate(stage.flat.params)}
-        self.in_flight: deque[BucketReduction] = deque()
+        self.in_flight: deque[Reduction] = deque()
         self.armed = False
         self._reset()
 
@@ -68,13 +68,7 @@ class BucketReducer:
         self.next_bucket += 1
         self.in_flight.append(self.stage.reduce_bucket(bucket))
         if len(self.in_flight) > self.max_in_flight:
-            self._complete(self.in_flight.popleft())
-
-    @staticmethod
-    def _complete(reduction: BucketReduction) -> None:
-        wait(reduction.pending)
-        if reduction.finish is not None:
-            reduction.finish()
+            self.in_flight.popleft().complete()
 
     def flush(self) -> None:
         """After backward: launch what is left (parameters without gradients count as zero) and wait."""
@@ -86,7 +80,7 @@ class BucketReducer:
                     self.stage.on_grad_ready(slot.param_index)
             self._launch_next()
         while self.in_flight:
-            self._complete(self.in_flight.popleft())
+            self.in_flight.popleft().complete()
         self.armed = False
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from zerokit.comm import Reduction
 from zerokit.flat import Bucket, bucket_view
-from zerokit.stages.base import BucketReduction, ZeroStage
+from zerokit.stages.base import ZeroStage
 
 
 class DataParallel(ZeroStage):
@@ -26,11 +27,11 @@ class DataParallel(ZeroStage):
         for param, view in zip(self.flat.params, self.grad_views):
             param.grad = view
 
-    def reduce_bucket(self, bucket: Bucket) -> BucketReduction:
+    def reduce_bucket(self, bucket: Bucket) -> Reduction:
         grads = bucket_view(self.grad_buffer, bucket)
         if grads.dtype != self.reduce_dtype:
             grads = self.reduced[bucket.index] = grads.to(self.reduce_dtype)
-        return BucketReduction(self.comm.all_reduce(grads, async_op=True), None)
+        return Reduction(self.comm.all_reduce(grads, async_op=True))
 
     def owned_grad(self, bucket: Bucket) -> torch.Tensor:
         return self.reduced.get(bucket.index, bucket_view(self.grad_buffer, bucket))

@@ -7,28 +7,25 @@ from __future__ import annotations
 
 import torch
 
+from zerokit.comm import Reduction
 from zerokit.flat import Bucket, bucket_view, shard_view
-from zerokit.stages.base import BucketReduction
 from zerokit.stages.stage0 import DataParallel
 
 
 class ShardedOptimizerState(DataParallel):
     shards_optimizer = True
 
-    def reduce_bucket(self, bucket: Bucket) -> BucketReduction:
+    def reduce_bucket(self, bucket: Bucket) -> Reduction:
         grads = bucket_view(self.grad_buffer, bucket)  # 1-D, the whole bucket, param dtype
         if grads.dtype == self.reduce_dtype:
             # The averaged shard goes back into the gradient buffer: no second gradient copy is held.
             owned = shard_view(self.grad_buffer, bucket, self.rank)
-            pending = self.reduce_to_shard(bucket, grads)
-            return BucketReduction(pending, lambda: _copy_unless_same(owned, pending.output), grads)
+            return self.reduce_to_shard(bucket, grads, lambda shard: _copy_unless_same(owned, shard))
         full = grads.to(self.reduce_dtype)  # a copy, whole bucket
-        pending = self.reduce_to_shard(bucket, full)
 
-        def keep_shard() -> None:  # in reduce dtype until the step; never a view of `full`, which can go
-            shard = pending.output
+        def keep_shard(shard: torch.Tensor) -> None:  # in reduce dtype until the step; never a view of `full`
             self.reduced[bucket.index] = shard.clone() if _same_storage(shard, full) else shard
-        return BucketReduction(pending, keep_shard)
+        return self.reduce_to_shard(bucket, full, keep_shard)
 
     def owned_grad(self, bucket: Bucket) -> torch.Tensor:
         return self.reduced.get(bucket.index, shard_view(self.grad_buffer, bucket, self.rank))

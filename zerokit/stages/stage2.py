@@ -7,17 +7,22 @@ from __future__ import annotations
 
 import torch
 
-from zerokit.flat import Bucket, Slot
-from zerokit.stages.base import BucketReduction, ZeroStage
+from zerokit.comm import ProcessGroups, Reduction
+from zerokit.config import ZeroConfig
+from zerokit.flat import Bucket, FlatParameters, Slot, local_view
+from zerokit.masters import DeviceMasters
+from zerokit.stages.base import ZeroStage
 
 
 class ShardedGradients(ZeroStage):
     shards_optimizer = True
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.reduces_every_micro_step = self.config.reduce_every_micro_step
-        # 1-D, reduce dtype: this rank's shard of every bucket, back to back (bucket b at b.start / N).
+    def __init__(self, flat: FlatParameters, masters: DeviceMasters, groups: ProcessGroups, config: ZeroConfig,
+                 reduces_every_micro_step: bool | None = None) -> None:
+        """`reduces_every_micro_step`: None reads the config's choice (stage 3 always reduces)."""
+        every = config.reduce_every_micro_step if reduces_every_micro_step is None else reduces_every_micro_step
+        super().__init__(flat, masters, groups, config, every)
+        # 1-D, reduce dtype: this rank's shard of every bucket, back to back (See local_view).
         # Micro-steps accumulate here, so fp32 (the default reduce dtype) keeps accumulation exact.
         self.grad_shards = torch.zeros(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.flat.device)
         self.staging: dict[int, torch.Tensor] = {}  # bucket index -> 1-D full bucket, reduce dtype
@@ -34,20 +39,18 @@ class ShardedGradients(ZeroStage):
         if param.grad is None:  # no gradient this step: its share of the bucket stays zero
             return
         bucket, slot = self.place[param_index]
-        begin = slot.offset - bucket.start
-        self._staging_for(bucket)[begin:begin + slot.numel].add_(param.grad.reshape(-1))
+        begin, end = bucket.slot_range(slot)
+        self._staging_for(bucket)[begin:end].add_(param.grad.reshape(-1))
         param.grad = None  # the full gradient is freed as soon as it is staged
 
-    def reduce_bucket(self, bucket: Bucket) -> BucketReduction:
+    def reduce_bucket(self, bucket: Bucket) -> Reduction:
         staging = self._staging_for(bucket)
         del self.staging[bucket.index]
-        pending = self.reduce_to_shard(bucket, staging)
         owned = self.owned_grad(bucket)
-        return BucketReduction(pending, lambda: owned.add_(pending.output), staging)
+        return self.reduce_to_shard(bucket, staging, owned.add_)
 
     def owned_grad(self, bucket: Bucket) -> torch.Tensor:
-        begin = bucket.start // self.world_size
-        return self.grad_shards[begin:begin + bucket.shard_numel]
+        return local_view(self.grad_shards, bucket)
 
     def zero_grads(self) -> None:
         self.grad_shards.zero_()

@@ -192,23 +192,23 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
         "memory": engine.memory_stats(),
         "layout_numel": engine.stage.layout.numel, "buckets": len(engine.stage.layout.buckets),
         "reduce_scatter": engine.stage.reduce_scatter,
-        "optimizer_pieces": sum(len(pieces) for pieces in engine.stage.pieces),
+        "optimizer_pieces": engine.stage.masters.piece_count,
         "trainable_numel": engine.trainable_numel(), "launched_in_backward": overlapped,
-        "unit_numel": getattr(engine.stage, "unit_numel", None),
+        "unit_numel": engine.stage.shards.unit_numel if engine.config.stage == 3 else None,
         "frozen_numel": sum(p.numel() for p in model.parameters() if not p.requires_grad),
         **stage3_frozen_layout(engine.stage),
-        "peak_live_numel": getattr(engine.stage, "peak_live_numel", None),
+        "peak_live_numel": engine.stage.shards.peak_live_numel if engine.config.stage == 3 else None,
     }
 
 
 def stage3_frozen_layout(stage) -> dict:
     """Stage 3 shards frozen parameters per unit: each unit's gathered (padded) frozen elements, and
     this rank's shards of them all. Empty at other stages."""
-    frozen = getattr(stage, "frozen", None)
-    if frozen is None:
+    if stage.unit_hooks is None:
         return {}
-    return {"unit_frozen_numel": [frozen[u.index].numel if u.index in frozen else 0 for u in stage.units],
-            "frozen_shard_numel": sum(f.shard_numel for f in frozen.values())}
+    frozen_of = stage.shards.frozen_of
+    return {"unit_frozen_numel": [frozen_of[u.index].numel if u.index in frozen_of else 0 for u in stage.units],
+            "frozen_shard_numel": stage.frozen.layout.shard_numel}
 
 
 def run_reference(case: Case, world_size: int) -> dict:

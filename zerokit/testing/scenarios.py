@@ -75,7 +75,7 @@ def run_stage3_access(rank: int, world_size: int) -> dict:
     with torch.no_grad():
         out["logits_eval"] = engine(tokens[:, :-1]).clone()  # plain no-grad forward: gather, use, free
     out["memory_after_eval"] = engine.memory_stats()
-    out["shard_bytes"] = engine.stage.shards.numel() * engine.stage.shards.element_size()
+    out["shard_bytes"] = engine.stage.trainable.shards.numel() * engine.stage.trainable.shards.element_size()
     with engine.unsharded([model.ln_f.bias], write_back=True):
         model.ln_f.bias.data.fill_(0.25)  # every rank makes the same edit
     out["after_edit"] = engine.full_state_dict()["ln_f.bias"]
@@ -95,7 +95,7 @@ def run_meta_construction_checks(rank: int, world_size: int) -> dict:
     engine = zerokit.initialize(model, make_optimizer(case, model), engine_config(case), param_init=seeded_init(model))
     storage = {p.untyped_storage().nbytes() for p in model.parameters()}
     out = {"storage_bytes": storage, "memory": engine.memory_stats(),
-           "shard_bytes": engine.stage.shards.numel() * 4}
+           "shard_bytes": engine.stage.trainable.shards.numel() * 4}
     with torch.device("meta"):
         divergent = TinyGPT(TinyGPTConfig())
     seeded = seeded_init(divergent)
@@ -171,14 +171,14 @@ def run_stage3_frozen_checks(rank: int, world_size: int) -> dict:
 def _frozen_holdings(engine: zerokit.Engine, model: torch.nn.Module) -> dict:
     frozen = [p for p in model.parameters() if not p.requires_grad]
     in_blocks = [(name, p) for name, p in model.blocks.named_parameters() if not p.requires_grad]
-    shards = [f.shard for f in engine.stage.frozen.values()]
+    shards = engine.stage.frozen.shards  # this rank's shard of every unit's frozen bucket
     return {
         "frozen_numel": sum(p.numel() for p in frozen),
-        "frozen_shard_bytes": sum(t.numel() * t.element_size() for t in shards),
-        "frozen_units": len(shards),
+        "frozen_shard_bytes": shards.numel() * shards.element_size(),
+        "frozen_units": len(engine.stage.frozen.layout.buckets),
         "frozen_storage_bytes": {p.untyped_storage().nbytes() for p in frozen},  # what each really holds
         "memory": engine.memory_stats(),
-        "trainable_shard_bytes": engine.stage.shards.numel() * engine.stage.shards.element_size(),
+        "trainable_shard_bytes": engine.stage.trainable.shards.numel() * engine.stage.trainable.shards.element_size(),
         "block_frozen_shapes": {name: tuple(p.shape) for name, p in in_blocks},
         "block_frozen_all_nan": all(bool(p.isnan().all()) for _, p in in_blocks),
     }

@@ -1,0 +1,89 @@
+"""Sharded flat parameters (stage 3): this rank keeps its shard of every bucket; a bucket is whole only
+while gathered. One class serves the trainable parameters and the frozen ones alike.
+
+Between gathers a parameter keeps its true shape and dtype (no torch.Size([0]) surprise): its data is
+one NaN broadcast to that shape, so code that computes with it outside its unit's forward gets NaN
+(and zerokit skips and reports the step) rather than plausible zeros, and code that writes to it in
+place gets an error. Gather with engine.unsharded() first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerokit.comm import Communicator, Pending, wait
+from zerokit.flat.buffers import FlatParameters, local_view, own_part
+from zerokit.flat.layout import Bucket
+
+
+class ShardedFlat:
+    def __init__(self, flat: FlatParameters, rank: int) -> None:
+        self.flat = flat
+        self.layout = flat.layout
+        self.rank = rank
+        # 1-D, param dtype: this rank's shard of every bucket, back to back (See local_view).
+        self.shards = torch.zeros(self.layout.shard_numel, dtype=flat.dtype, device=flat.device)
+        self.placeholder = torch.full((1,), float("nan"), dtype=flat.dtype, device=flat.device)
+        self.full: dict[int, torch.Tensor] = {}  # bucket index -> the gathered bucket (1-D), while gathered
+        self.in_flight: dict[int, Pending] = {}  # bucket index -> its gather, until waited on
+
+    def shard(self, bucket: Bucket) -> torch.Tensor:
+        return local_view(self.shards, bucket)
+
+    def keep_shard(self, bucket: Bucket, values: torch.Tensor) -> torch.Tensor:
+        """Keep this rank's part of `values` (the whole bucket, 1-D, any dtype) as its shard; returns
+        that part of `values` itself, so the caller can keep it at full precision."""
+        own = own_part(values, bucket, self.rank)
+        self.shard(bucket).copy_(own)
+        return own
+
+    # --- gather and free ----------------------------------------------------------------------------
+    def gather(self, bucket: Bucket, comm: Communicator) -> int:
+        """Start gathering the bucket (asynchronously); returns the elements that became live (0 if it
+        was gathered or on its way already). `wait` before pointing parameters at it."""
+        if bucket.index in self.full:
+            return 0
+        full = torch.empty(bucket.numel, dtype=self.flat.dtype, device=self.flat.device)
+        self.in_flight[bucket.index] = comm.all_gather(full, self.shard(bucket), async_op=True)
+        self.full[bucket.index] = full
+        return bucket.numel
+
+    def wait(self, bucket: Bucket) -> None:
+        if bucket.index in self.in_flight:
+            wait(self.in_flight.pop(bucket.index))
+
+    def has(self, bucket: Bucket) -> bool:
+        """Gathered, or being gathered."""
+        return bucket.index in self.full
+
+    def ready(self, bucket: Bucket) -> bool:
+        return bucket.index in self.full and bucket.index not in self.in_flight
+
+    def point(self, bucket: Bucket) -> None:
+        self.flat.point(bucket, self.full[bucket.index])
+
+    def free(self, bucket: Bucket) -> int:
+        """Drop the gathered bucket (once its gather is done); returns the elements freed. The parameters
+        still view it until `release`."""
+        self.wait(bucket)
+        return bucket.numel if self.full.pop(bucket.index, None) is not None else 0
+
+    def release(self, bucket: Bucket) -> None:
+        self.flat.release(bucket, self.placeholder)
+
+    def regather(self, bucket: Bucket, comm: Communicator) -> None:
+        """Refresh a gathered bucket from the shards (after the shards changed), in place."""
+        if bucket.index in self.full:
+            self.wait(bucket)
+            wait(comm.all_gather(self.full[bucket.index], self.shard(bucket)))
+
+    def write_back(self, bucket: Bucket) -> torch.Tensor | None:
+        """Keep in-place edits of a gathered bucket: this rank's part goes back to its shard, and is
+        returned (None when the bucket is not gathered)."""
+        if not self.ready(bucket):
+            return None
+        return self.keep_shard(bucket, self.full[bucket.index])
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What this holds in memory: the shards, and the gathered buckets."""
+        return [self.shards, *self.full.values()]

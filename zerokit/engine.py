@@ -74,8 +74,8 @@ class Engine:
         weights and buffers, as torch DDP does."""
         if has_meta_parameters(model):
             if self.config.stage != 3:
-                raise ValueError(f"a model on the meta device needs zero_optimization.stage=3 (got {self.config.stage}): "
-                                 "only stage 3 never holds the whole model")
+                raise ValueError(f"a model on the meta device needs zero_optimization.stage=3 (got "
+                                 f"{self.config.stage}): only stage 3 never holds the whole model")
             pending, buffer_owners = replace_meta_parameters(model, optimizer, self.device)
             init_buffer_owners(buffer_owners, param_init or reset_parameters)
             model.to(device=self.device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +37,19 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record is emitted (a test's capture, a redirect made after
+    start-up), never to a stream that has since been closed."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 class _RankFilter(logging.Filter):
     """Puts the rank into every record (`%(rank)s`), so that lines from many ranks can be told apart."""
 
@@ -49,7 +63,7 @@ def configure_logging() -> None:
     application configured it (gave it handlers) first; ZEROKIT_LOG_LEVEL changes the level."""
     if logger.handlers:
         return
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler.addFilter(_RankFilter())
     handler.setFormatter(logging.Formatter("[zerokit rank %(rank)s] %(message)s"))
     logger.addHandler(handler)

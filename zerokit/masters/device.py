@@ -45,7 +45,8 @@ class DeviceMasters:
         group. Masters that do not alias their compute shard start uninitialised: see `initialise`."""
         self.compute = compute
         device = compute[0].device if compute else torch.device("cpu")
-        self.aliased = bool(compute) and compute[0].dtype == torch.float32  # See [Note: masters that alias...]
+        # See [Note: masters that alias the compute shard]
+        self.aliased = bool(compute) and compute[0].dtype == torch.float32
         self.masters = [nn.Parameter(shard if self.aliased else torch.empty(shard.numel(), device=device))
                         for shard in compute]
         self.piece_numel = sub_group_size or OPTIMIZER_PIECE_NUMEL.get(device.type, sys.maxsize)

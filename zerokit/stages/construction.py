@@ -5,11 +5,11 @@ rank ever holds the whole model.
 Build the model under `torch.device("meta")` (shapes only, no memory) and the optimizer over its
 parameters, then call `zerokit.initialize(..., param_init=fn)` at stage 3. zerokit swaps each meta
 parameter for a real one that holds no memory (one NaN broadcast to its shape: see
-ShardedParameters._release_params), keeping ties and the optimizer's param groups. Then, unit by
+the module docstring of flat/sharded.py), keeping ties and the optimizer's param groups. Then, unit by
 unit, it gives the unit's parameters real storage, calls `param_init(module)` on each module that
 owns them (default: the module's own `reset_parameters()`), keeps this rank's shard and fp32 master
-(frozen parameters: the shard only), and frees the rest. Ranks must initialise identically (seed them the same, or load the same file):
-a checksum of every unit is compared across ranks and a difference raises.
+(frozen parameters: the shard only), and frees the rest. Ranks must initialise identically (seed them
+the same, or load the same file): a checksum of every unit is compared across ranks; a difference raises.
 
 Loading pretrained weights, streaming: `param_init=zerokit.safetensors_init(model, "model.safetensors")`
 reads each module's tensors from the (memory-mapped) file as its unit is built, so peak host memory is

@@ -67,8 +67,8 @@ class ShardedParameters(ShardedGradients):
         units = find_units(model, config.stage3)
         unit_of = {param_id: unit.index for unit in units for param_id in unit.param_ids}
         per_unit = max(groups, default=0) + 1
-        layout = build_layout(param_entries(model, params, [unit_of[id(p)] * per_unit + g for p, g in zip(params, groups)]),
-                              world_size=comm.world_size, bucket_numel=sys.maxsize)
+        keys = [unit_of[id(p)] * per_unit + g for p, g in zip(params, groups)]
+        layout = build_layout(param_entries(model, params, keys), world_size=comm.world_size, bucket_numel=sys.maxsize)
         dtype = config.precision.param_dtype
         trainable = ShardedFlat(FlatParameters(params, layout, dtype), comm.rank)
         frozen = ShardedFlat(_frozen_flat(model, params, unit_of, comm.world_size, dtype), comm.rank)

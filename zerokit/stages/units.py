@@ -6,15 +6,16 @@ runs and freed right after. The root module is always a unit: it owns every para
 claims, and it stays gathered for the whole step. A parameter reachable from two units (an embedding
 tied to the output head, say) cannot be gathered and freed with either one alone, so it is found by
 identity and given to the root: tied weights need no grouping from the user. The one exception is a
-parameter shared by units nested in one another: see [Note: small parameters stay with the root]
+parameter shared by units nested in one another, which the outermost of them owns: see
+[Note: nested units].
+
+[Note: small parameters stay with the root]
 Parameters with fewer elements than stage3_param_persistence_threshold (norms, biases) are given to
 the root unit whatever unit holds them, as DeepSpeed keeps such parameters unpartitioned: gathering
 them with their unit would cost two collectives per unit per step for a few kilobytes. The root is
 gathered once at the start of each step and stays gathered through forward and backward, so they are
 replicated for the whole step and travel in one gather a step; their gradients and optimizer state
 are sharded like any other. (A unit left with nothing is harmless: its hooks gather nothing.)
-
-[Note: nested units].
 
 [Note: nested units]
 Units named by the user (class names, classes or module instances) may nest: a transformer Block and
@@ -31,7 +32,7 @@ and MLP, the attention unit owns the attention's weights, and no parameter is in
     own code shares with a unit is the root's too.
 The stage-3 hooks rely on one thing from the model: an inner unit's forward runs inside its outer
 unit's forward, so the outer unit is gathered around it and, in backward, reached first (See
-[Note: the stage-3 step] in stage3.py). Auto-wrap (no units named) never nests: it does not look
+[Note: the stage-3 step] in hooks.py). Auto-wrap (no units named) never nests: it does not look
 inside a unit it has made.
 """
 

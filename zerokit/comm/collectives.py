@@ -29,6 +29,7 @@ class Collective(str, Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_GATHER = "all_gather"
     BROADCAST = "broadcast"
+    REDUCE = "reduce"
 
 
 # Ring traffic per rank as a multiple of the logical bytes, for N ranks.
@@ -37,6 +38,7 @@ RING_FACTOR = {
     Collective.REDUCE_SCATTER: lambda n: (n - 1) / n,
     Collective.ALL_GATHER: lambda n: (n - 1) / n,
     Collective.BROADCAST: lambda n: (n - 1) / n,
+    Collective.REDUCE: lambda n: (n - 1) / n,
 }
 
 
@@ -145,10 +147,20 @@ class Communicator:
             return Pending(output, None)
         return Pending(output, works)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Pending:
+        """In place: every rank's `tensor` becomes `src`'s."""
         self.stats.record(Collective.BROADCAST, tensor)
         with record_function("zerokit::broadcast"):
-            dist.broadcast(tensor, src=self._global(src), group=self.group)
+            work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=async_op)
+        return Pending(tensor, work)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: dist.ReduceOp = dist.ReduceOp.AVG,
+               async_op: bool = False) -> Pending:
+        """In place on `dst`, which receives the reduction (AVG by default); the others' `tensor` is scratch."""
+        self.stats.record(Collective.REDUCE, tensor)
+        with record_function("zerokit::reduce"):
+            work = dist.reduce(tensor, dst=self._global(dst), op=op, group=self.group, async_op=async_op)
+        return Pending(tensor, work)
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group else rank

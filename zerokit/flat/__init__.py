@@ -1,6 +1,6 @@
-from zerokit.flat.buffers import FlatParameters, bucket_view, local_view, own_part, shard_view, tensor_bytes
-from zerokit.flat.layout import Bucket, FlatLayout, ParamEntry, Slot, build_layout
-from zerokit.flat.sharded import ShardedFlat
+from zerokit.flat.buffers import FlatParameters, bucket_view, own_part, shard_view, tensor_bytes
+from zerokit.flat.layout import Bucket, FlatLayout, ParamEntry, RankShards, Slot, assign_owners, build_layout
+from zerokit.flat.sharded import ShardedFlat, gather_bucket
 
-__all__ = ["Bucket", "FlatLayout", "FlatParameters", "ParamEntry", "ShardedFlat", "Slot", "build_layout",
-           "bucket_view", "local_view", "own_part", "shard_view", "tensor_bytes"]
+__all__ = ["Bucket", "FlatLayout", "FlatParameters", "ParamEntry", "RankShards", "ShardedFlat", "gather_bucket", "Slot", "assign_owners", "build_layout",
+           "bucket_view", "own_part", "shard_view", "tensor_bytes"]

@@ -87,12 +87,6 @@ def shard_view(buffer: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:
     return buffer[begin:end]
 
 
-def local_view(shards: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-    """The bucket's shard in a rank's shard buffer (every bucket's shard, back to back)."""
-    begin, end = bucket.local_range
-    return shards[begin:end]
-
-
 def own_part(bucket_values: torch.Tensor, bucket: Bucket, rank: int) -> torch.Tensor:
     """Rank's shard of a tensor that holds the bucket alone."""
     begin, end = bucket.shard_in_bucket(rank)

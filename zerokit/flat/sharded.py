@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from zerokit.comm import Communicator, Pending, wait
-from zerokit.flat.buffers import FlatParameters, local_view, own_part
+from zerokit.flat.buffers import FlatParameters, own_part
 from zerokit.flat.layout import Bucket
 
 
@@ -21,14 +21,15 @@ class ShardedFlat:
         self.flat = flat
         self.layout = flat.layout
         self.rank = rank
-        # 1-D, param dtype: this rank's shard of every bucket, back to back (See local_view).
-        self.shards = torch.zeros(self.layout.shard_numel, dtype=flat.dtype, device=flat.device)
+        self.local = self.layout.shards_of(rank)
+        # 1-D, param dtype: this rank's shard of every bucket, back to back (See FlatLayout.shards_of).
+        self.shards = torch.zeros(self.local.numel, dtype=flat.dtype, device=flat.device)
         self.placeholder = torch.full((1,), float("nan"), dtype=flat.dtype, device=flat.device)
         self.full: dict[int, torch.Tensor] = {}  # bucket index -> the gathered bucket (1-D), while gathered
         self.in_flight: dict[int, Pending] = {}  # bucket index -> its gather, until waited on
 
     def shard(self, bucket: Bucket) -> torch.Tensor:
-        return local_view(self.shards, bucket)
+        return self.local.view(self.shards, bucket)
 
     def keep_shard(self, bucket: Bucket, values: torch.Tensor) -> torch.Tensor:
         """Keep this rank's part of `values` (the whole bucket, 1-D, any dtype) as its shard; returns
@@ -44,7 +45,7 @@ class ShardedFlat:
         if bucket.index in self.full:
             return 0
         full = torch.empty(bucket.numel, dtype=self.flat.dtype, device=self.flat.device)
-        self.in_flight[bucket.index] = comm.all_gather(full, self.shard(bucket), async_op=True)
+        self.in_flight[bucket.index] = gather_bucket(comm, bucket, full, self.shard(bucket), async_op=True)
         self.full[bucket.index] = full
         return bucket.numel
 
@@ -75,7 +76,7 @@ class ShardedFlat:
         """Refresh a gathered bucket from the shards (after the shards changed), in place."""
         if bucket.index in self.full:
             self.wait(bucket)
-            wait(comm.all_gather(self.full[bucket.index], self.shard(bucket)))
+            wait(gather_bucket(comm, bucket, self.full[bucket.index], self.shard(bucket)))
 
     def write_back(self, bucket: Bucket) -> torch.Tensor | None:
         """Keep in-place edits of a gathered bucket: this rank's part goes back to its shard, and is
@@ -87,3 +88,14 @@ class ShardedFlat:
     def tensors(self) -> list[torch.Tensor]:
         """What this holds in memory: the shards, and the gathered buckets."""
         return [self.shards, *self.full.values()]
+
+
+def gather_bucket(comm: Communicator, bucket: Bucket, full: torch.Tensor, shard: torch.Tensor,
+                  async_op: bool = False) -> Pending:
+    """`full` (the whole bucket, 1-D) from every rank's `shard` of it: an all-gather, or for a bucket owned
+    by one rank a broadcast from it (See [Note: buckets owned by one rank])."""
+    if bucket.owner is None:
+        return comm.all_gather(full, shard, async_op=async_op)
+    if comm.rank == bucket.owner and full.data_ptr() != shard.data_ptr():
+        full.copy_(shard)
+    return comm.broadcast(full, src=bucket.owner, async_op=async_op)

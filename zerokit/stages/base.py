@@ -26,7 +26,8 @@ from torch import nn
 
 from zerokit.comm import Communicator, Pending, ProcessGroups, Reduction, wait
 from zerokit.config import ZeroConfig
-from zerokit.flat import Bucket, FlatParameters, ParamEntry, bucket_view, build_layout, shard_view, tensor_bytes
+from zerokit.flat import (Bucket, FlatParameters, ParamEntry, bucket_view, build_layout, gather_bucket, shard_view,
+                          tensor_bytes)
 from zerokit.masters import DeviceMasters
 
 if TYPE_CHECKING:
@@ -109,12 +110,14 @@ class ZeroStage:
         """Average `full` (1-D, the whole bucket, reduce dtype; this rank may overwrite it) across ranks,
         then call `then` with this rank's shard of the average: a new tensor after a reduce-scatter, a
         view of `full` after an all-reduce. See [Note: reducing a bucket to a shard]."""
-        if self.reduce_scatter:
-            shard = torch.empty(bucket.shard_numel, dtype=full.dtype, device=full.device)
-            pending = self.comm.reduce_scatter(shard, full, async_op=True)
-        else:
-            begin, end = bucket.shard_in_bucket(self.rank)
+        begin, end = bucket.shard_in_bucket(self.rank)
+        if not self.reduce_scatter:
             pending = Pending(full[begin:end], self.comm.all_reduce(full, async_op=True).work)
+        elif bucket.owner is not None:  # See [Note: buckets owned by one rank]
+            pending = Pending(full[begin:end], self.comm.reduce(full, dst=bucket.owner, async_op=True).work)
+        else:
+            shard = torch.empty(end - begin, dtype=full.dtype, device=full.device)
+            pending = self.comm.reduce_scatter(shard, full, async_op=True)
 
         def store(shard: torch.Tensor) -> None:  # the last link of the chain (`then` may return a tensor)
             then(shard)
@@ -134,7 +137,7 @@ class ZeroStage:
         self.masters.publish()
         if self.shards_optimizer:
             buffer = self.flat.buffer
-            pending = [self.comm.all_gather(bucket_view(buffer, b), shard_view(buffer, b, self.rank), async_op=True)
+            pending = [gather_bucket(self.comm, b, bucket_view(buffer, b), shard_view(buffer, b, self.rank), True)
                        for b in self.layout.buckets]
             for item in pending:
                 wait(item)

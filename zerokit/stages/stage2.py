@@ -9,7 +9,7 @@ import torch
 
 from zerokit.comm import ProcessGroups, Reduction
 from zerokit.config import ZeroConfig
-from zerokit.flat import Bucket, FlatParameters, Slot, local_view
+from zerokit.flat import Bucket, FlatParameters, Slot
 from zerokit.masters import DeviceMasters
 from zerokit.stages.base import ZeroStage
 
@@ -22,9 +22,10 @@ class ShardedGradients(ZeroStage):
         """`reduces_every_micro_step`: None reads the config's choice (stage 3 always reduces)."""
         every = config.reduce_every_micro_step if reduces_every_micro_step is None else reduces_every_micro_step
         super().__init__(flat, masters, groups, config, every)
-        # 1-D, reduce dtype: this rank's shard of every bucket, back to back (See local_view).
+        # 1-D, reduce dtype: this rank's shard of every bucket, back to back (See FlatLayout.shards_of).
         # Micro-steps accumulate here, so fp32 (the default reduce dtype) keeps accumulation exact.
-        self.grad_shards = torch.zeros(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.flat.device)
+        self.local = self.layout.shards_of(self.rank)
+        self.grad_shards = torch.zeros(self.local.numel, dtype=self.reduce_dtype, device=self.flat.device)
         self.staging: dict[int, torch.Tensor] = {}  # bucket index -> 1-D full bucket, reduce dtype
         self.place: dict[int, tuple[Bucket, Slot]] = {
             slot.param_index: (bucket, slot) for bucket in self.layout.buckets for slot in bucket.slots}
@@ -50,7 +51,7 @@ class ShardedGradients(ZeroStage):
         return self.reduce_to_shard(bucket, staging, owned.add_)
 
     def owned_grad(self, bucket: Bucket) -> torch.Tensor:
-        return local_view(self.grad_shards, bucket)
+        return self.local.view(self.grad_shards, bucket)
 
     def zero_grads(self) -> None:
         self.grad_shards.zero_()

@@ -208,7 +208,7 @@ def stage3_frozen_layout(stage) -> dict:
         return {}
     frozen_of = stage.shards.frozen_of
     return {"unit_frozen_numel": [frozen_of[u.index].numel if u.index in frozen_of else 0 for u in stage.units],
-            "frozen_shard_numel": stage.frozen.layout.shard_numel}
+            "frozen_shard_numel": stage.frozen.local.numel}
 
 
 def run_reference(case: Case, world_size: int) -> dict:

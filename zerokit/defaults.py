@@ -9,3 +9,6 @@ launches, one more bucket is staged, so at most MAX_BUCKETS_IN_FLIGHT + 1 are he
 
 CPU_OPTIMIZER_PIECE_NUMEL = 1 << 16
 """Elements per optimizer piece when the fp32 masters live in host memory (See [Note: optimizer pieces])."""
+
+STAGE3_PARAM_PERSISTENCE_THRESHOLD = 100_000
+"""Stage 3: parameters with fewer elements join the root unit (stage3_param_persistence_threshold's default)."""

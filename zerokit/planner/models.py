@@ -238,6 +238,11 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         cfg = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{where} is not valid JSON: {error}") from None
+    return from_hf_dict(cfg, where, path.parent.name, str(path))
+
+
+def from_hf_dict(cfg: object, where: str = "config", folder: str = "", source: str = "") -> ModelSpec:
+    """The same from a config already read (a run record carries its model's config)."""
     if not isinstance(cfg, dict):
         raise ValueError(f"{where} must hold a JSON object")
     model_type = cfg.get("model_type")
@@ -245,8 +250,8 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         raise ValueError(f"{where}: model_type {model_type!r} is not supported; accepted: {', '.join(HF_MODEL_TYPES)}")
     arch = _gpt2_from_config(cfg, where) if model_type == "gpt2" else _llama_from_config(cfg, where)
     context = cfg.get("n_positions") or cfg.get("max_position_embeddings") or 0
-    name = cfg.get("_name_or_path") or path.parent.name or model_type
-    return from_architecture(arch, str(name), f"{path} (model_type={model_type})",
+    name = cfg.get("_name_or_path") or folder or model_type
+    return from_architecture(arch, str(name), f"{source or where} (model_type={model_type})",
                              context if isinstance(context, int) else 0)
 
 

@@ -1,0 +1,214 @@
+"""A plan held against a run: the prediction for a recorded run's configuration, category by category.
+
+[Note: predicting a recorded run]
+A run record (zerokit/profiling/record.py) carries the engine's setup, the model's parameter inventory,
+the micro-batch and sequence length, and what was measured. From the first three, without torch:
+  - model states after backward and after the step, and every collective: engine_model.py, exact;
+  - activations: the calibration's per-block and outside fits at (b, s) with the model's blocks, or
+    Korthikanti's formula (memory.py) for a model the planner has shapes for;
+  - the allocator's peak: the model states after the step plus the largest phase peak of a forward and
+    backward (from the calibration: See [Note: extrapolating a calibration]) with what the engine adds
+    in that phase: gathered stage-3 units (the root, the unit computing and the prefetched one), the
+    reducer's in-flight buckets (MAX_BUCKETS_IN_FLIGHT + 1), and the reduced gradients kept in the
+    reduce dtype until the step; or the state after backward, if larger;
+  - the resident peak: the framework's resident memory (measured) plus that peak, times one plus the
+    allocator's measured slack;
+  - times: FLOPs (compute.py) at the device's measured peak x MFU, the optimizer at its measured seconds
+    per element, collectives by the alpha-beta model with the measured link.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT
+from zerokit.planner.calibration import Calibration
+from zerokit.planner.compute import flops_per_token
+from zerokit.planner.device import DeviceProfile
+from zerokit.planner.engine_model import (
+    BYTES_PER_ELEMENT,
+    EngineSetup,
+    ParamInventory,
+    engine_buckets,
+    engine_comm,
+    engine_states,
+    persistent_units,
+    stage3_units,
+    wire_bytes,
+)
+from zerokit.planner.memory import activation_bytes
+from zerokit.planner.models import ModelSpec, from_hf_dict, param_counts
+from zerokit.planner.spec import Layout, Trainable, Training
+
+STATE_CATEGORIES = ("parameters", "gradients", "optimizer_state")
+
+
+@dataclass(frozen=True)
+class Row:
+    category: str
+    unit: str
+    """bytes, seconds or count."""
+    predicted: float | None
+    measured: float | None
+    note: str = ""
+
+    @property
+    def error(self) -> float | None:
+        if self.predicted is None or self.measured is None or self.measured == 0:
+            return None if self.predicted != self.measured else 0.0
+        return self.predicted / self.measured - 1
+
+    def as_dict(self) -> dict:
+        suffix = {"bytes": "bytes", "seconds": "seconds"}.get(self.unit, "count")
+        return {"category": self.category, "unit": self.unit, f"predicted_{suffix}": self.predicted,
+                f"measured_{suffix}": self.measured, "predicted": self.predicted, "measured": self.measured,
+                "error": self.error, "note": self.note}
+
+
+def model_spec(record: dict) -> ModelSpec | None:
+    hf = record["model"].get("hf_config")
+    try:
+        return from_hf_dict(hf, "the run's model config") if hf else None
+    except ValueError:
+        return None
+
+
+def _training(record: dict, setup: EngineSetup, attention: str = "eager") -> Training:
+    return Training(precision=setup.precision, seq_len=record["seq_len"], micro_batch=record["micro_batch"],
+                    grad_accum=setup.grad_accum, attention=attention, reduce_dtype=setup.reduce_dtype,
+                    bucket_bytes=setup.bucket_bytes, trainable=Trainable())
+
+
+def predicted_activations(record: dict, setup: EngineSetup, calibration: Calibration | None) -> tuple[int | None, str]:
+    b, s, layers = record["micro_batch"], record["seq_len"], record["model"].get("n_layers") or None
+    if calibration is not None:
+        return calibration.activations(b, s, layers), f"calibrated on {calibration.model} ({calibration.device})"
+    spec = model_spec(record)
+    if spec is None or spec.architecture is None:
+        return None, "no calibration and no shapes"
+    return activation_bytes(spec, _training(record, setup), Layout()), "formula (Korthikanti et al. 2022), eager"
+
+
+def engine_extras(inventory: ParamInventory, setup: EngineSetup, grads_kept: int) -> dict[str, int]:
+    """What the engine adds to a forward-backward's phase peaks. See [Note: predicting a recorded run]."""
+    buckets = engine_buckets(inventory, setup)
+    p, r = BYTES_PER_ELEMENT[setup.precision], BYTES_PER_ELEMENT[setup.reduce_dtype]
+    largest = sorted((b.numel for b in buckets), reverse=True)[:MAX_BUCKETS_IN_FLIGHT + 1]
+    copies = setup.stage >= 2 or (setup.stage == 1 and setup.precision != setup.reduce_dtype)
+    staging = r * sum(largest) if copies else 0
+    root = gathered = 0
+    if setup.stage == 3:
+        units = stage3_units(inventory, setup, buckets)
+        kept = {u.index for u in persistent_units(units, setup)}
+        root = p * units[0].gathered_numel if 0 not in kept else 0
+        blocks = sorted((u.gathered_numel for u in units[1:] if u.index not in kept), reverse=True)[:2]
+        gathered = root + p * sum(blocks)
+    return {"forward": gathered, "head": gathered, "blocks": gathered + staging,
+            "tail": root + staging + grads_kept}
+
+
+def predicted_peak(record: dict, setup: EngineSetup, inventory: ParamInventory, calibration: Calibration | None,
+                   activations: int | None) -> tuple[int | None, str]:
+    states = engine_states(inventory, setup)
+    after_step, after_backward = sum(states.after_step.values()), sum(states.after_backward.values())
+    kept = after_backward - after_step  # reduced gradients held in the reduce dtype until the step
+    if calibration is None:
+        if activations is None:
+            return None, "no calibration and no shapes"
+        return after_backward + activations, "model states after backward + activations (no calibration)"
+    b, s, layers = record["micro_batch"], record["seq_len"], record["model"].get("n_layers") or None
+    phases = calibration.phase_peaks(b, s, layers)
+    extras = engine_extras(inventory, setup, kept)
+    peaks = {phase: phases[phase] + extras.get(phase, 0) for phase in phases} | {"step": kept}
+    phase = max(peaks, key=peaks.get)
+    return after_step + peaks[phase], f"model states + the {phase} phase's peak"
+
+
+def predicted_seconds(record: dict, setup: EngineSetup, inventory: ParamInventory, device: DeviceProfile | None,
+                      mfu: float, comm: dict) -> dict[str, float | None]:
+    spec = model_spec(record)
+    out: dict[str, float | None] = {"forward": None, "backward": None, "step": None, "communication": None}
+    if device is None:
+        return out
+    if spec is not None and spec.architecture is not None:
+        forward, backward = flops_per_token(spec, param_counts(spec, Trainable()), _training(record, setup))
+        tokens = record["micro_batch"] * record["seq_len"] * setup.grad_accum
+        rate = device.flops(setup.precision) * mfu
+        out["forward"], out["backward"] = forward * tokens / rate, backward * tokens / rate
+    per_element = device.optimizer_seconds_per_element.get(setup.optimizer)
+    if per_element is not None:
+        owned = sum(b.shard_numel for b in engine_buckets(inventory, setup))
+        out["step"] = owned * per_element
+    n = setup.world
+    steps = {"all_reduce": 2 * (n - 1)}
+    wire = wire_bytes(comm, n)
+    out["communication"] = sum(wire[k] / device.link_bandwidth + e["calls"] * steps.get(k, n - 1) * device.link_latency
+                               for k, e in comm.items())
+    return out
+
+
+def calibrated_mfu(calibration: Calibration | None, spec: ModelSpec | None, device: DeviceProfile | None,
+                   precision: str) -> float | None:
+    """Achieved / peak FLOP/s of the calibration's timed forward and backward (its largest shape)."""
+    timed = [s for s in (calibration.samples if calibration else ()) if "forward_s" in s]
+    if not timed or spec is None or spec.architecture is None or device is None:
+        return None
+    sample = timed[-1]
+    arch = replace(spec.architecture, n_layers=calibration.n_layers)
+    small = replace(spec, architecture=arch, total_params=arch.total_params())
+    training = Training(precision=precision, seq_len=sample["seq"], micro_batch=sample["batch"])
+    forward, backward = flops_per_token(small, param_counts(small, Trainable()), training)
+    seconds = sample["forward_s"] + sample["backward_s"]
+    return (forward + backward) * sample["batch"] * sample["seq"] / seconds / device.flops(precision)
+
+
+def check_rows(record: dict, calibration: Calibration | None = None, device: DeviceProfile | None = None,
+               mfu: float | None = None, slack: float | None = None) -> list[Row]:
+    """Predicted beside measured for every category a record holds. See [Note: predicting a recorded run]."""
+    setup = EngineSetup(**record["setup"])
+    inventory = ParamInventory.from_dict(record["inventory"])
+    measured = record["measured"]
+    states = engine_states(inventory, setup)
+    rows = [Row(name, "bytes", states.after_backward[name], measured["after_backward"][name], "after backward")
+            for name in STATE_CATEGORIES]
+    rows += [Row(f"{name}_after_step", "bytes", states.after_step[name], measured["after_step"][name])
+             for name in STATE_CATEGORIES]
+    activations, how = predicted_activations(record, setup, calibration)
+    rows.append(Row("activations", "bytes", activations, measured["activations"], how))
+    peak, how = predicted_peak(record, setup, inventory, calibration, activations)
+    rows.append(Row("peak_allocated", "bytes", peak, measured["peak_allocated"], how))
+    resident = (device.resident_bytes if device else 0) or (calibration.resident_bytes if calibration else 0)
+    slack = slack if slack is not None else (calibration.allocator_slack if calibration else 0.0)
+    total = resident + peak * (1 + slack) if peak is not None and resident else None
+    rows.append(Row("peak_total", "bytes", total, measured["peak_resident"],
+                    f"resident peak: framework {resident / 2**20:.0f} MiB + allocated peak x {1 + slack:.2f}"))
+    comm = engine_comm(inventory, setup)
+    for kind in sorted(set(comm) | set(measured["comm_per_step"])):
+        plan, run = comm.get(kind, {}), measured["comm_per_step"].get(kind, {})
+        rows += [Row(f"{kind}.{key}", "bytes" if key == "bytes" else "count", plan.get(key, 0), run.get(key, 0))
+                 for key in ("calls", "elements", "bytes")]
+    rows.append(Row("wire_bytes", "bytes", sum(wire_bytes(comm, setup.world).values()),
+                    sum(wire_bytes(measured["comm_per_step"], setup.world).values()), "sent per rank on a ring"))
+    spec = model_spec(record)
+    used_mfu = mfu or calibrated_mfu(calibration, spec, device, setup.precision) or 0.4
+    seconds = predicted_seconds(record, setup, inventory, device, used_mfu, comm)
+    for phase, value in seconds.items():
+        rows.append(Row(f"time.{phase}", "seconds", value, measured["seconds"].get(phase),
+                        f"MFU {used_mfu:.2f}" if phase in ("forward", "backward") else ""))
+    return rows
+
+
+def format_rows(rows: list[Row]) -> list[str]:
+    """A fixed-width table: category, unit, predicted, measured, error."""
+    def show(value: float | None, unit: str) -> str:
+        if value is None:
+            return "-"
+        return f"{value / 2**20:,.2f} MiB" if unit == "bytes" else f"{value:.4f} s" if unit == "seconds" else f"{value:,.0f}"
+
+    table = [("category", "predicted", "measured", "error", "how")]
+    for row in rows:
+        error = "-" if row.error is None else f"{row.error:+.1%}"
+        table.append((row.category, show(row.predicted, row.unit), show(row.measured, row.unit), error, row.note))
+    widths = [max(len(r[i]) for r in table) for i in range(4)]
+    return ["  ".join([r[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(r[1:4], widths[1:])), r[4]]).rstrip()
+            for r in table]

@@ -1,0 +1,311 @@
+"""The engine as it is, from its exact parameter inventory: bucket layout, model states at the backward
+peak and after the step, and every collective of a step, in the units of `engine.memory_stats()` and
+`engine.comm_stats()`, to the byte. Pure Python (no torch).
+
+[Note: the engine's bookkeeping, element by element]
+The architecture-level model (memory.py, comms.py) prices Ψ. The engine holds padded buckets, so an
+exact prediction needs what the engine builds its layout from: each parameter's size, optimizer param
+group and stage-3 unit, in the model's registration order (`ParamInventory`, made from a real module by
+zerokit.profiling.inventory). From it, as the engine does (zerokit/flat/layout.py, zerokit/stages/):
+  - trainable parameters in reverse registration order (the order backward usually finishes them);
+    stages 0-2 bucket them per param group, closing a bucket once it reaches reduce_bucket_bytes of the
+    reduce dtype; stage 3 makes one bucket per (unit, param group). A bucket is padded to a multiple of
+    N (stage 0: of 1, it shards nothing) and rank r owns shard r of every bucket.
+  - parameters: the flat buffer in the compute dtype (stage 3: the shards, plus the full buckets of the
+    units that stay gathered); frozen parameters whole in the compute dtype (stage 3: one padded buffer
+    per unit, sharded).
+  - gradients: stages 0-1 keep a full flat gradient buffer in the compute dtype; where the reduce dtype
+    differs, each reduced bucket (stage 0) or shard (stage 1) is kept in the reduce dtype from backward
+    until the step releases it. Stages 2-3 keep only the reduced shards, in the reduce dtype.
+  - optimizer state: fp32 masters of the owned slices (not when training in fp32: the parameter is the
+    master) plus the optimizer's state per piece: Adam's two moments and a 4-byte step count, stepped in
+    CPU_OPTIMIZER_PIECE_NUMEL-element pieces on the CPU (See [Note: optimizer pieces] in the engine).
+  - collectives: each bucket's gradient reduction, an all-reduce on gloo unless reduce_scatter is forced
+    (See [Note: reducing a bucket to a shard]), the all-gather of updated parameters (stages 1-2), the
+    stage-3 gathers (a unit before its forward and again before its backward, the root once, a
+    persistent unit only when published after the step) and one float64 scalar for the global norm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from zerokit.defaults import CPU_OPTIMIZER_PIECE_NUMEL, DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
+from zerokit.planner.spec import BYTES_PER_ELEMENT, OPTIMIZERS, PRECISIONS, _choice, _positive_int
+
+BACKENDS = ("gloo", "nccl")
+DEVICES = ("cpu", "cuda")
+# Optimizer state per owned element besides the master, and whether it keeps a 4-byte step tensor per piece.
+STATE_BYTES = {"adamw": (8, True), "adam": (8, True), "sgd-momentum": (4, False), "sgd": (0, False)}
+NORM_SCALAR = {"calls": 1, "elements": 1, "bytes": 8}  # the float64 sum of squares behind the global norm
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One parameter as the engine sees it."""
+
+    name: str
+    numel: int
+    group: int
+    """Index of its optimizer param group (-1 when frozen: in no group, or in one but not trainable)."""
+    unit: int
+    """Its stage-3 unit (0 = the root), after small parameters joined the root."""
+    trainable: bool = True
+    floating: bool = True
+    """Frozen integer parameters stay whole and keep their dtype (their bytes are in `fixed_bytes`)."""
+
+
+@dataclass(frozen=True)
+class ParamInventory:
+    """Every distinct parameter of a model, in registration order (`model.parameters()`)."""
+
+    entries: tuple[ParamEntry, ...]
+    fixed_bytes: int = 0
+    """Bytes of non-floating frozen parameters, which no stage casts or shards."""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not any(e.trainable for e in self.entries):
+            raise ValueError("the inventory has no trainable parameter; the engine needs at least one")
+
+    @property
+    def trainable_numel(self) -> int:
+        return sum(e.numel for e in self.entries if e.trainable)
+
+    @property
+    def total_numel(self) -> int:
+        return sum(e.numel for e in self.entries)
+
+    def as_dict(self) -> dict:
+        return {"entries": [vars(e).copy() for e in self.entries], "fixed_bytes": self.fixed_bytes,
+                "source": self.source}
+
+    @staticmethod
+    def from_dict(raw: dict) -> ParamInventory:
+        return ParamInventory(tuple(ParamEntry(**e) for e in raw["entries"]), raw.get("fixed_bytes", 0),
+                              raw.get("source", ""))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSetup:
+    """The settings of `zerokit.initialize` that decide what a rank holds and sends."""
+
+    stage: int
+    world: int
+    precision: str = "fp32"
+    reduce_dtype: str = "fp32"
+    optimizer: str = "adamw"
+    backend: str = "gloo"
+    device: str = "cpu"
+    reduce_scatter: bool | None = None
+    """None: the engine's default, reduce-scatter on NCCL and all-reduce on gloo."""
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    sub_group_size: int | None = None
+    reduce_every_micro_step: bool = True
+    grad_accum: int = 1
+    persistence_threshold: int = STAGE3_PARAM_PERSISTENCE_THRESHOLD
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+        _positive_int("world", self.world)
+        _positive_int("bucket bytes", self.bucket_bytes)
+        _positive_int("grad accum", self.grad_accum)
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("reduce dtype", self.reduce_dtype, PRECISIONS)
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("backend", self.backend, BACKENDS)
+        _choice("device", self.device, DEVICES)
+
+    @property
+    def reduces_by_scatter(self) -> bool:
+        return self.reduce_scatter if self.reduce_scatter is not None else self.backend != "gloo"
+
+    @property
+    def piece_numel(self) -> int:
+        if self.sub_group_size:
+            return self.sub_group_size
+        return CPU_OPTIMIZER_PIECE_NUMEL if self.device == "cpu" else 2**63
+
+    @property
+    def reduce_every_step(self) -> bool:
+        return self.stage == 3 or (self.stage == 2 and self.reduce_every_micro_step)
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    index: int
+    group: int
+    unit: int
+    numel: int
+    """Padded to a multiple of the world size (stage 0: unpadded)."""
+    data_numel: int
+    world: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.world
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def engine_buckets(inventory: ParamInventory, setup: EngineSetup) -> tuple[BucketPlan, ...]:
+    """The engine's bucket layout (zerokit/flat/layout.py `build_layout`, greedy per key, launched in the
+    order of their last parameter); tests check it against the engine's own function."""
+    trainable = [e for e in reversed(inventory.entries) if e.trainable]  # expected backward order
+    groups_per_unit = max((e.group for e in trainable), default=0) + 1
+    if setup.stage == 3:
+        keys, limit = [e.unit * groups_per_unit + e.group for e in trainable], math.inf
+    else:
+        keys, limit = [e.group for e in trainable], max(1, setup.bucket_bytes // BYTES_PER_ELEMENT[setup.reduce_dtype])
+    open_members: dict[int, list[int]] = {}
+    open_size: dict[int, int] = {}
+    closed: list[list[int]] = []
+    for index, (entry, key) in enumerate(zip(trainable, keys)):
+        open_members.setdefault(key, []).append(index)
+        open_size[key] = open_size.get(key, 0) + entry.numel
+        if open_size[key] >= limit:
+            closed.append(open_members.pop(key))
+            open_size[key] = 0
+    closed.extend(open_members.values())
+    world = setup.world if setup.stage >= 1 else 1
+    buckets = []
+    for index, members in enumerate(sorted(closed, key=max)):
+        data = sum(trainable[i].numel for i in members)
+        first = trainable[members[0]]
+        buckets.append(BucketPlan(index, first.group, first.unit, round_up(max(data, 1), world), data, world))
+    return tuple(buckets)
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """A stage-3 unit: its trainable buckets' elements and its frozen buffer, as gathered."""
+
+    index: int
+    trainable_numel: int
+    frozen_numel: int
+    """Padded to a multiple of the world size; 0 without frozen floating parameters."""
+
+    @property
+    def gathered_numel(self) -> int:
+        return self.trainable_numel + self.frozen_numel
+
+
+def stage3_units(inventory: ParamInventory, setup: EngineSetup, buckets: tuple[BucketPlan, ...]) -> list[UnitPlan]:
+    count = max(e.unit for e in inventory.entries) + 1
+    trainable = [0] * count
+    for bucket in buckets:
+        trainable[bucket.unit] += bucket.numel
+    frozen = [0] * count
+    for e in inventory.entries:
+        if not e.trainable and e.floating:
+            frozen[e.unit] += e.numel
+    return [UnitPlan(i, trainable[i], round_up(frozen[i], setup.world) if frozen[i] else 0) for i in range(count)]
+
+
+def persistent_units(units: list[UnitPlan], setup: EngineSetup) -> list[UnitPlan]:
+    """Units that stay gathered between steps: smaller than the threshold in all (in practice the root)."""
+    return [u for u in units if 0 < u.gathered_numel < setup.persistence_threshold]
+
+
+@dataclass(frozen=True)
+class EngineStates:
+    """`engine.memory_stats()` after engine.backward() (gradients at their peak) and after engine.step()."""
+
+    after_backward: dict[str, int]
+    after_step: dict[str, int]
+
+
+def frozen_bytes(inventory: ParamInventory, setup: EngineSetup, units: list[UnitPlan] | None) -> int:
+    p = BYTES_PER_ELEMENT[setup.precision]
+    if setup.stage < 3:
+        return inventory.fixed_bytes + p * sum(e.numel for e in inventory.entries if not e.trainable and e.floating)
+    kept = set() if units is None else {u.index for u in persistent_units(units, setup)}
+    shards = sum(u.frozen_numel // setup.world + (u.frozen_numel if u.index in kept else 0) for u in units or ())
+    return inventory.fixed_bytes + p * shards
+
+
+def optimizer_state_bytes(buckets: tuple[BucketPlan, ...], setup: EngineSetup) -> int:
+    per_element, has_step = STATE_BYTES[setup.optimizer]
+    owned = [b.shard_numel for b in buckets]  # stage 0: world 1, the whole bucket
+    masters = 4 * sum(owned) if setup.precision != "fp32" else 0
+    pieces = sum(max(1, math.ceil(n / setup.piece_numel)) for n in owned)
+    return masters + per_element * sum(owned) + (4 * pieces if has_step else 0)
+
+
+def engine_states(inventory: ParamInventory, setup: EngineSetup) -> EngineStates:
+    """See [Note: the engine's bookkeeping, element by element]."""
+    buckets = engine_buckets(inventory, setup)
+    p, r = BYTES_PER_ELEMENT[setup.precision], BYTES_PER_ELEMENT[setup.reduce_dtype]
+    numel = sum(b.numel for b in buckets)
+    shard = numel // (setup.world if setup.stage >= 1 else 1)
+    units = stage3_units(inventory, setup, buckets) if setup.stage == 3 else None
+    if setup.stage == 3:
+        parameters = p * (shard + sum(u.trainable_numel for u in persistent_units(units, setup)))
+    else:
+        parameters = p * numel
+    parameters += frozen_bytes(inventory, setup, units)
+    widened = setup.precision != setup.reduce_dtype
+    if setup.stage >= 2:
+        gradients = kept = r * shard
+    else:  # the full gradient buffer, and the reduced copies kept in the reduce dtype until the step
+        kept = p * numel
+        gradients = kept + (r * shard if widened else 0)
+    optimizer = optimizer_state_bytes(buckets, setup)
+    after_backward = {"parameters": parameters, "gradients": gradients, "optimizer_state": optimizer}
+    return EngineStates(after_backward, after_backward | {"gradients": kept})
+
+
+def _add(stats: dict[str, dict[str, int]], kind: str, calls: int, elements: int, element_bytes: int) -> None:
+    entry = stats.setdefault(kind, {"calls": 0, "elements": 0, "bytes": 0})
+    entry["calls"] += calls
+    entry["elements"] += elements
+    entry["bytes"] += elements * element_bytes
+
+
+def engine_comm(inventory: ParamInventory, setup: EngineSetup) -> dict[str, dict[str, int]]:
+    """The growth of `engine.comm_stats()` over one optimizer step of `setup.grad_accum` micro-steps."""
+    stats: dict[str, dict[str, int]] = {}
+    if setup.world == 1:
+        return stats
+    buckets = engine_buckets(inventory, setup)
+    p, r = BYTES_PER_ELEMENT[setup.precision], BYTES_PER_ELEMENT[setup.reduce_dtype]
+    reductions = setup.grad_accum if setup.reduce_every_step else 1
+    kind = "all_reduce" if setup.stage == 0 or not setup.reduces_by_scatter else "reduce_scatter"
+    for bucket in buckets:
+        _add(stats, kind, reductions, reductions * bucket.numel, r)
+    if setup.stage in (1, 2):
+        for bucket in buckets:
+            _add(stats, "all_gather", 1, bucket.numel, p)
+    if setup.stage == 3:
+        _stage3_gathers(stats, inventory, setup, buckets)
+    if setup.stage >= 1:
+        _add(stats, "all_reduce", NORM_SCALAR["calls"], NORM_SCALAR["elements"], 8)
+    return stats
+
+
+def _stage3_gathers(stats: dict, inventory: ParamInventory, setup: EngineSetup, buckets: tuple[BucketPlan, ...]) -> None:
+    """A unit is gathered before its forward and, except the root, again before its backward, one call per
+    bucket and one for its frozen buffer; a persistent unit only when the step publishes it."""
+    p, m = BYTES_PER_ELEMENT[setup.precision], setup.grad_accum
+    units = stage3_units(inventory, setup, buckets)
+    kept = {u.index for u in persistent_units(units, setup)}
+    for unit in units:
+        own = [b.numel for b in buckets if b.unit == unit.index]
+        if unit.index in kept:  # publish_params re-gathers its trainable buckets once per step
+            for numel in own:
+                _add(stats, "all_gather", 1, numel, p)
+            continue
+        times = m * (1 if unit.index == 0 else 2)
+        for numel in own + ([unit.frozen_numel] if unit.frozen_numel else []):
+            _add(stats, "all_gather", times, times * numel, p)
+
+
+def wire_bytes(stats: dict[str, dict[str, int]], world: int) -> dict[str, float]:
+    """Bytes each rank sends per kind on a ring (all-reduce 2(N-1)/N, the others (N-1)/N of the logical size)."""
+    factor = {"all_reduce": 2 * (world - 1) / world}
+    return {kind: entry["bytes"] * factor.get(kind, (world - 1) / world) for kind, entry in stats.items()}
+

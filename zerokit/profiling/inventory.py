@@ -1,0 +1,66 @@
+"""A model's parameters as the engine will see them (`ParamInventory`), read from the real module.
+
+The planner's exact engine model (zerokit/planner/engine_model.py) needs each parameter's size,
+optimizer param group and stage-3 unit in registration order; this is the one place that reads them
+from torch objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from zerokit.planner.engine_model import ParamEntry, ParamInventory
+
+
+def _group_of(model: nn.Module, param_groups: Any) -> dict[int, int]:
+    """id(param) -> index of its optimizer param group; one group when none are given."""
+    if param_groups is None:
+        return {id(p): 0 for p in model.parameters()}
+    groups = param_groups.param_groups if isinstance(param_groups, torch.optim.Optimizer) else param_groups
+    found = {}
+    for index, group in enumerate(groups):
+        params = group["params"] if isinstance(group, dict) else group
+        for param in params:
+            found[id(param)] = index
+    return found
+
+
+def _unit_of(model: nn.Module, stage3: Any) -> dict[int, int]:
+    """id(param) -> its stage-3 unit, found exactly as the engine finds units (zerokit.stages.units)."""
+    from zerokit.config import Stage3Policy
+    from zerokit.stages.units import find_units
+
+    units = find_units(model, stage3 if stage3 is not None else Stage3Policy())
+    return {param_id: unit.index for unit in units for param_id in unit.param_ids}
+
+
+def param_inventory(model: nn.Module, param_groups: Any = None, stage3: Any = None,
+                    source: str = "") -> ParamInventory:
+    """`param_groups`: the optimizer (or its param groups, or lists of parameters) you pass to
+    zerokit.initialize; `stage3`: the config's `Stage3Policy` (default: the engine's default policy)."""
+    group_of = _group_of(model, param_groups)
+    unit_of = _unit_of(model, stage3)
+    entries, fixed = [], 0
+    for name, param in model.named_parameters():
+        trainable = param.requires_grad and id(param) in group_of
+        floating = param.is_floating_point()
+        if not trainable and not floating:
+            fixed += param.numel() * param.element_size()
+        entries.append(ParamEntry(name=name, numel=param.numel(), group=group_of.get(id(param), -1) if trainable else -1,
+                                  unit=unit_of.get(id(param), 0), trainable=trainable, floating=floating))
+    return ParamInventory(tuple(entries), fixed, source or type(model).__name__)
+
+
+def blocks_of(model: nn.Module) -> Sequence[nn.Module]:
+    """The repeated blocks: members of the largest nn.ModuleList (by parameters) whose members share one class."""
+    best: Sequence[nn.Module] = ()
+    best_size = 0
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
+            size = sum(p.numel() for p in module.parameters())
+            if size > best_size:
+                best, best_size = list(module), size
+    return best

@@ -1,0 +1,231 @@
+"""The run recorder: a few real steps of an engine, measured in the planner's categories, to a file.
+
+[Note: what a record measures, step by step]
+  warm-up steps        untimed: the optimizer's state is created in the first step, kernels are picked
+  timed steps          forward (with the loss), backward and step, each after a barrier, the slowest
+                       rank's time; the resident high-water mark over these steps (before any profiling,
+                       whose own buffers would stay resident)
+  one profiled step    saved activations (forward and the loss) by block; the allocator's peak over the
+                       step by phase; memory_stats() after backward and after the step; the growth of
+                       comm_stats() over the step
+  a collective replay  the profiled step's collectives again, alone (same kinds, calls and sizes): the
+                       time communication takes without compute beside it
+Peaks and times are the maximum over ranks (what the job sees); memory_stats() and comm_stats() are
+rank 0's (every rank holds and sends the same, up to the shard padding, which rank 0 has the most of).
+Only the engine's public surface is used: engine(...), backward, step, memory_stats, comm_stats,
+config, module, world_size, rank, comm.backend.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from zerokit.planner.engine_model import EngineSetup
+from zerokit.profiling.inventory import blocks_of, param_inventory
+from zerokit.profiling.measure import AllocationTimeline, SavedTensorCounter, backward_phases, resident_bytes, resident_peak
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_LAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its latest RunRecord
+
+
+@dataclass
+class RunRecord:
+    """Everything `zerokit plan --check` needs: the configuration, the model's parameters, what was measured."""
+
+    setup: dict
+    inventory: dict
+    model: dict
+    """name, n_layers (blocks found), and the Hugging Face config when the module has one."""
+    micro_batch: int
+    seq_len: int
+    measured: dict
+    device: dict = field(default_factory=dict)
+    version: int = 1
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @staticmethod
+    def load(path: str | Path) -> RunRecord:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"run record {str(path)!r} does not exist; write one with zerokit.profiling.record_run")
+        try:
+            return RunRecord(**json.loads(path.read_text()))
+        except (json.JSONDecodeError, TypeError) as error:
+            raise ValueError(f"{str(path)!r} is not a zerokit run record: {error}") from None
+
+
+def engine_setup(engine: Any, optimizer_name: str) -> EngineSetup:
+    config = engine.config
+    return EngineSetup(stage=config.stage, world=engine.world_size,
+                       precision=DTYPE_NAMES[config.precision.param_dtype],
+                       reduce_dtype=DTYPE_NAMES[config.precision.reduce_dtype], optimizer=optimizer_name,
+                       backend="nccl" if engine.comm.backend == "nccl" else "gloo",
+                       device="cuda" if engine.comm.backend == "nccl" else "cpu",
+                       reduce_scatter=config.reduce_scatter, bucket_bytes=config.reduce_bucket_bytes,
+                       sub_group_size=config.sub_group_size, reduce_every_micro_step=config.reduce_every_micro_step,
+                       grad_accum=config.gradient_accumulation_steps,
+                       persistence_threshold=config.stage3.persistence_threshold)
+
+
+def optimizer_name(optimizer: Any) -> str:
+    name = type(optimizer).__name__.lower()
+    if name == "sgd":
+        return "sgd-momentum" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd"
+    if name in ("adam", "adamw"):
+        return name
+    raise ValueError(f"the planner models Adam, AdamW and SGD; {type(optimizer).__name__} is not one of them")
+
+
+def _model_info(module: torch.nn.Module, blocks: list) -> dict:
+    config = getattr(module, "config", None)
+    hf = config.to_dict() if hasattr(config, "to_dict") else None
+    if hf is not None:
+        hf = json.loads(json.dumps(hf, default=str))  # torch dtypes and the like as strings
+    return {"name": type(module).__name__, "n_layers": len(blocks), "hf_config": hf}
+
+
+def _diff(after: dict, before: dict) -> dict:
+    return {kind: {key: after[kind][key] - before.get(kind, {}).get(key, 0) for key in after[kind]}
+            for kind in after if any(after[kind][key] - before.get(kind, {}).get(key, 0) for key in after[kind])}
+
+
+def _one_step(engine: Any, loss_fn: LossFn, batches: Iterator) -> None:
+    for _ in range(engine.config.gradient_accumulation_steps):
+        engine.backward(loss_fn(engine, next(batches)))
+        engine.step()
+
+
+def _profiled_step(engine: Any, loss_fn: LossFn, batches: Iterator, blocks: list) -> dict:
+    """See [Note: what a record measures, step by step]."""
+    device = next(engine.module.parameters()).device
+    start_states, comm_before = engine.memory_stats(), engine.comm_stats()
+    counter = SavedTensorCounter(engine.module, blocks)
+    accum = engine.config.gradient_accumulation_steps
+    with AllocationTimeline(device) as allocated, backward_phases(blocks, allocated):
+        for micro in range(accum):
+            with counter:
+                loss = loss_fn(engine, next(batches))
+            allocated.mark("head")
+            engine.backward(loss)
+            del loss
+            if micro == accum - 1:
+                after_backward = engine.memory_stats()
+                allocated.mark("step")
+            engine.step()
+    return {"after_backward": after_backward, "after_step": engine.memory_stats(),
+            "activations": counter.total // accum, "activations_outside": counter.outside // accum,
+            "activations_per_block": [b // accum for b in counter.per_block()],
+            "peak_allocated": sum(start_states.values()) + allocated.peak, "phase_peaks": allocated.phase_peaks,
+            "comm_per_step": _diff(engine.comm_stats(), comm_before)}
+
+
+def _timed_steps(engine: Any, loss_fn: LossFn, batches: Iterator, steps: int) -> dict:
+    times = {"forward": [], "backward": [], "step": []}
+    with resident_peak() as resident:
+        for _ in range(steps):
+            for _ in range(engine.config.gradient_accumulation_steps):
+                batch = next(batches)
+                dist.barrier()
+                start = time.perf_counter()
+                loss = loss_fn(engine, batch)
+                middle = time.perf_counter()
+                engine.backward(loss)
+                end = time.perf_counter()
+                result = engine.step()
+                times["forward"].append(middle - start)
+                times["backward"].append(end - middle)
+                times["step"].append(time.perf_counter() - end if getattr(result, "stepped", True) else 0.0)
+    m = engine.config.gradient_accumulation_steps
+    per_step = {phase: sum(values) / steps for phase, values in times.items()}  # per optimizer step
+    per_step["total"] = sum(per_step.values())
+    return {"seconds": per_step, "peak_resident": resident["peak"], "resident_at_start": resident["start"],
+            "resident_reset": resident["reset"], "micro_steps": m}
+
+
+def replay_collectives(comm: dict, dtype_of: Callable[[str], torch.dtype], device: torch.device, repeats: int = 3) -> float:
+    """Seconds the step's collectives take alone: each kind's calls at its average size, in its dtype."""
+    world = dist.get_world_size()
+    total = 0.0
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for kind, entry in comm.items():
+            if not entry["calls"]:
+                continue
+            dtype = dtype_of(kind) if entry["elements"] > 1 else torch.float64
+            numel = max(world, entry["elements"] // entry["calls"] // world * world)
+            tensor = torch.zeros(numel, dtype=dtype, device=device)
+            for _ in range(entry["calls"]):
+                _replay_one(kind, tensor, world)
+        dist.barrier()
+        total += time.perf_counter() - start
+    return total / repeats
+
+
+def _replay_one(kind: str, tensor: torch.Tensor, world: int) -> None:
+    if kind == "all_reduce":
+        dist.all_reduce(tensor)
+    elif kind == "reduce_scatter":
+        dist.reduce_scatter_tensor(torch.empty(tensor.numel() // world, dtype=tensor.dtype, device=tensor.device), tensor)
+    elif kind == "all_gather":  # as the engine does on gloo: each rank's slice broadcast from its owner
+        for rank, chunk in enumerate(tensor.chunk(world)):
+            dist.broadcast(chunk, src=rank)
+    else:
+        dist.broadcast(tensor, src=0)
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def record_run(engine: Any, batches: Iterable, loss_fn: LossFn, *, optimizer: Any = None, param_groups: Any = None,
+               micro_batch: int, seq_len: int, warmup: int = 2, steps: int = 3, path: str | Path | None = None) -> RunRecord:
+    """Train `warmup + 1 + steps` optimizer steps of `engine` on `batches` and measure them (See [Note:
+    what a record measures, step by step]). `loss_fn(engine, batch)` runs the forward and returns the
+    loss; `optimizer` is the one given to zerokit.initialize (its class and param groups: pass
+    `param_groups` if it is not at hand). Rank 0 writes the record to `path` if given."""
+    batches = iter(batches)
+    blocks = list(blocks_of(engine.module))
+    name = optimizer_name(engine.optimizer)
+    setup = engine_setup(engine, name)
+    inventory = param_inventory(engine.module, param_groups if param_groups is not None else optimizer,
+                                engine.config.stage3)
+    if optimizer is None and param_groups is None:
+        raise ValueError("record_run needs the optimizer given to zerokit.initialize (optimizer=...) or its "
+                         "param_groups, to lay out buckets as the engine does")
+    for _ in range(warmup):
+        _one_step(engine, loss_fn, batches)
+    measured = _timed_steps(engine, loss_fn, batches, steps)  # before profiling, whose buffers would stay resident
+    measured.update(_profiled_step(engine, loss_fn, batches, blocks))
+    device = next(engine.module.parameters()).device
+    dtypes = {"all_gather": engine.config.precision.param_dtype}
+    measured["seconds"]["communication"] = replay_collectives(
+        measured["comm_per_step"], lambda kind: dtypes.get(kind, engine.config.precision.reduce_dtype), device)
+    keys = ["peak_allocated", "peak_resident", "resident_at_start"]
+    peaks = _max_over_ranks([measured[k] for k in keys] + list(measured["seconds"].values()))
+    measured.update(dict(zip(keys, map(int, peaks[:len(keys)]))))
+    measured["seconds"] = dict(zip(measured["seconds"], peaks[len(keys):]))
+    record = RunRecord(setup=asdict(setup), inventory=inventory.as_dict(), model=_model_info(engine.module, blocks),
+                       micro_batch=micro_batch, seq_len=seq_len, measured=measured,
+                       device={"type": device.type, "threads": torch.get_num_threads()})
+    _LAST[engine] = record
+    if path is not None and engine.rank == 0:
+        record.save(path)
+    return record
+
+
+def last_record(engine: Any) -> RunRecord | None:
+    return _LAST.get(engine)

@@ -15,16 +15,18 @@ ADAMW = [(n, c) for n in WORLD_SIZES for c in cases_for(n) if c.optimizer == "ad
 
 def expected_memory(case: Case, world_size: int, out: dict) -> dict[str, int]:
     """The paper's accounting with this run's dtypes. padded = Ψ plus bucket padding; every bucket
-    is one master tensor, stepped in pieces (sub_group_size), and each piece's AdamW state is
-    exp_avg + exp_avg_sq (fp32) and a 4-byte step count.
+    is one master tensor, stepped in pieces (one or more per parameter slice: sub_group_size), and each
+    piece's AdamW state is exp_avg + exp_avg_sq (fp32) and a 4-byte step count; padding has no state.
     Stages 0-2: frozen parameters are held whole by every rank. Stage 3: each unit's frozen parameters
     are one buffer padded to a multiple of N, of which a rank keeps its shard; persistent units (by
-    their trainable and frozen size) are also held whole."""
+    their trainable and frozen size) are also held whole. Stage 0's gradient buffer ends in one usage flag
+    per trainable tensor (See [Note: parameters no rank used] in zerokit/stages/usage.py)."""
     padded, pieces = out["layout_numel"], out["optimizer_pieces"]
     param_bytes = DTYPE_BYTES[case.dtype]
     shards = 1 if case.stage == 0 else world_size
     master_bytes = 0 if case.dtype == "fp32" else 4  # fp32 trains the parameters themselves
-    gradients = param_bytes * padded if case.stage < 2 else REDUCE_BYTES * padded // world_size
+    flags = out["trainable_tensors"] if case.stage == 0 else 0
+    gradients = param_bytes * (padded + flags) if case.stage < 2 else REDUCE_BYTES * padded // world_size
     held_params, held_frozen = padded, out["frozen_numel"]
     if case.stage == 3:
         trainable, frozen = out["unit_numel"], out["unit_frozen_numel"]
@@ -34,7 +36,7 @@ def expected_memory(case: Case, world_size: int, out: dict) -> dict[str, int]:
     return {
         "parameters": param_bytes * (held_params + held_frozen),
         "gradients": gradients,
-        "optimizer_state": (master_bytes + 8) * padded // shards + 4 * pieces,
+        "optimizer_state": master_bytes * padded // shards + 8 * out["stepped_numel"] + 4 * pieces,
     }
 
 
@@ -51,17 +53,18 @@ def test_memory_by_category_matches_formula(parity_runs, world_size: int, case: 
 @pytest.mark.parametrize("world_size,case", ADAMW, ids=[f"N{n}-{c.name}" for n, c in ADAMW])
 def test_collectives_per_step(parity_runs, world_size: int, case: Case) -> None:
     out = parity_runs(world_size)[0][case.name]
-    padded, buckets = out["layout_numel"], out["buckets"]
+    padded, buckets, flags = out["layout_numel"], out["buckets"], out["trainable_tensors"]
     for step, result in zip(out["comm_per_step"][1:], out["results"][1:]):  # every step moves the same
         assert step["broadcast"]["calls"] == 0
-        if case.stage == 0:  # DDP: one all-reduce of every gradient, nothing else
-            assert step["all_reduce"] == {"calls": buckets, "elements": padded, "bytes": REDUCE_BYTES * padded}
+        if case.stage == 0:  # DDP: one all-reduce of every gradient (the last with the usage flags), nothing else
+            assert step["all_reduce"] == {"calls": buckets, "elements": padded + flags,
+                                          "bytes": REDUCE_BYTES * (padded + flags)}
             assert step["reduce_scatter"]["calls"] == step["all_gather"]["calls"] == 0
             continue
         reductions = case.accumulation if case.stage >= 2 and case.reduce_every_micro_step else 1
         reduced = {"calls": reductions * buckets, "elements": reductions * padded,
                    "bytes": reductions * REDUCE_BYTES * padded}
-        norm = {"calls": 1, "elements": 1, "bytes": 8}  # the global grad norm (float64)
+        norm = {"calls": 1, "elements": 1 + flags, "bytes": 8 * (1 + flags)}  # global grad norm + usage (float64)
         if out["reduce_scatter"]:
             assert step["reduce_scatter"] == reduced and step["all_reduce"] == norm
         else:  # each bucket all-reduced whole, the shard kept
@@ -118,7 +121,7 @@ def test_stages_1_and_2_move_what_ddp_moves(parity_runs) -> None:
     (N-1)/N x Ψ each: the same 2Ψ elements, up to padding. With gloo's default (the bucket all-reduced,
     the shard kept) a rank sends 3(N-1)/N x Ψ: 1.5x, the price of gloo's slow reduce-scatter."""
     runs = parity_runs(3)[0]
-    ddp = runs["stage0-fp32"]["comm_per_step"][-1]["all_reduce"]["elements"]
+    ddp = runs["stage0-fp32"]["comm_per_step"][-1]["all_reduce"]["elements"] - runs["stage0-fp32"]["trainable_tensors"]
     for stage in (1, 2):
         name = f"stage{stage}-fp32-reduce-scatter"
         step = runs[name]["comm_per_step"][-1]
@@ -127,5 +130,5 @@ def test_stages_1_and_2_move_what_ddp_moves(parity_runs) -> None:
         default = runs[f"stage{stage}-fp32"]
         assert not default["reduce_scatter"]  # gloo
         step = default["comm_per_step"][-1]
-        reduced = step["all_reduce"]["elements"] - 1  # less the grad norm
+        reduced = step["all_reduce"]["elements"] - 1 - default["trainable_tensors"]  # less the grad norm and flags
         assert abs(reduced - ddp) <= default["buckets"] * 3 and abs(step["all_gather"]["elements"] - ddp) <= default["buckets"] * 3

@@ -11,19 +11,22 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence, Union
 
 import torch
 from torch import nn
 
 from zerokit.comm import Communicator
 from zerokit.config import ZeroConfig, load_config
-from zerokit.masters import trainable_groups
+from zerokit.masters import OptimizerPlan, optimizer_kind, trainable_groups
 from zerokit.precision import StepResult, clip_coefficient, global_grad_norm, make_loss_scaler, unscale_
 from zerokit.runtime import default_device, ensure_process_group, log_startup
 from zerokit.stages import STAGES, BucketReducer, install_hooks
 from zerokit.stages.construction import (Construction, ParamInit, has_meta_parameters, init_buffer_owners,
                                         replace_meta_parameters, reset_parameters)
+
+
+Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
 
 
 class SkippedStepsError(RuntimeError):
@@ -42,21 +45,27 @@ class Progress:
 
 
 class Engine:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig,
+    def __init__(self, model: nn.Module, optimizer: Optimizers, config: ZeroConfig,
                  device: torch.device | None = None, param_init: ParamInit | None = None) -> None:
         """Built in the order a step's data flows: the process group, the model on its device, the stage
-        (layout, flat buffers, masters; See ZeroStage.build), the reducer, then the hooks that drive them."""
+        (layout, flat buffers, masters; See ZeroStage.build), the reducer, then the hooks that drive them.
+        `optimizer`: one torch optimizer, or a list of them, each over its own parameters (Muon for the
+        hidden matrices beside AdamW for the rest, say)."""
         ensure_process_group()
         self.config = config
         self.comm = Communicator()
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         config.check_batch_sizes(self.world_size)
         self.device = device or default_device()
-        construction = self._place_model(model, optimizer, param_init)
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        kinds = [optimizer_kind(o, config.optimizer_kinds, config.allow_untested_optimizer) for o in optimizers]
+        construction = self._place_model(model, optimizers, param_init)
         self.module = model
-        params, groups = _backward_ordered(model, trainable_groups(model, optimizer))
+        groups, refs = trainable_groups(model, optimizers, kinds)
+        params, group_of_param = _backward_ordered(model, groups)
+        plan = OptimizerPlan(tuple(optimizers), tuple(refs))
         extra = {"construction": construction} if construction is not None else {}
-        self.stage = STAGES[config.stage].build(model, params, groups, optimizer, config, self.comm, **extra)
+        self.stage = STAGES[config.stage].build(model, params, group_of_param, plan, config, self.comm, **extra)
         # Frozen parameters (stages 0-2; stage 3 shards them in the compute dtype already) and buffers;
         # trainable ones are cast.
         model.to(dtype=config.precision.param_dtype)
@@ -67,7 +76,7 @@ class Engine:
         self.progress = Progress()
         log_startup(self.stage)
 
-    def _place_model(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+    def _place_model(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
                      param_init: ParamInit | None) -> Construction | None:
         """Move the model to this rank's device. A model built on the meta device is left for stage 3 to
         materialise unit by unit (See [Note: sharded construction]); any other starts from rank 0's
@@ -76,7 +85,7 @@ class Engine:
             if self.config.stage != 3:
                 raise ValueError(f"a model on the meta device needs zero_optimization.stage=3 (got "
                                  f"{self.config.stage}): only stage 3 never holds the whole model")
-            pending, buffer_owners = replace_meta_parameters(model, optimizer, self.device)
+            pending, buffer_owners = replace_meta_parameters(model, optimizers, self.device)
             init_buffer_owners(buffer_owners, param_init or reset_parameters)
             model.to(device=self.device)
             return Construction(pending, param_init or reset_parameters, verify=True)
@@ -120,15 +129,17 @@ class Engine:
         progress.backward_since_step = False
         if progress.micro_step % self.config.gradient_accumulation_steps != 0:
             return self._result(boundary=False, stepped=False, norm=None, clipped=False)
-        self.stage.hand_in_grads()
-        grads = self.stage.masters.gradients()
+        stage, masters = self.stage, self.stage.masters
+        stage.hand_in_grads()
+        grads = masters.gradients()
         unscale_(grads, self.loss_scaler.scale)
-        norm = global_grad_norm(grads, self.stage.norm_comm)
+        norm = self._norm_and_usage(grads)
         overflow = norm != norm  # nan: some gradient was inf or nan on some rank
         self.loss_scaler.update(overflow)
         if overflow:
-            self.stage.release_grads()
+            stage.release_grads()
             return self._skip()
+        masters.drop_unused(stage.usage.agreed)
         coefficient = clip_coefficient(norm, self.config.gradient_clipping)
         if coefficient < 1.0:
             torch._foreach_mul_(grads, coefficient)
@@ -138,6 +149,17 @@ class Engine:
         progress.optimizer_step += 1
         progress.consecutive_skips = 0
         return self._result(boundary=True, stepped=True, norm=norm, clipped=coefficient < 1.0)
+
+    def _norm_and_usage(self, grads: list[torch.Tensor]) -> float:
+        """The global gradient norm; at stages 1-3 the same all-reduce sums which parameters each rank used
+        (stage 0's last bucket carried them: See [Note: parameters no rank used])."""
+        comm, usage = self.stage.norm_comm, self.stage.usage
+        if comm is None:
+            return global_grad_norm(grads, None)
+        flags = usage.flags(torch.float64, grads[0].device if grads else self.device)
+        norm = global_grad_norm(grads, comm, flags)
+        usage.agree(flags)
+        return norm
 
     def _skip(self) -> StepResult:
         progress = self.progress
@@ -227,10 +249,11 @@ def _backward_ordered(model: nn.Module, groups: list[list[nn.Parameter]]) -> tup
     return [p for p, _ in entries], [g for _, g in entries]
 
 
-def initialize(model: nn.Module, optimizer: torch.optim.Optimizer,
+def initialize(model: nn.Module, optimizer: Optimizers,
                config: ZeroConfig | Mapping[str, Any] | str | Path | None = None,
                device: torch.device | None = None, param_init: ParamInit | None = None) -> Engine:
-    """Wrap `model` and `optimizer` for ZeRO training. `config` is a ZeroConfig, a DeepSpeed-style
+    """Wrap `model` and `optimizer` (one, or a list each over its own parameters; `engine.optimizer` is
+    then the list, rebuilt in the same order) for ZeRO training. `config` is a ZeroConfig, a DeepSpeed-style
     dict, or the path of a JSON file holding one. Joins torchrun's process group if there is one.
     A model built on the meta device is materialised shard by shard at stage 3, with `param_init(module)`
     filling each module's parameters (default: its reset_parameters()); see zerokit/stages/construction.py."""

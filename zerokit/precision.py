@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from zerokit.comm import Communicator
 from zerokit.config import LossScaling
@@ -80,11 +81,13 @@ def make_loss_scaler(policy: LossScaling | None) -> DynamicLossScaler | NoLossSc
 NORM_CHUNK_NUMEL = 1 << 15  # 256 KiB of float64
 
 
-def global_grad_norm(grads: list[torch.Tensor], comm: Communicator | None) -> float:
+def global_grad_norm(grads: list[torch.Tensor], comm: Communicator | None, flags: torch.Tensor | None = None) -> float:
     """L2 norm over all gradient elements of all ranks. Pass `comm` when each rank holds a different
     shard (their squares are summed across ranks), None when every rank holds the same full gradients.
     Squares are summed in float64, so the norm (and the clip coefficient) does not depend on how the
-    parameters happen to be split into shards and buckets. See [Note: one scalar decides overflow and norm]."""
+    parameters happen to be split into shards and buckets. See [Note: one scalar decides overflow and norm].
+    `flags` (1-D float64), when given with `comm`, are summed across ranks, in place, by the same
+    all-reduce (See [Note: parameters no rank used] in stages/usage.py)."""
     device = grads[0].device if grads else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float64, device=device)
     for grad in grads:
@@ -94,8 +97,13 @@ def global_grad_norm(grads: list[torch.Tensor], comm: Communicator | None) -> fl
             as_double = chunk.double()
             squares += torch.dot(as_double, as_double)
     if comm is not None:
-        comm.sum_scalar(squares)
-    return math.sqrt(squares.item()) if math.isfinite(squares.item()) else float("nan")
+        packed = squares.reshape(1) if flags is None else torch.cat([squares.reshape(1), flags.to(squares)])
+        comm.all_reduce(packed, op=dist.ReduceOp.SUM)
+        squares = packed[0]
+        if flags is not None:
+            flags.copy_(packed[1:])
+    total = squares.item()
+    return math.sqrt(total) if math.isfinite(total) else float("nan")
 
 
 def unscale_(grads: list[torch.Tensor], scale: float) -> None:

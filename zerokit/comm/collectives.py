@@ -165,11 +165,6 @@ class Communicator:
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group else rank
 
-    def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum a 0-d tensor over ranks (grad-norm squares, overflow flags). Counted as an all-reduce."""
-        self.all_reduce(value, op=dist.ReduceOp.SUM)
-        return value
-
     def _check_sizes(self, name: str, big: torch.Tensor, small: torch.Tensor) -> None:
         if big.numel() != small.numel() * self.world_size:
             raise RuntimeError(f"rank {self.rank}: {name} needs {self.world_size} x {small.numel()} elements, "

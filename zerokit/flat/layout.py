@@ -91,6 +91,28 @@ class Bucket:
         """[begin, end) of a parameter within the bucket itself."""
         return slot.offset - self.start, slot.offset - self.start + slot.numel
 
+    def param_slices(self, rank: int) -> list["ParamSlice"]:
+        """The parts of parameters that rank's shard of this bucket holds, in shard coordinates."""
+        own_begin, own_end = self.shard_in_bucket(rank)
+        slices = []
+        for slot in self.slots:
+            begin, end = self.slot_range(slot)
+            begin, end = max(begin, own_begin), min(end, own_end)
+            if begin < end:
+                slices.append(ParamSlice(slot.param_index, begin - own_begin, end - own_begin,
+                                         end - begin == slot.numel, slot.shape))
+        return slices
+
+
+class ParamSlice(NamedTuple):
+    """The part of one parameter in a rank's shard of a bucket."""
+
+    param_index: int
+    begin: int  # [begin, end) within the shard
+    end: int
+    whole: bool  # the shard holds the whole parameter
+    shape: tuple[int, ...]
+
 
 @dataclass(frozen=True)
 class RankShards:

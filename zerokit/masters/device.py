@@ -24,25 +24,35 @@ dtype, or a master on another tier, gets its own fp32 tensor.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
 from zerokit.defaults import CPU_OPTIMIZER_PIECE_NUMEL
-from zerokit.flat import tensor_bytes
-from zerokit.masters.optimizer import rebuild_optimizer
+from zerokit.flat import ParamSlice, tensor_bytes
+from zerokit.masters.optimizer import GroupRef, rebuild_optimizer
 
 # Default elements per optimizer piece, by the type of device the masters live on; absent: one piece
-# per master. See [Note: optimizer pieces].
+# per parameter slice. See [Note: optimizer pieces].
 OPTIMIZER_PIECE_NUMEL = {"cpu": CPU_OPTIMIZER_PIECE_NUMEL}
 
 
+@dataclass(frozen=True)
+class OptimizerPlan:
+    """The user's optimizers, and where each flattened param group of theirs comes from."""
+
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    refs: tuple[GroupRef, ...]  # by flattened group index
+
+
 class DeviceMasters:
-    def __init__(self, compute: list[torch.Tensor], groups: list[int], optimizer: torch.optim.Optimizer,
-                 sub_group_size: int | None) -> None:
-        """`compute[i]`: the compute-dtype shard master i updates (1-D); `groups[i]`: its optimizer param
-        group. Masters that do not alias their compute shard start uninitialised: see `initialise`."""
+    def __init__(self, compute: list[torch.Tensor], slices: list[list[ParamSlice]], groups: list[int],
+                 plan: OptimizerPlan, sub_group_size: int | None) -> None:
+        """`compute[i]`: the compute-dtype shard master i updates (1-D); `slices[i]`: the parameter parts it
+        holds; `groups[i]`: their flattened param group. Masters that do not alias their compute shard
+        start uninitialised: see `initialise`."""
         self.compute = compute
         device = compute[0].device if compute else torch.device("cpu")
         # See [Note: masters that alias the compute shard]
@@ -50,18 +60,52 @@ class DeviceMasters:
         self.masters = [nn.Parameter(shard if self.aliased else torch.empty(shard.numel(), device=device))
                         for shard in compute]
         self.piece_numel = sub_group_size or OPTIMIZER_PIECE_NUMEL.get(device.type, sys.maxsize)
-        self.pieces = [_split(master, self.piece_numel) for master in self.masters]
-        pieces_by_group: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
-        for group, pieces in zip(groups, self.pieces):
+        self.pieces: list[list[nn.Parameter]] = []
+        self.piece_params: list[list[int]] = []  # the parameter each piece is part of
+        self.piece_offsets: list[list[int]] = []  # where each piece begins in its master
+        pieces_by_group: list[list[nn.Parameter]] = [[] for _ in plan.refs]
+        for master, master_slices, group in zip(self.masters, slices, groups):
+            pieces, params, offsets = self._cut(master, master_slices, plan.refs[group].whole_tensor)
+            self.pieces.append(pieces)
+            self.piece_params.append(params)
+            self.piece_offsets.append(offsets)
             pieces_by_group[group].extend(pieces)
-        self.optimizer = rebuild_optimizer(optimizer, pieces_by_group)
+        self.optimizers = [rebuild_optimizer(optimizer, [pieces_by_group[g] for g, ref in enumerate(plan.refs)
+                                                         if ref.optimizer == which])
+                           for which, optimizer in enumerate(plan.optimizers)]
         self.grads: list[torch.Tensor | None] = [None] * len(compute)
+
+    def _cut(self, master: nn.Parameter, slices: list[ParamSlice],
+             whole_tensor: bool) -> tuple[list[nn.Parameter], list[int], list[int]]:
+        """Pieces of `master` for the optimizer, with the parameter each is part of and where it begins: each
+        parameter's part its own (its step count, its state; an unused one is skipped), shaped like the
+        parameter for a whole-tensor optimizer, cut into cache-sized pieces otherwise (See [Note:
+        optimizer pieces])."""
+        values = master.detach()
+        pieces, params, offsets = [], [], []
+        for part in slices:
+            if whole_tensor and not part.whole:
+                raise RuntimeError(f"parameter {part.param_index} is split across ranks but its optimizer needs "
+                                   "whole tensors (an internal bug)")
+            step = part.end - part.begin if whole_tensor else self.piece_numel
+            for begin in range(part.begin, part.end, step):
+                end = min(begin + step, part.end)
+                view = values[begin:end]
+                pieces.append(nn.Parameter(view.view(part.shape) if whole_tensor else view))
+                params.append(part.param_index)
+                offsets.append(begin)
+        return pieces, params, offsets
 
     def initialise(self, index: int, values: torch.Tensor) -> None:
         """Master `index` starts from `values` (1-D, full precision: the user's own weights, not their
         16-bit rounding). An aliased master already holds them: its compute shard was filled first."""
         if not self.aliased:
             self.masters[index].data.copy_(values)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+        """The rebuilt optimizer, or the list of them when several were given."""
+        return self.optimizers[0] if len(self.optimizers) == 1 else self.optimizers
 
     # --- one optimizer step -----------------------------------------------------------------------
     def accept_grad(self, index: int, grad: torch.Tensor) -> None:
@@ -77,13 +121,29 @@ class DeviceMasters:
             if grad is None:
                 raise RuntimeError(f"master {index} got no gradient before the optimizer step (an internal bug)")
             grad = grad if grad.dtype == torch.float32 else grad.float()
-            for piece, piece_grad in zip(pieces, grad.split(self.piece_numel)):
-                piece.grad = piece_grad
+            for piece, view in zip(pieces, self._views(grad, index)):
+                piece.grad = view
             grads.append(grad)
         return grads
 
+    def drop_unused(self, used: Sequence[bool] | None) -> None:
+        """Pieces of parameters that got no gradient on any rank lose theirs, so the optimizer skips them
+        as torch's optimizers skip a parameter whose .grad is None (See [Note: parameters no rank used])."""
+        if used is None:
+            raise RuntimeError("the ranks' gradient usage was never reduced before the optimizer step (an internal bug)")
+        for pieces, params in zip(self.pieces, self.piece_params):
+            for piece, param in zip(pieces, params):
+                if not used[param]:
+                    piece.grad = None
+
+    def _views(self, grad: torch.Tensor, index: int) -> list[torch.Tensor]:
+        """`grad` (1-D, like master `index`) cut as its pieces are."""
+        return [grad[offset:offset + piece.numel()].view(piece.shape)
+                for piece, offset in zip(self.pieces[index], self.piece_offsets[index])]
+
     def step(self) -> None:
-        self.optimizer.step()
+        for optimizer in self.optimizers:
+            optimizer.step()
 
     def release_grads(self) -> None:
         self.grads = [None] * len(self.masters)
@@ -105,8 +165,9 @@ class DeviceMasters:
 
     # --- what it holds -------------------------------------------------------------------------------
     def nbytes(self) -> int:
-        """fp32 masters (unless they alias the compute shards) and the optimizer's own state."""
-        state = [t for per_piece in self.optimizer.state.values() for t in per_piece.values()]
+        """fp32 masters (unless they alias the compute shards) and the optimizers' own state."""
+        state = [t for optimizer in self.optimizers for per_piece in optimizer.state.values()
+                 for t in per_piece.values()]
         return (0 if self.aliased else tensor_bytes(self.masters)) + tensor_bytes(state)
 
     def __iter__(self):
@@ -121,7 +182,8 @@ class DeviceMasters:
         return sum(len(pieces) for pieces in self.pieces)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"masters": [master.detach() for master in self.masters], "optimizer": self.optimizer.state_dict()}
+        return {"masters": [master.detach() for master in self.masters],
+                "optimizers": [optimizer.state_dict() for optimizer in self.optimizers]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["masters"]) != len(self.masters):
@@ -130,14 +192,8 @@ class DeviceMasters:
         with torch.no_grad():
             for master, saved in zip(self.masters, state["masters"]):
                 master.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
-
-
-def _split(master: nn.Parameter, piece_numel: int) -> list[nn.Parameter]:
-    """`master` as Parameters that are views of it, of at most piece_numel elements each."""
-    if master.numel() <= piece_numel:
-        return [master]
-    return [nn.Parameter(view) for view in master.detach().split(piece_numel)]
+        for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
 
 
 def copy_edits(master: torch.Tensor, compute: torch.Tensor) -> None:

@@ -26,9 +26,10 @@ from torch import nn
 
 from zerokit.comm import Communicator, Pending, ProcessGroups, Reduction, wait
 from zerokit.config import ZeroConfig
-from zerokit.flat import (Bucket, FlatParameters, ParamEntry, bucket_view, build_layout, gather_bucket, shard_view,
-                          tensor_bytes)
-from zerokit.masters import DeviceMasters
+from zerokit.flat import (Bucket, FlatParameters, ParamEntry, assign_owners, bucket_view, build_layout, gather_bucket,
+                          shard_view, tensor_bytes)
+from zerokit.masters import DeviceMasters, OptimizerPlan
+from zerokit.stages.usage import GradientUsage
 
 if TYPE_CHECKING:
     from zerokit.stages.hooks import UnitHooks
@@ -49,25 +50,27 @@ class ZeroStage:
         self.reduce_scatter = uses_reduce_scatter(config, self.comm)  # See [Note: reducing a bucket to a shard]
         self.reduces_every_micro_step = reduces_every_micro_step
         """True where gradients must leave the rank on every micro-step (stage 2's default, stage 3)."""
+        self.usage = GradientUsage(len(flat.params))  # See [Note: parameters no rank used]
 
     @classmethod
-    def build(cls, model: nn.Module, params: list[nn.Parameter], groups: list[int], optimizer: torch.optim.Optimizer,
+    def build(cls, model: nn.Module, params: list[nn.Parameter], groups: list[int], plan: OptimizerPlan,
               config: ZeroConfig, comm: Communicator) -> "ZeroStage":
         """Stages 0-2: every rank holds the whole parameters, in one flat buffer; masters are made from the
         parameters as given (fp32), before the cast to a 16-bit param dtype, so mixed precision starts
-        from exactly the user's weights, not from their bf16 rounding."""
+        from exactly the user's weights, not from their bf16 rounding. `groups[i]`: params[i]'s flattened
+        param group in `plan`."""
         element_bytes = torch.empty((), dtype=config.precision.reduce_dtype).element_size()
-        layout = build_layout(param_entries(model, params, groups),
-                              world_size=comm.world_size if cls.shards_optimizer else 1,
-                              bucket_numel=max(1, config.reduce_bucket_bytes // element_bytes))
+        world_size = comm.world_size if cls.shards_optimizer else 1
+        entries = param_entries(model, params, groups, whole_tensor_owners(params, groups, plan, world_size))
+        layout = build_layout(entries, world_size, bucket_numel=max(1, config.reduce_bucket_bytes // element_bytes))
         flat = FlatParameters(params, layout, config.precision.param_dtype)
         full_precision = flat.pack()
         flat.adopt(full_precision)
-        owner = comm.rank if cls.shards_optimizer else 0
-        owned = [bucket.shard_range(owner) for bucket in layout.buckets]
+        rank = comm.rank if cls.shards_optimizer else 0
+        owned = [bucket.shard_range(rank) for bucket in layout.buckets]
         masters = DeviceMasters([flat.buffer[begin:end] for begin, end in owned],
-                                [groups[b.slots[0].param_index] for b in layout.buckets], optimizer,
-                                config.sub_group_size)
+                                [bucket.param_slices(rank) for bucket in layout.buckets],
+                                [groups[b.slots[0].param_index] for b in layout.buckets], plan, config.sub_group_size)
         for index, (begin, end) in enumerate(owned):
             masters.initialise(index, full_precision[begin:end])
         return cls(flat, masters, ProcessGroups.for_stage(comm, config.stage), config)
@@ -130,6 +133,7 @@ class ZeroStage:
 
     def release_grads(self) -> None:
         self.masters.release_grads()
+        self.usage.reset()
         self.zero_grads()
 
     def publish_params(self) -> None:
@@ -199,7 +203,20 @@ def uses_reduce_scatter(config: ZeroConfig, comm: Communicator) -> bool:
     return config.reduce_scatter if config.reduce_scatter is not None else comm.backend != "gloo"
 
 
-def param_entries(model: nn.Module, params: list[nn.Parameter], keys: list[int]) -> list[ParamEntry]:
-    """The layout's view of `params`: size, bucket key, state-dict name (a tied one's first) and shape."""
+def param_entries(model: nn.Module, params: list[nn.Parameter], keys: list[int],
+                  owners: list[int | None]) -> list[ParamEntry]:
+    """The layout's view of `params`: size, bucket key, state-dict name (a tied one's first), shape, owner."""
     names = {id(param): name for name, param in model.named_parameters()}
-    return [ParamEntry(p.numel(), key, names.get(id(p), ""), tuple(p.shape)) for p, key in zip(params, keys)]
+    return [ParamEntry(p.numel(), key, names.get(id(p), ""), tuple(p.shape), owner)
+            for p, key, owner in zip(params, keys, owners)]
+
+
+def whole_tensor_owners(params: list[nn.Parameter], groups: list[int], plan: OptimizerPlan,
+                        world_size: int) -> list[int | None]:
+    """The rank that owns each parameter of a whole-tensor optimizer (See [Note: buckets owned by one rank]
+    in flat/layout.py); None for the others, and for all when nothing is sharded."""
+    whole = [i for i, g in enumerate(groups) if plan.refs[g].whole_tensor] if world_size > 1 else []
+    owners: list[int | None] = [None] * len(params)
+    for index, owner in zip(whole, assign_owners([params[i].numel() for i in whole], world_size)):
+        owners[index] = owner
+    return owners

@@ -52,7 +52,7 @@ def has_meta_parameters(model: nn.Module) -> bool:
     return any(param.is_meta for param in model.parameters())
 
 
-def replace_meta_parameters(model: nn.Module, optimizer: torch.optim.Optimizer,
+def replace_meta_parameters(model: nn.Module, optimizers: list[torch.optim.Optimizer],
                             device: torch.device) -> tuple[set[int], list[nn.Module]]:
     """Swap meta parameters for memory-less real ones (ties and optimizer groups kept) and meta buffers
     for uninitialised real ones. Returns the ids of the new parameters, which need `param_init` when
@@ -73,8 +73,9 @@ def replace_meta_parameters(model: nn.Module, optimizer: torch.optim.Optimizer,
             module._buffers[name] = torch.empty_like(module._buffers[name], device=device)  # param_init fills it
         if meta_buffers and not module._parameters:
             buffer_owners.append(module)
-    for group in optimizer.param_groups:
-        group["params"] = [replacement.get(id(p), p) for p in group["params"]]
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [replacement.get(id(p), p) for p in group["params"]]
     return {id(p) for p in replacement.values()}, buffer_owners
 
 

@@ -67,7 +67,7 @@ def install_hooks(stage: "ZeroStage", reducer: "BucketReducer") -> list[Removabl
 
 
 def _grad_ready(reducer: "BucketReducer", index: int, param: torch.Tensor) -> None:
-    reducer.grad_ready(index)
+    reducer.grad_arrived(index)
 
 
 class TrainingState(Enum):

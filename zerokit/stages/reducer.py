@@ -46,7 +46,13 @@ class BucketReducer:
             if param_id not in used:
                 self.grad_ready(index)
 
+    def grad_arrived(self, param_index: int) -> None:
+        """A gradient hook: params[param_index] got its gradient for this backward."""
+        self.stage.usage.mark(param_index)
+        self.grad_ready(param_index)
+
     def grad_ready(self, param_index: int) -> None:
+        """Its gradient is complete for this backward (arrived, or none will: see arm)."""
         if not self.armed:
             return  # gradients accumulate locally on this micro-step
         bucket_index = self.bucket_of[param_index]

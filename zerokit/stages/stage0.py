@@ -15,7 +15,10 @@ class DataParallel(ZeroStage):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.grad_buffer = self.flat.new_buffer()  # 1-D, param dtype; See [Note: flat buffer aliasing]
+        # 1-D, param dtype (See [Note: flat buffer aliasing]); at stage 0 one usage flag per parameter follows
+        # the last bucket and is all-reduced with it (See [Note: parameters no rank used]).
+        flags = 0 if self.shards_optimizer else len(self.flat.params)
+        self.grad_buffer = torch.zeros(self.layout.numel + flags, dtype=self.flat.dtype, device=self.flat.device)
         self.grad_views = self.flat.views(self.grad_buffer)
         # bucket index -> reduced gradient (reduce dtype), held from backward to the optimizer step
         # when it cannot live in grad_buffer (another dtype; or a shard, since gloo cannot reduce-scatter
@@ -28,10 +31,15 @@ class DataParallel(ZeroStage):
             param.grad = view
 
     def reduce_bucket(self, bucket: Bucket) -> Reduction:
-        grads = bucket_view(self.grad_buffer, bucket)
+        carries_flags = bucket.index == len(self.layout.buckets) - 1
+        grads = self.grad_buffer[bucket.start:None if carries_flags else bucket.end]
+        if carries_flags:
+            grads[bucket.numel:].copy_(self.usage.flags(grads.dtype, grads.device))
         if grads.dtype != self.reduce_dtype:
-            grads = self.reduced[bucket.index] = grads.to(self.reduce_dtype)
-        return Reduction(self.comm.all_reduce(grads, async_op=True))
+            grads = grads.to(self.reduce_dtype)
+            self.reduced[bucket.index] = grads[:bucket.numel]
+        agree = (lambda reduced: self.usage.agree(reduced[bucket.numel:])) if carries_flags else None
+        return Reduction(self.comm.all_reduce(grads, async_op=True), agree)
 
     def owned_grad(self, bucket: Bucket) -> torch.Tensor:
         return self.reduced.get(bucket.index, bucket_view(self.grad_buffer, bucket))

@@ -40,8 +40,8 @@ from torch import nn
 from zerokit.comm import Communicator, ProcessGroups, Reduction
 from zerokit.config import ZeroConfig
 from zerokit.flat import Bucket, FlatParameters, ParamEntry, ShardedFlat, build_layout, tensor_bytes
-from zerokit.masters import DeviceMasters
-from zerokit.stages.base import param_entries
+from zerokit.masters import DeviceMasters, OptimizerPlan
+from zerokit.stages.base import param_entries, whole_tensor_owners
 from zerokit.stages.construction import Construction, materialise
 from zerokit.stages.hooks import TrainingState, UnitHooks
 from zerokit.stages.stage2 import ShardedGradients
@@ -60,7 +60,7 @@ class ShardedParameters(ShardedGradients):
             shards.unshard(self.units[index])
 
     @classmethod
-    def build(cls, model: nn.Module, params: list[nn.Parameter], groups: list[int], optimizer: torch.optim.Optimizer,
+    def build(cls, model: nn.Module, params: list[nn.Parameter], groups: list[int], plan: OptimizerPlan,
               config: ZeroConfig, comm: Communicator, construction: Construction | None = None) -> "ShardedParameters":
         """Units, then their layouts (one bucket per unit and param group; frozen: one per unit), then the
         shards and the masters, then each unit's values placed, unit by unit (See `_place`)."""
@@ -68,7 +68,8 @@ class ShardedParameters(ShardedGradients):
         unit_of = {param_id: unit.index for unit in units for param_id in unit.param_ids}
         per_unit = max(groups, default=0) + 1
         keys = [unit_of[id(p)] * per_unit + g for p, g in zip(params, groups)]
-        layout = build_layout(param_entries(model, params, keys), world_size=comm.world_size, bucket_numel=sys.maxsize)
+        owners = whole_tensor_owners(params, groups, plan, comm.world_size)
+        layout = build_layout(param_entries(model, params, keys, owners), comm.world_size, bucket_numel=sys.maxsize)
         dtype = config.precision.param_dtype
         trainable = ShardedFlat(FlatParameters(params, layout, dtype), comm.rank)
         frozen = ShardedFlat(_frozen_flat(model, params, unit_of, comm.world_size, dtype), comm.rank)
@@ -76,8 +77,8 @@ class ShardedParameters(ShardedGradients):
         shards = UnitShards(units, trainable, frozen, [b.group // per_unit for b in layout.buckets],
                             process_groups.gather, config.stage3)
         masters = DeviceMasters([trainable.shard(b) for b in layout.buckets],
-                                [groups[b.slots[0].param_index] for b in layout.buckets], optimizer,
-                                config.sub_group_size)
+                                [b.param_slices(comm.rank) for b in layout.buckets],
+                                [groups[b.slots[0].param_index] for b in layout.buckets], plan, config.sub_group_size)
         _place(model, shards, masters, comm, construction or Construction())
         return cls(trainable.flat, masters, process_groups, config, shards)
 
@@ -168,7 +169,7 @@ def _frozen_flat(model: nn.Module, trainable: list[nn.Parameter], unit_of: dict[
     is_trainable = {id(p) for p in trainable}
     names = {id(p): name for name, p in model.named_parameters()}
     frozen = [p for p in model.parameters() if id(p) not in is_trainable and p.is_floating_point()]
-    entries = [ParamEntry(p.numel(), unit_of[id(p)], names[id(p)], tuple(p.shape)) for p in frozen]
+    entries = [ParamEntry(p.numel(), unit_of[id(p)], names[id(p)], tuple(p.shape)) for p in frozen]  # sharded evenly
     return FlatParameters(frozen, build_layout(entries, world_size, bucket_numel=sys.maxsize), dtype)
 
 

@@ -7,9 +7,9 @@ sees exactly the batch it saw on that rank), backpropagates `loss / accumulation
 gradient into fp32 master gradients and divides their sum by N: the gradient of the mean loss over
 the union. (Dividing by N after the 16-bit backward, not before, is also what the ranks do; it keeps
 the comparison about distribution, not about where a 16-bit rounding happens.) It clips by the global
-norm with torch's formula (squares summed in float64, as zerokit does) and, for fp16, uses DeepSpeed's dynamic loss-scaling policy. A
-parameter that gets no gradient is stepped with a zero gradient (torch's `zero_grad(set_to_none=False)`
-semantics), which is what any flat-buffer data-parallel engine does.
+norm with torch's formula (squares summed in float64, as zerokit does) and, for fp16, uses DeepSpeed's
+dynamic loss-scaling policy. A parameter that gets no gradient from any rank's batch in a whole
+accumulation window keeps `.grad = None`, so the optimizer skips it, exactly as torch runs it.
 """
 
 from __future__ import annotations
@@ -193,7 +193,10 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
         "layout_numel": engine.stage.layout.numel, "buckets": len(engine.stage.layout.buckets),
         "reduce_scatter": engine.stage.reduce_scatter,
         "optimizer_pieces": engine.stage.masters.piece_count,
+        # elements of this rank's masters that are parameters, not padding: only they have optimizer state
+        "stepped_numel": sum(piece.numel() for pieces in engine.stage.masters.pieces for piece in pieces),
         "trainable_numel": engine.trainable_numel(), "launched_in_backward": overlapped,
+        "trainable_tensors": len(engine.stage.flat.params),
         "unit_numel": engine.stage.shards.unit_numel if engine.config.stage == 3 else None,
         "frozen_numel": sum(p.numel() for p in model.parameters() if not p.requires_grad),
         **stage3_frozen_layout(engine.stage),
@@ -232,19 +235,21 @@ def _run_reference(case: Case, world_size: int) -> dict:
     master_grads = [torch.zeros_like(m) for m, _ in pairs]
     losses, skipped = [], []
     for step in range(case.steps):
+        used = [False] * len(pairs)
         for micro in range(case.accumulation):
             for rank in range(world_size):
                 tokens = make_batch(case, step, micro, rank)
                 loss = forward_loss(compute, tokens)
                 (loss * scaler.scale / case.accumulation).backward()
                 losses.append((micro, rank, loss.item()))
-                for grad, (_, c) in zip(master_grads, pairs):
+                for index, (grad, (_, c)) in enumerate(zip(master_grads, pairs)):
                     if c.grad is not None:
                         grad += c.grad.float()
                         c.grad = None
-        for grad, (m, _) in zip(master_grads, pairs):
-            m.grad = grad / world_size / scaler.scale  # the mean over the union's N batches
-        grads = [m.grad for m, _ in pairs]
+                        used[index] = True
+        for grad, (m, _), got in zip(master_grads, pairs, used):
+            m.grad = grad / world_size / scaler.scale if got else None  # the mean over the union's N batches
+        grads = [m.grad for m, _ in pairs if m.grad is not None]
         norm = math.sqrt(sum(g.double().square().sum().item() for g in grads))  # clipping, naively
         overflow = not math.isfinite(norm)
         if case.clip > 0 and not overflow and case.clip / (norm + 1e-6) < 1:

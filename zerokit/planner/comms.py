@@ -151,7 +151,8 @@ def _stage3(rank: RankParams, training: Training, group: Group, blocks: int) -> 
     in_blocks = rank.total - rank.root
     return [_collective("all_gather", group, "forward", m * (root + blocks), m * rank.total, p),
             _collective("all_gather", group, "backward", m * blocks, m * in_blocks, p),
-            _collective("reduce_scatter", group, "backward", m * (root + blocks), m * rank.trainable, r)]
+            _collective("reduce_scatter" if training.reduces_by_scatter else "all_reduce", group, "backward",
+                        m * (root + blocks), m * rank.trainable, r)]
 
 
 def data_parallel(rank: RankParams, training: Training, stage: int, groups: dict[str, Group],
@@ -160,6 +161,7 @@ def data_parallel(rank: RankParams, training: Training, stage: int, groups: dict
     m, r, g, p = training.grad_accum, training.reduce_bytes, groups, training.param_bytes
     trainable = rank.trainable
     buckets = max(1, math.ceil(trainable / max(1, training.bucket_bytes // r)))
+    reduce = "reduce_scatter" if training.reduces_by_scatter else "all_reduce"  # gloo: all-reduce, keep the shard
     out: list[Collective] = []
     if stage == 0:
         if g["dp"].size > 1:
@@ -169,9 +171,9 @@ def data_parallel(rank: RankParams, training: Training, stage: int, groups: dict
         if stage == 3:
             out += _stage3(rank, training, g["dp_shard"], blocks)
         elif stage == 2 and training.reduce_every_micro_step:
-            out.append(_collective("reduce_scatter", g["dp_shard"], "backward", m * buckets, m * trainable, r))
+            out.append(_collective(reduce, g["dp_shard"], "backward", m * buckets, m * trainable, r))
         else:
-            out.append(_collective("reduce_scatter", g["dp_shard"], "boundary", buckets, trainable, r))
+            out.append(_collective(reduce, g["dp_shard"], "boundary", buckets, trainable, r))
         if stage < 3:
             out.append(_collective("all_gather", g["dp_shard"], "after_step", buckets, trainable, p))
         # the global gradient norm over shards: one float64 sum of squares (zerokit/precision.py sums in

@@ -51,7 +51,7 @@ class Scenario:
 
     @property
     def rank(self) -> RankParams:
-        return rank_params(self.counts, self.model, self.layout, self.shard)
+        return rank_params(self.counts, self.model, self.layout, self.shard, self.training.persistence_threshold)
 
     def with_training(self, **changes) -> Scenario:
         return replace(self, training=replace(self.training, **changes))

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT
+from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT, STAGE3_PARAM_PERSISTENCE_THRESHOLD
 from zerokit.planner.models import Architecture, ModelSpec, ParamCounts
 from zerokit.planner.spec import Assumptions, Layout, Offload, Training
 
@@ -95,12 +95,15 @@ class RankParams:
     """N_d, the ZeRO shard group size."""
 
 
-def rank_params(counts: ParamCounts, model: ModelSpec, layout: Layout, shard: int) -> RankParams:
+def rank_params(counts: ParamCounts, model: ModelSpec, layout: Layout, shard: int,
+                threshold: int = STAGE3_PARAM_PERSISTENCE_THRESHOLD) -> RankParams:
     """Tensor and pipeline parallelism split every parameter evenly (an approximation for the
-    embedding and head, which sit on the first and last pipeline stage)."""
+    embedding and head, which sit on the first and last pipeline stage). A block's parameters under
+    `threshold` elements belong to the root unit, as the engine gives them at stage 3."""
     split, arch = layout.tp * layout.pp, model.architecture
-    unit = math.ceil(arch.block_params() / layout.tp) if arch else 0
-    root = math.ceil(arch.root_params() / layout.tp) if arch else 0
+    small = arch.small_block_params(threshold) if arch else 0
+    unit = math.ceil((arch.block_params() - small) / layout.tp) if arch else 0
+    root = math.ceil((arch.root_params() + arch.n_layers * small) / layout.tp) if arch else 0
     return RankParams(total=math.ceil(counts.total / split), trainable=math.ceil(counts.trainable / split),
                       unit=unit, root=root, shard=shard)
 
@@ -131,6 +134,10 @@ def model_states(rank: RankParams, training: Training, stage: int, offload: Offl
         gradients = shard_bytes
     else:  # stage 2 reducing once per step also keeps its reduced shards
         gradients = training.grad_bytes * rank.trainable + (shard_bytes if stage == 2 else 0)
+        if stage < 2 and training.widened and offload.optimizer == "none":
+            # the engine keeps each reduced bucket (stage 0) or shard (stage 1) in the reduce dtype from
+            # backward until the step: at the backward peak both copies are held
+            gradients += training.reduce_bytes * (rank.trainable if stage == 0 else math.ceil(rank.trainable / n))
     if gradients_on_host(stage, training, offload):
         gradients = 0
     optimizer = optimizer_state_bytes(training) * (math.ceil(rank.trainable / n) if stage >= 1 else rank.trainable)
@@ -198,12 +205,12 @@ def buffer_bytes(rank: RankParams, training: Training, stage: int) -> int:
         return live + staged
     bucket = min(training.bucket_bytes, rank.trainable * training.reduce_bytes)
     in_flight = IN_FLIGHT_BUCKETS if training.overlap_comm else 1
-    widened = training.reduce_dtype != training.precision  # a reduce-dtype copy of each bucket
     if stage == 0:
-        return in_flight * bucket if widened else 0  # same dtype: all-reduce in place
-    outputs = in_flight * math.ceil(bucket / n)  # each rank's reduce-scatter output shard
+        return 0  # in place, or into the reduce-dtype copy that the gradients category keeps until the step
+    # each rank's reduce-scatter output shard; on gloo the bucket is all-reduced in place instead
+    outputs = in_flight * math.ceil(bucket / n) if training.reduces_by_scatter else 0
     if stage == 1:
-        return (in_flight * bucket if widened else 0) + outputs
+        return (in_flight * bucket if training.widened else 0) + outputs  # a reduce-dtype copy of each bucket
     return in_flight * bucket + outputs  # stage 2 stages every bucket before it is reduced
 
 

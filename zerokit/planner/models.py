@@ -72,6 +72,22 @@ class Architecture:
     def norm_params(self) -> int:
         return (2 if self.layernorm else 1) * self.hidden
 
+    def block_param_sizes(self) -> list[int]:
+        """Elements of each parameter tensor of one block: weights, biases, norms."""
+        sizes = [d_in * d_out for d_in, d_out in self.projections().values()]
+        if self.qkv_bias:
+            sizes += [self.q_dim, self.kv_dim, self.kv_dim]
+        if self.out_bias:
+            sizes.append(self.hidden)
+        if self.mlp_bias:
+            sizes += [self.ffn] * (2 if self.gated_mlp else 1) + [self.hidden]
+        return sizes + [self.hidden] * (4 if self.layernorm else 2)
+
+    def small_block_params(self, threshold: int) -> int:
+        """Parameters of one block in tensors under `threshold` elements, which stage 3 gives to the root
+        unit (stage3_param_persistence_threshold, per parameter, as the engine does)."""
+        return sum(size for size in self.block_param_sizes() if size < threshold)
+
     def block_params(self) -> int:
         weights = sum(d_in * d_out for d_in, d_out in self.projections().values())
         biases = (self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0) + (self.hidden if self.out_bias else 0)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from zerokit.defaults import DEFAULT_BUCKET_BYTES
+from zerokit.defaults import DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd-momentum", "sgd")
 CHECKPOINTING = ("none", "full")
 ATTENTION = ("flash", "eager")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+BACKENDS = ("nccl", "gloo")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 BYTES_PER_ELEMENT = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -95,6 +96,13 @@ class Training:
     """Reduce buckets during backward (the engine keeps up to two in flight)."""
     reduce_every_micro_step: bool = True
     """Stage 2 only: False accumulates full gradients and reduce-scatters once per optimizer step."""
+    backend: str = "nccl"
+    """nccl reduce-scatters gradient buckets at stages 1-3; gloo all-reduces each in place and keeps the
+    rank's shard (the engine's choice there: See [Note: reducing a bucket to a shard])."""
+    reduce_scatter: bool | None = None
+    """zero_optimization.reduce_scatter: True or False forces the choice; None leaves it to the backend."""
+    persistence_threshold: int = STAGE3_PARAM_PERSISTENCE_THRESHOLD
+    """Stage 3: parameters with fewer elements join the root unit (gathered once per step)."""
     trainable: Trainable = field(default_factory=Trainable)
 
     def __post_init__(self) -> None:
@@ -103,6 +111,7 @@ class Training:
         _choice("checkpointing", self.checkpointing, CHECKPOINTING)
         _choice("attention", self.attention, ATTENTION)
         _choice("reduce dtype", self.reduce_dtype, PRECISIONS)
+        _choice("backend", self.backend, BACKENDS)
         for name in ("seq_len", "micro_batch", "grad_accum", "bucket_bytes"):
             _positive_int(name.replace("_", " "), getattr(self, name))
 
@@ -126,6 +135,15 @@ class Training:
     @property
     def reduce_bytes(self) -> int:
         return BYTES_PER_ELEMENT[self.reduce_dtype]
+
+    @property
+    def reduces_by_scatter(self) -> bool:
+        return self.reduce_scatter if self.reduce_scatter is not None else self.backend != "gloo"
+
+    @property
+    def widened(self) -> bool:
+        """Gradients are reduced in a wider dtype than they are computed in (fp32 for bf16, by default)."""
+        return self.reduce_dtype != self.precision
 
     @property
     def tokens_per_micro_batch(self) -> int:

@@ -23,7 +23,9 @@ zerokit.profiling.inventory). From it, as the engine does (zerokit/flat/layout.p
   - collectives: each bucket's gradient reduction, an all-reduce on gloo unless reduce_scatter is forced
     (See [Note: reducing a bucket to a shard]), the all-gather of updated parameters (stages 1-2), the
     stage-3 gathers (a unit before its forward and again before its backward, the root once, a
-    persistent unit only when published after the step) and one float64 scalar for the global norm.
+    persistent unit only when published after the step) and, at stages 1-3, one float64 all-reduce of
+    the sum of squares behind the global norm with one usage flag per trainable parameter behind it (at
+    stage 0 the flags ride behind the last gradient bucket: See [Note: parameters no rank used]).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ BACKENDS = ("gloo", "nccl")
 DEVICES = ("cpu", "cuda")
 # Optimizer state per owned element besides the master, and whether it keeps a 4-byte step tensor per piece.
 STATE_BYTES = {"adamw": (8, True), "adam": (8, True), "sgd-momentum": (4, False), "sgd": (0, False)}
-NORM_SCALAR = {"calls": 1, "elements": 1, "bytes": 8}  # the float64 sum of squares behind the global norm
 
 
 @dataclass(frozen=True)
@@ -140,12 +141,24 @@ class BucketPlan:
     unit: int
     numel: int
     """Padded to a multiple of the world size (stage 0: unpadded)."""
-    data_numel: int
+    sizes: tuple[int, ...]
+    """Its parameters' elements, in bucket order."""
     world: int
 
     @property
     def shard_numel(self) -> int:
         return self.numel // self.world
+
+    def slices(self, rank: int) -> list[int]:
+        """Elements of each parameter part in `rank`'s shard (the optimizer steps each part apart)."""
+        begin, end = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        parts, offset = [], 0
+        for size in self.sizes:
+            overlap = min(end, offset + size) - max(begin, offset)
+            if overlap > 0:
+                parts.append(overlap)
+            offset += size
+        return parts
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -174,9 +187,9 @@ def engine_buckets(inventory: ParamInventory, setup: EngineSetup) -> tuple[Bucke
     world = setup.world if setup.stage >= 1 else 1
     buckets = []
     for index, members in enumerate(sorted(closed, key=max)):
-        data = sum(trainable[i].numel for i in members)
+        sizes = tuple(trainable[i].numel for i in members)
         first = trainable[members[0]]
-        buckets.append(BucketPlan(index, first.group, first.unit, round_up(max(data, 1), world), data, world))
+        buckets.append(BucketPlan(index, first.group, first.unit, round_up(max(sum(sizes), 1), world), sizes, world))
     return tuple(buckets)
 
 
@@ -228,19 +241,23 @@ def frozen_bytes(inventory: ParamInventory, setup: EngineSetup, units: list[Unit
     return inventory.fixed_bytes + p * shards
 
 
-def optimizer_state_bytes(buckets: tuple[BucketPlan, ...], setup: EngineSetup) -> int:
+def optimizer_state_bytes(buckets: tuple[BucketPlan, ...], setup: EngineSetup, rank: int = 0) -> int:
+    """Masters of the owned shards, and the optimizer's state per piece: each parameter's part of a
+    shard is stepped apart, in pieces of at most piece_numel elements, each with its own step count."""
     per_element, has_step = STATE_BYTES[setup.optimizer]
     owned = [b.shard_numel for b in buckets]  # stage 0: world 1, the whole bucket
     masters = 4 * sum(owned) if setup.precision != "fp32" else 0
-    pieces = sum(max(1, math.ceil(n / setup.piece_numel)) for n in owned)
-    return masters + per_element * sum(owned) + (4 * pieces if has_step else 0)
+    parts = [part for b in buckets for part in b.slices(rank if setup.stage >= 1 else 0)]
+    pieces = sum(math.ceil(part / setup.piece_numel) for part in parts)
+    return masters + per_element * sum(parts) + (4 * pieces if has_step else 0)
 
 
-def engine_states(inventory: ParamInventory, setup: EngineSetup) -> EngineStates:
+def engine_states(inventory: ParamInventory, setup: EngineSetup, rank: int = 0) -> EngineStates:
     """See [Note: the engine's bookkeeping, element by element]."""
     buckets = engine_buckets(inventory, setup)
     p, r = BYTES_PER_ELEMENT[setup.precision], BYTES_PER_ELEMENT[setup.reduce_dtype]
     numel = sum(b.numel for b in buckets)
+    flags = len([e for e in inventory.entries if e.trainable]) if setup.stage == 0 else 0
     shard = numel // (setup.world if setup.stage >= 1 else 1)
     units = stage3_units(inventory, setup, buckets) if setup.stage == 3 else None
     if setup.stage == 3:
@@ -251,10 +268,10 @@ def engine_states(inventory: ParamInventory, setup: EngineSetup) -> EngineStates
     widened = setup.precision != setup.reduce_dtype
     if setup.stage >= 2:
         gradients = kept = r * shard
-    else:  # the full gradient buffer, and the reduced copies kept in the reduce dtype until the step
-        kept = p * numel
+    else:  # the full gradient buffer (stage 0: and the usage flags), and the reduced copies kept in the
+        kept = p * (numel + flags)  # reduce dtype until the step
         gradients = kept + (r * shard if widened else 0)
-    optimizer = optimizer_state_bytes(buckets, setup)
+    optimizer = optimizer_state_bytes(buckets, setup, rank)
     after_backward = {"parameters": parameters, "gradients": gradients, "optimizer_state": optimizer}
     return EngineStates(after_backward, after_backward | {"gradients": kept})
 
@@ -275,15 +292,18 @@ def engine_comm(inventory: ParamInventory, setup: EngineSetup) -> dict[str, dict
     p, r = BYTES_PER_ELEMENT[setup.precision], BYTES_PER_ELEMENT[setup.reduce_dtype]
     reductions = setup.grad_accum if setup.reduce_every_step else 1
     kind = "all_reduce" if setup.stage == 0 or not setup.reduces_by_scatter else "reduce_scatter"
+    flags = len([e for e in inventory.entries if e.trainable])  # one usage flag per trainable parameter
     for bucket in buckets:
         _add(stats, kind, reductions, reductions * bucket.numel, r)
+    if setup.stage == 0:  # the flags ride behind the last bucket, in its dtype
+        _add(stats, kind, 0, flags, r if setup.precision != setup.reduce_dtype else BYTES_PER_ELEMENT[setup.precision])
     if setup.stage in (1, 2):
         for bucket in buckets:
             _add(stats, "all_gather", 1, bucket.numel, p)
     if setup.stage == 3:
         _stage3_gathers(stats, inventory, setup, buckets)
-    if setup.stage >= 1:
-        _add(stats, "all_reduce", NORM_SCALAR["calls"], NORM_SCALAR["elements"], 8)
+    if setup.stage >= 1:  # the float64 sum of squares behind the global norm, and the usage flags
+        _add(stats, "all_reduce", 1, 1 + flags, 8)
     return stats
 
 

@@ -1,0 +1,128 @@
+"""The plan against real runs on 2 gloo ranks (one spawn serves every case): model states after backward
+and after the step to the byte, every collective kind exactly, at every stage and precision, with gloo's
+all-reduce and with a forced reduce-scatter; then a recorded run of a small Llama (a model nothing was
+tuned on) checked by `plan_report`: activations and the allocator's peak within 10%."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import zerokit  # noqa: E402
+from zerokit.planner.engine_model import EngineSetup, engine_comm, engine_states  # noqa: E402
+from zerokit.profiling.inventory import param_inventory  # noqa: E402
+from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups  # noqa: E402
+from zerokit.testing.spawn import spawn  # noqa: E402
+
+WORLD = 2
+CASES = [(stage, dtype, rs) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16") for rs in (None, True)
+         if not (stage == 0 and rs)]
+LLAMA = dict(vocab_size=1000, hidden_size=96, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _exact_case(rank: int, stage: int, dtype: str, reduce_scatter: bool | None, model: str) -> dict:
+    torch.manual_seed(0)
+    if model == "tiny":
+        net, unit = TinyGPT(TinyGPTConfig(with_test_features=False, n_layer=3)), {"stage3_unit_classes": ["Block"]}
+        batch = lambda: torch.randint(0, 67, (2, 17), generator=generator)  # noqa: E731
+        loss_of = lambda tokens: lm_loss(engine(tokens[:, :-1]), tokens)  # noqa: E731
+    else:  # Hugging Face GPT-2 with the default persistence threshold: its norms and biases join the root
+        net = transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(
+            vocab_size=300, n_positions=32, n_embd=64, n_layer=2, n_head=2))
+        unit = {"stage3_min_unit_params": 1000}
+        batch = lambda: torch.randint(0, 300, (2, 16), generator=generator)  # noqa: E731
+        loss_of = lambda tokens: engine(input_ids=tokens, labels=tokens).loss  # noqa: E731
+    optimizer = torch.optim.AdamW(param_groups(net))
+    zero = {"stage": stage, "reduce_bucket_bytes": 40_000, "reduce_scatter": reduce_scatter, **(unit if stage == 3 else {})}
+    engine = zerokit.initialize(net, optimizer, {"zero_optimization": zero, "bf16": {"enabled": dtype == "bf16"}})
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(2):  # the second step: the optimizer's state exists
+        before = engine.comm_stats()
+        engine.backward(loss_of(batch()))
+        after_backward = engine.memory_stats()
+        engine.step()
+    after = engine.comm_stats()
+    return {"after_backward": after_backward, "after_step": engine.memory_stats(),
+            "comm": {k: {key: after[k][key] - before[k][key] for key in after[k]} for k in after
+                     if after[k]["calls"] != before[k]["calls"]},
+            "inventory": param_inventory(net, optimizer, engine.config.stage3),
+            "setup": {"precision": dtype, "reduce_scatter": engine.config.reduce_scatter,
+                      "bucket_bytes": engine.config.reduce_bucket_bytes,
+                      "persistence_threshold": engine.config.stage3.persistence_threshold}}
+
+
+def _recorded_llama(rank: int) -> dict:
+    from dataclasses import asdict
+
+    from zerokit.profiling.record import record_run
+
+    torch.manual_seed(0)
+    net = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**LLAMA))
+    optimizer = torch.optim.AdamW(param_groups(net))
+    engine = zerokit.initialize(net, optimizer, {"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}})
+    generator = torch.Generator().manual_seed(rank)
+    batches = iter(lambda: torch.randint(0, LLAMA["vocab_size"], (4, 128), generator=generator), None)
+    record = record_run(engine, batches, lambda e, tokens: e(input_ids=tokens, labels=tokens).loss,
+                        optimizer=optimizer, micro_batch=4, seq_len=128, warmup=1, steps=1)
+    return asdict(record)
+
+
+def _all_runs(rank: int, world: int) -> dict:
+    runs = {case: _exact_case(rank, *case, "tiny") for case in CASES}
+    runs[(3, "bf16", None, "hf")] = _exact_case(rank, 3, "bf16", None, "hf")
+    runs["record"] = _recorded_llama(rank)
+    return runs
+
+
+@functools.lru_cache(maxsize=None)
+def runs() -> dict:
+    return spawn(_all_runs, WORLD)[0]
+
+
+def _setup(run: dict, stage: int) -> EngineSetup:
+    return EngineSetup(stage=stage, world=WORLD, backend="gloo", **run["setup"])
+
+
+@pytest.mark.parametrize("stage,dtype,reduce_scatter", CASES)
+def test_model_states_and_collectives_are_exact_on_gloo(stage, dtype, reduce_scatter):
+    run = runs()[(stage, dtype, reduce_scatter)]
+    setup = _setup(run, stage)
+    states = engine_states(run["inventory"], setup)
+    assert states.after_backward == run["after_backward"]
+    assert states.after_step == run["after_step"]
+    assert engine_comm(run["inventory"], setup) == run["comm"]
+    kinds = set(run["comm"])
+    if stage >= 1:  # gloo all-reduces each bucket in place unless a reduce-scatter is forced
+        assert ("reduce_scatter" in kinds) == bool(reduce_scatter)
+
+
+def test_small_parameters_join_the_root_unit_at_stage_3():
+    run = runs()[(3, "bf16", None, "hf")]
+    setup = _setup(run, 3)
+    assert any(e.unit == 0 and e.numel < setup.persistence_threshold and ".h." in e.name for e in run["inventory"].entries)
+    assert engine_states(run["inventory"], setup).after_backward == run["after_backward"]
+    assert engine_comm(run["inventory"], setup) == run["comm"]
+
+
+def test_plan_report_on_a_recorded_llama():
+    """Calibrated on a 2-block copy at small shapes, the plan meets the 4-block run at (4, 128)."""
+    from zerokit.planner.calibration import Calibration
+    from zerokit.profiling.calibrate import calibrate
+    from zerokit.profiling.report import plan_report
+
+    record = runs()["record"]
+    calibration = calibrate(transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        **{**LLAMA, "num_hidden_layers": 2})), precision="bf16", seqs=(32, 64))
+    rows = {row["category"]: row for row in plan_report(record=record, calibration=calibration)}
+    for name in ("parameters", "gradients", "optimizer_state", "parameters_after_step", "all_reduce.elements",
+                 "all_reduce.bytes", "all_reduce.calls", "all_gather.elements"):
+        assert rows[name]["error"] == 0, name
+    assert abs(rows["activations"]["error"]) < 0.10
+    assert abs(rows["peak_allocated"]["error"]) < 0.10
+    assert rows["peak_total"]["measured_bytes"] > rows["peak_allocated"]["measured_bytes"]
+    assert Calibration.from_dict(calibration.as_dict()) == calibration

@@ -43,11 +43,13 @@ def test_defaults_and_typed_config_pass_through() -> None:
     ({"zero_optimization": {"stage": 4}}, "stage=4 is not a ZeRO stage"),
     ({"zero_optimization": {"stage": True}}, "stage=True is not a ZeRO stage"),
     ({"zero_optimization": {"stage": 1, "stage3_max_reuse_distance": 1}},
-     "unknown config key zero_optimization.'stage3_max_reuse_distance'"),
+     "zero_optimization.stage3_max_reuse_distance is a stage-3 key but zero_optimization.stage=1"),
+    ({"zero_optimization": {"stage3_max_live_parametres": 1}},
+     "unknown zero_optimization key 'stage3_max_live_parametres'; did you mean stage3_max_live_parameters?"),
     ({"zero_optimization": {"stage": 1, "sub_group_size": 0}}, "sub_group_size=0 must be a positive element count"),
-    ({"steps_per_print": 10}, "unknown config key 'steps_per_print'; accepted:"),
-    ({"optimizer": {"type": "AdamW"}}, "wraps the torch optimizer you pass"),
-    ({"zero_optimization": {"allgather_bucket_size": 5e8}}, "set reduce_bucket_size"),
+    ({"step_per_print": 10}, "unknown top-level key 'step_per_print'; did you mean steps_per_print?"),
+    ({"optimizer": {"type": "Lamb"}}, "optimizer.type='Lamb' asks for DeepSpeed's FusedLamb CUDA kernel"),
+    ({"zero_optimization": {"allgather_partitions": False}}, "allgather_partitions=false is not supported"),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "enable at most one"),
     ({"zero_optimization": {"reduce_bucket_size": 10, "reduce_bucket_bytes": 10}}, "not both"),
     ({"zero_optimization": {"reduce_bucket_size": 0}}, "must be > 0"),
@@ -56,36 +58,29 @@ def test_defaults_and_typed_config_pass_through() -> None:
     ({"gradient_accumulation_steps": 0}, "must be >= 1"),
     ({"communication_data_type": "fp8"}, "use fp32, bf16 or fp16"),
     ({"fp16": {"enabled": True, "loss_scale": -1}}, "must be 0 (dynamic) or a positive number"),
-    # Booleans: only real JSON true/false; bool("false") would be True.
-    ({"bf16": {"enabled": "false"}}, "bf16.enabled='false' is not a boolean; use true or false"),
+    # Booleans: JSON true/false or the strings "true"/"false" (never bool("false") == True); not 1, 0 or "no".
     ({"fp16": {"enabled": 1}}, "fp16.enabled=1 is not a boolean; use true or false"),
-    ({"bf16": {"enabled": "auto"}}, "use true or false (\"auto\" is a Hugging Face Trainer placeholder"),
-    ({"zero_optimization": {"stage": 2, "overlap_comm": "false"}}, "zero_optimization.overlap_comm='false'"),
     ({"zero_optimization": {"stage": 2, "reduce_scatter": 0}}, "reduce_scatter=0 is not a boolean"),
     ({"zero_optimization": {"stage": 2, "reduce_every_micro_step": "no"}},
      "zero_optimization.reduce_every_micro_step='no' is not a boolean"),
-    ({"zero_optimization": {"contiguous_gradients": "true"}}, "zero_optimization.contiguous_gradients='true'"),
     ({"zero_optimization": {"contiguous_gradients": False}}, "contiguous_gradients=false is not supported"),
-    # Whole numbers: ints, or floats that are whole (5e8); never bools, strings or fractions.
-    ({"gradient_accumulation_steps": "auto"},
-     "gradient_accumulation_steps='auto' is not a number; zerokit needs a whole number here (\"auto\" is a"),
+    # Whole numbers: ints, floats that are whole (5e8) and strings of them; never bools or fractions.
     ({"gradient_accumulation_steps": 2.7}, "gradient_accumulation_steps=2.7 must be a whole number"),
+    ({"gradient_accumulation_steps": "2.5"}, "gradient_accumulation_steps='2.5' must be a whole number"),
+    ({"gradient_accumulation_steps": "four"}, "gradient_accumulation_steps='four' is not a number"),
     ({"gradient_accumulation_steps": True}, "gradient_accumulation_steps=True is not a number"),
     ({"zero_optimization": {"reduce_bucket_size": 0.5}}, "zero_optimization.reduce_bucket_size=0.5 must be a whole"),
-    ({"zero_optimization": {"reduce_bucket_size": "5e8"}}, "reduce_bucket_size='5e8' is not a number"),
     ({"zero_optimization": {"reduce_bucket_bytes": 1e6 + 0.5}}, "zero_optimization.reduce_bucket_bytes=1000000.5"),
-    ({"zero_optimization": {"sub_group_size": "auto"}}, "zero_optimization.sub_group_size='auto' is not a number"),
     ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": float("inf")}},
      "zero_optimization.stage3_max_live_parameters=inf must be a whole number"),
-    ({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}},
-     "zero_optimization.stage3_prefetch_bucket_size='auto' is not a number"),
+    ({"zero_optimization": {"stage": "auto"}}, "zero_optimization.stage='auto' is not accepted"),
     ({"fp16": {"enabled": True, "hysteresis": 1.5}}, "fp16.hysteresis=1.5 must be a whole number"),
     ({"max_consecutive_skipped_steps": False}, "max_consecutive_skipped_steps=False is not a number"),
-    ({"train_batch_size": "32"}, "train_batch_size='32' is not a number"),
+    ({"train_batch_size": [32]}, "train_batch_size=[32] is not a number"),
     # Finite numbers: a nan clip value compares false with everything and would disable clipping.
     ({"gradient_clipping": float("nan")}, "gradient_clipping=nan must be a finite number"),
     ({"gradient_clipping": float("inf")}, "gradient_clipping=inf must be a finite number"),
-    ({"gradient_clipping": "1.0"}, "gradient_clipping='1.0' is not a number"),
+    ({"gradient_clipping": "nan"}, "gradient_clipping='nan' must be a finite number"),
     ({"fp16": {"enabled": True, "loss_scale": float("nan")}}, "fp16.loss_scale=nan must be a finite number"),
     ({"fp16": {"enabled": True, "min_loss_scale": float("-inf")}}, "fp16.min_loss_scale=-inf must be a finite"),
     # Sections are objects.
@@ -175,3 +170,124 @@ def test_a_disabled_fp16_block_with_scaling_keys_loads_as_deepspeed_templates_do
     config = load_config({"bf16": {"enabled": True}, "fp16": {"enabled": False, "loss_scale": 0,
                                                             "initial_scale_power": 12}})
     assert config.precision.param_dtype == torch.bfloat16 and config.loss_scaling is None
+
+
+def test_deepspeed_spellings_are_read_as_deepspeed_reads_them() -> None:
+    """Changed deliberately (issue 12): quoted booleans and numbers, "auto" and DeepSpeed's everyday keys were
+    refused before; they are read now, and never silently wrong: "false" is false."""
+    config = load_config({
+        "bf16": {"enabled": "false"}, "fp16": {"enabled": "auto", "loss_scale": 0},
+        "zero_optimization": {"stage": "2", "overlap_comm": "false", "contiguous_gradients": "true",
+                              "reduce_bucket_size": "5e8", "sub_group_size": "auto", "allgather_bucket_size": 5e8},
+        "train_batch_size": "32", "gradient_accumulation_steps": "auto", "gradient_clipping": "1.0",
+        "steps_per_print": 10, "optimizer": {"type": "AdamW", "params": {"lr": "3e-4"}},
+    })
+    assert config.precision.param_dtype == torch.float32 and config.loss_scaling is None
+    assert config.stage == 2 and config.overlap_comm is False and config.reduce_bucket_bytes == 4 * 500_000_000
+    assert config.sub_group_size is None and config.allgather_bucket_size == 500_000_000
+    assert config.gradient_accumulation_steps == 1 and config.gradient_clipping == 1.0
+    assert config.train_batch_size == 32 and config.steps_per_print == 10
+    assert config.optimizer.type == "AdamW" and config.optimizer.value("lr") == 3e-4
+    assert any("contiguous_gradients=true: accepted" in line for line in config.startup_log_lines())
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+     "zero_optimization.offload_param.device=cpu needs stage 3"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+     "zero_optimization.offload_optimizer.device=cpu needs stage 1, 2 or 3"),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
+     "zero_optimization.offload_optimizer.device=nvme needs zero_optimization.offload_optimizer.nvme_path"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}},
+     "zero_optimization.offload_optimizer.device=nvme needs stage 3"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+     "zero_optimization.offload_optimizer.ratio=0.5 needs stage 3"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"ratio": 0.5}}},
+     "unknown zero_optimization.offload_param key 'ratio'"),
+    ({"zero_optimization": {"allgather_bucket_size": 0}}, "allgather_bucket_size=0 must be > 0"),
+    ({"steps_per_print": 0}, "steps_per_print=0 must be >= 1"),
+    ({"gradient_predivide_factor": 0}, "gradient_predivide_factor=0.0 must be > 0"),
+    ({"comm_timeout_seconds": -1}, "comm_timeout_seconds=-1.0 must be a positive number of seconds"),
+    ({"data_types": {"grad_accum_dtype": "int8"}}, "data_types.grad_accum_dtype='int8' is not a dtype"),
+    ({"activation_checkpointing": {"number_checkpoints": 0}}, "number_checkpoints=0 must be >= 1"),
+    ({"flops_profiler": {"enabled": True, "profile_step": 0}}, "flops_profiler.profile_step=0 must be >= 1"),
+    ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, "set the top-level gradient_clipping"),
+])
+def test_new_fields_are_validated_in_one_line(raw, message):
+    with pytest.raises(ValueError) as error:
+        load_config(raw)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_typed_fields_for_what_the_reader_honours():
+    from zerokit.config import ActivationCheckpointing, Offload, OptimizerSpec, SchedulerSpec
+
+    config = load_config({
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local_nvme",
+                                                            "buffer_count": 6, "max_in_cpu": 1e8},
+                              "offload_optimizer": {"device": "cpu", "ratio": 0.3, "pipeline_read": True}},
+        "zero_allow_untested_optimizer": True, "comm_timeout_seconds": 60, "broadcast_buffers": False,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "scheduler": {"type": "WarmupLR"},
+        "activation_checkpointing": {"cpu_checkpointing": True}, "prescale_gradients": True,
+        "data_types": {"grad_accum_dtype": "bf16"}, "dataloader_drop_last": True,
+    })
+    assert config.offload_param == Offload(device="nvme", nvme_path="/local_nvme", buffer_count=6,
+                                           max_in_cpu=100_000_000)
+    assert config.offload_optimizer == Offload(device="cpu", ratio=0.3, pipeline_read=True)
+    assert config.allow_untested_optimizer and config.comm_timeout_seconds == 60.0 and not config.broadcast_buffers
+    assert config.optimizer == OptimizerSpec(type="SGD", params={"lr": 0.1})
+    assert config.scheduler == SchedulerSpec(type="WarmupLR")
+    assert config.activation_checkpointing == ActivationCheckpointing(cpu_checkpointing=True)
+    assert config.prescale_gradients and config.grad_accum_dtype == torch.bfloat16 and config.dataloader_drop_last
+    defaults = ZeroConfig()
+    assert defaults.comm_timeout_seconds == 300.0 and defaults.broadcast_buffers
+    assert defaults.offload_param.buffer_count == 5 and defaults.offload_optimizer.buffer_count == 4
+    assert not defaults.offload_optimizer.enabled and defaults.allgather_bucket_size == 500_000_000
+    with pytest.raises(ValueError, match="allgather_partitions=false is not supported"):
+        ZeroConfig(allgather_partitions=False)
+
+
+def test_resolve_fills_in_auto_and_logs_it():
+    config = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
+                          "gradient_accumulation_steps": "auto", "bf16": {"enabled": True},
+                          "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                "stage3_param_persistence_threshold": "auto"}})
+    assert config.pending_auto == ("zero_optimization.reduce_bucket_size",
+                                   "zero_optimization.stage3_param_persistence_threshold")
+    resolved = config.resolve(world_size=4, hidden_size=32)
+    assert resolved.reduce_bucket_bytes == 32 * 32 * 4 and resolved.stage3.persistence_threshold == 320
+    assert (resolved.train_batch_size, resolved.gradient_accumulation_steps) == (8, 1)
+    lines = resolved.startup_log_lines()
+    assert "train_batch_size: \"auto\" -> 8 (micro-batch x accumulation x 4 ranks)" in lines
+    assert any(line.startswith("communication_data_type not set") for line in lines)
+    assert resolved.resolve(world_size=4, hidden_size=32).stage3 == resolved.stage3  # idempotent
+    typed = ZeroConfig(train_batch_size=8, train_micro_batch_size_per_gpu=2)
+    assert typed.resolve(world_size=4) is typed and typed.startup_log_lines() == []
+    with pytest.raises(ValueError, match="train_batch_size=8 but"):
+        typed.resolve(world_size=3)
+
+
+def test_hidden_size_of_reads_model_configs():
+    from types import SimpleNamespace
+
+    from zerokit.config import hidden_size_of
+
+    def model(**config):
+        module = torch.nn.Linear(1, 1)
+        module.config = SimpleNamespace(**config)
+        return module
+
+    assert hidden_size_of(model(hidden_size=4096)) == 4096
+    assert hidden_size_of(model(hidden_sizes=[64, 128, 320])) == 320
+    assert hidden_size_of(model(text_config=SimpleNamespace(hidden_size=2048))) == 2048
+    assert hidden_size_of(model(n_embd=768)) == 768
+    assert hidden_size_of(torch.nn.Linear(3, 3)) is None
+
+
+def test_tensorboard_needs_its_package(monkeypatch):
+    from zerokit.dsconfig import blocks
+
+    monkeypatch.setattr(blocks.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="tensorboard.enabled=true needs the tensorboard package"):
+        load_config({"tensorboard": {"enabled": True}})
+    assert not load_config({"tensorboard": {"enabled": False, "output_path": "tb"}}).tensorboard.enabled

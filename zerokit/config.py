@@ -1,16 +1,21 @@
 """Typed, validated configuration, readable from DeepSpeed-style JSON.
 
-A config can be given three ways and always ends up as one frozen `ZeroConfig`:
-a `ZeroConfig` object, a dict with DeepSpeed's keys, or the path of a JSON file holding that dict.
-Unknown keys and contradictory settings raise `ValueError` with one line that names the key and
-what is accepted, because a silently ignored knob is how a run trains wrong without anyone noticing.
+A config can be given three ways and always ends up as one frozen `ZeroConfig`: a `ZeroConfig` object, a dict
+with DeepSpeed's keys, or the path of a JSON file holding that dict. Dicts are read by zerokit.dsconfig, the
+one place DeepSpeed's keys are known (the planner's translator reads them there too): every key of
+DeepSpeed's schema is honoured, accepted because zerokit always does that (named in the start-up log), or
+refused in one line naming the key, what it asks for and why zerokit does not offer it. A misspelt key is
+refused with the closest accepted one, because a silently ignored knob is how a run trains wrong without
+anyone noticing.
+
+"auto" values (Hugging Face templates) that need the world size or the model stay pending until
+`ZeroConfig.resolve(world_size=, hidden_size=)`; `startup_log_lines()` then says what zerokit chose.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import numbers
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -18,12 +23,19 @@ from typing import Any, Mapping
 import torch
 
 from zerokit.defaults import DEFAULT_BUCKET_BYTES
+from zerokit.dsconfig import AUTO, SCHEMA, DeepSpeedConfig, read
+from zerokit.dsconfig.auto import GAS, MICRO, TBS, Choice, derive_batch, pending
+from zerokit.dsconfig.auto import resolve as resolve_auto
+from zerokit.dsconfig.precision import compute_dtype
+from zerokit.dsconfig.blocks import (ActivationCheckpointing, CommsLogger, FlopsProfiler, Monitor, Offload,
+                                     OptimizerSpec, SchedulerSpec, Wandb, block_fields, tensorboard_available)
 
 DTYPES_BY_NAME = {
     "fp32": torch.float32, "float32": torch.float32,
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16,
 }
+Z = "zero_optimization."
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +168,54 @@ class ZeroConfig:
     train_batch_size: int | None = None
     """Optional check: must equal micro batch x accumulation steps x world size."""
     train_micro_batch_size_per_gpu: int | None = None
+    offload_optimizer: Offload = field(default_factory=Offload)
+    """Where fp32 masters, their gradients and optimizer state live (stages 1-3)."""
+    offload_param: Offload = field(default_factory=lambda: Offload(buffer_count=5))
+    """Where sharded parameters live between uses (stage 3 only)."""
+    allgather_bucket_size: int = 500_000_000
+    """Stages 1-2: elements per bucket when the updated parameter shards are all-gathered."""
+    allgather_partitions: bool = True
+    """Gather updated parameters with collectives (the only way zerokit offers; False is refused)."""
+    allow_untested_optimizer: bool = False
+    """Accept a passed optimizer zerokit's tests do not cover (DeepSpeed's zero_allow_untested_optimizer)."""
+    optimizer_kinds: Mapping[Any, str] = field(default_factory=dict)
+    """Typed config only: optimizer classes (or class names) zerokit does not know, declared "elementwise"
+    (sharded by position) or "whole_tensor" (each parameter stepped whole by one rank). See [Note:
+    element-wise and whole-tensor optimizers] in zerokit/masters/optimizer.py."""
+    optimizer: OptimizerSpec | None = None
+    """The `optimizer` block: what to build when initialize() is given no optimizer."""
+    scheduler: SchedulerSpec | None = None
+    """The `scheduler` block: the LR schedule to build and step at each optimizer step."""
+    activation_checkpointing: ActivationCheckpointing = field(default_factory=ActivationCheckpointing)
+    steps_per_print: int | None = None
+    """Log loss, LR, grad norm, loss scale, skips and step time every this many optimizer steps."""
+    wall_clock_breakdown: bool = False
+    """Time forward, backward, reduction and optimizer step."""
+    comms_logger: CommsLogger = field(default_factory=CommsLogger)
+    flops_profiler: FlopsProfiler = field(default_factory=FlopsProfiler)
+    csv_monitor: Monitor = field(default_factory=Monitor)
+    tensorboard: Monitor = field(default_factory=Monitor)
+    wandb: Wandb = field(default_factory=Wandb)
+    prescale_gradients: bool = False
+    """Divide gradients by the world size before the reduction instead of after (DeepSpeed's meaning)."""
+    gradient_predivide_factor: float = 1.0
+    """With prescale_gradients False: divide by this before the reduction and by world size / this after."""
+    grad_accum_dtype: torch.dtype | None = None
+    """dtype gradients accumulate in across micro-steps (data_types.grad_accum_dtype); None: as today."""
+    dataloader_drop_last: bool = False
+    """Drop the last incomplete batch of a loader built from training_data."""
+    comm_timeout_seconds: float = 300.0
+    """Every collective's deadline; a collective still waiting after this raises."""
+    broadcast_buffers: bool = True
+    """Broadcast rank 0's module buffers to every rank, as torch DDP does."""
+    notes: tuple[str, ...] = field(default=(), compare=False)
+    """Start-up log lines from reading the config: keys accepted because zerokit always does that, aliases."""
+    auto_choices: tuple[Choice, ...] = field(default=(), compare=False)
+    """What "auto" (and absent batch keys) resolved to."""
+    pending_auto: tuple[str, ...] = field(default=(), compare=False)
+    """Keys whose value needs the world size or the model: see resolve()."""
+    source: DeepSpeedConfig | None = field(default=None, compare=False, repr=False)
+    """The DeepSpeed config this was read from (None for a typed config)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -180,213 +240,179 @@ class ZeroConfig:
         if not self.reduce_every_micro_step and self.stage != 2:
             raise ValueError("reduce_every_micro_step=False is a stage-2 choice; stages 0-1 never reduce "
                              "before the accumulation boundary and stage 3 always reduces every micro-step")
+        self._check_offload()
+        self._check_new_fields()
+
+    def _check_offload(self) -> None:
+        if self.offload_param.enabled and self.stage != 3:
+            raise ValueError(f"zero_optimization.offload_param.device={self.offload_param.device} needs stage 3 "
+                             f"(only stage 3 shards parameters); zero_optimization.stage={self.stage}")
+        optimizer = self.offload_optimizer
+        if optimizer.enabled and self.stage == 0:
+            raise ValueError(f"zero_optimization.offload_optimizer.device={optimizer.device} needs stage 1, 2 or 3, "
+                             "which shard the optimizer state it moves")
+        if self.stage != 3 and (optimizer.device == "nvme" or optimizer.ratio < 1):
+            what = "device=nvme" if optimizer.device == "nvme" else f"ratio={optimizer.ratio}"
+            raise ValueError(f"zero_optimization.offload_optimizer.{what} needs stage 3, as in DeepSpeed; "
+                             f"zero_optimization.stage={self.stage}")
+
+    def _check_new_fields(self) -> None:
+        if not self.allgather_partitions:
+            raise ValueError("zero_optimization.allgather_partitions=false is not supported; "
+                             + SCHEMA[Z + "allgather_partitions"].why)
+        if self.allgather_bucket_size < 1:
+            raise ValueError(f"zero_optimization.allgather_bucket_size={self.allgather_bucket_size} must be > 0")
+        if self.steps_per_print is not None and self.steps_per_print < 1:
+            raise ValueError(f"steps_per_print={self.steps_per_print} must be >= 1")
+        if not self.gradient_predivide_factor > 0:
+            raise ValueError(f"gradient_predivide_factor={self.gradient_predivide_factor} must be > 0")
+        if not (math.isfinite(self.comm_timeout_seconds) and self.comm_timeout_seconds > 0):
+            raise ValueError(f"comm_timeout_seconds={self.comm_timeout_seconds} must be a positive number of seconds")
+        if self.grad_accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"data_types.grad_accum_dtype={self.grad_accum_dtype} is not supported; use fp32, bf16 "
+                             "or fp16")
+        if self.tensorboard.enabled:
+            tensorboard_available()
 
     @property
     def is_fp16(self) -> bool:
         return self.precision.param_dtype == torch.float16
 
     def check_batch_sizes(self, world_size: int) -> None:
-        """DeepSpeed's batch identity, checked once the world size is known."""
-        micro, total = self.train_micro_batch_size_per_gpu, self.train_batch_size
-        if micro is None or total is None:
+        """DeepSpeed's batch identity, checked once the world size is known (missing sizes are derived as
+        DeepSpeed derives them, so a train_batch_size that cannot be split over the ranks is an error)."""
+        if self.pending_auto:
+            raise ValueError(f"{', '.join(self.pending_auto)} need the world size or the model's hidden size; call "
+                             "config.resolve(world_size=..., hidden_size=...) before training")
+        if self.train_batch_size is None and self.train_micro_batch_size_per_gpu is None:
             return
-        expected = micro * self.gradient_accumulation_steps * world_size
-        if total != expected:
-            raise ValueError(
-                f"train_batch_size={total} but train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
-                f"world size = {micro} x {self.gradient_accumulation_steps} x {world_size} = {expected}")
+        derive_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps,
+                     world_size)
+
+    def resolve(self, world_size: int, hidden_size: int | None = None) -> ZeroConfig:
+        """This config with every "auto" filled in for this world size and model (hidden_size: see
+        hidden_size_of), batch sizes derived, and the batch identity checked; auto_choices says what was
+        chosen. It fills in what the DeepSpeed dict left "auto" or absent (replace() such fields after
+        resolving). A typed config has nothing to fill in and is only checked."""
+        if self.source is None:
+            self.check_batch_sizes(world_size)
+            return self
+        # Batch sizes the dict gave are taken from the typed fields, which replace() may have changed since.
+        given = {path: getattr(self, name) for path, name in RESOLVED_FIELDS.items()
+                 if self.source.given(path) and self.source.get(path) is not AUTO}
+        resolution = resolve_auto(self.source.with_values(given), world_size=world_size, hidden_size=hidden_size)
+        # The batch sizes are always filled in (all unknown: micro-batch 1, accumulation 1), for the engine's
+        # train_batch_size() and train_micro_batch_size_per_gpu().
+        updates: dict[str, Any] = {name: resolution.config.get(path) for path, name in RESOLVED_FIELDS.items()}
+        stage3: dict[str, int] = {}
+        for choice in resolution.choices:
+            if choice.path == Z + "reduce_bucket_size":
+                updates["reduce_bucket_bytes"] = choice.value * _element_size(self.precision.reduce_dtype)
+            elif choice.path in STAGE3_FIELDS:
+                stage3[STAGE3_FIELDS[choice.path]] = choice.value
+        resolved = replace(self, **updates, stage3=replace(self.stage3, **stage3), pending_auto=(),
+                           auto_choices=self.auto_choices + resolution.choices, source=resolution.config)
+        resolved.check_batch_sizes(world_size)
+        return resolved
+
+    def startup_log_lines(self) -> list[str]:
+        """What the start-up log should say about the config: keys accepted because zerokit always does that,
+        aliases read as their key, what "auto" resolved to, and zerokit defaults that differ from DeepSpeed's."""
+        lines = [*self.notes, *(choice.line() for choice in self.auto_choices)]
+        if self.pending_auto:
+            lines.append(f"still to resolve with the world size and the model: {', '.join(self.pending_auto)}")
+        if self.source is not None:
+            lines += _default_differences(self)
+        return lines
+
+
+RESOLVED_FIELDS = {TBS: "train_batch_size", MICRO: "train_micro_batch_size_per_gpu", GAS: "gradient_accumulation_steps"}
+STAGE3_FIELDS = {Z + "stage3_max_live_parameters": "max_live_parameters",
+                 Z + "stage3_prefetch_bucket_size": "prefetch_numel",
+                 Z + "stage3_param_persistence_threshold": "persistence_threshold",
+                 Z + "stage3_unit_classes": "unit_classes", Z + "stage3_min_unit_params": "min_unit_params"}
+SCALAR_FIELDS = {
+    **RESOLVED_FIELDS, "gradient_clipping": "gradient_clipping", Z + "sub_group_size": "sub_group_size",
+    Z + "reduce_scatter": "reduce_scatter", Z + "overlap_comm": "overlap_comm",
+    Z + "reduce_every_micro_step": "reduce_every_micro_step", "max_consecutive_skipped_steps":
+    "max_consecutive_skipped_steps", Z + "allgather_bucket_size": "allgather_bucket_size",
+    Z + "allgather_partitions": "allgather_partitions", "zero_allow_untested_optimizer": "allow_untested_optimizer",
+    "steps_per_print": "steps_per_print", "wall_clock_breakdown": "wall_clock_breakdown",
+    "prescale_gradients": "prescale_gradients", "gradient_predivide_factor": "gradient_predivide_factor",
+    "dataloader_drop_last": "dataloader_drop_last", "comm_timeout_seconds": "comm_timeout_seconds",
+    "broadcast_buffers": "broadcast_buffers",
+}
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _default_differences(config: ZeroConfig) -> list[str]:
+    """Where an absent key means something else in zerokit than in DeepSpeed 0.19.8, say so once."""
+    source, lines = config.source, []
+    if not source.given("gradient_clipping"):
+        lines.append("gradient_clipping not set: zerokit does not clip (DeepSpeed 0.19.8 clips at 1.0 by default)")
+    compute = config.precision.param_dtype
+    if compute != torch.float32 and not source.given("communication_data_type"):
+        lines.append(f"communication_data_type not set: gradients are reduced in "
+                     f"{str(config.precision.reduce_dtype).removeprefix('torch.')} (DeepSpeed reduces in the compute "
+                     "dtype)")
+    if not source.given(Z + "overlap_comm") and config.stage < 3:
+        lines.append("zero_optimization.overlap_comm not set: zerokit overlaps reduction with backward (DeepSpeed "
+                     "overlaps only at stage 3 by default)")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------
-# DeepSpeed-style dicts
+# DeepSpeed-style dicts, read by zerokit.dsconfig
 # ---------------------------------------------------------------------------------------------
 
-TOP_LEVEL_KEYS = {
-    "zero_optimization", "bf16", "fp16", "gradient_accumulation_steps", "gradient_clipping",
-    "communication_data_type", "train_batch_size", "train_micro_batch_size_per_gpu",
-    "max_consecutive_skipped_steps",
-}
-# DeepSpeed spells the stage-3 keys with or without the stage3_ prefix.
-STAGE3_KEYS = {
-    "max_live_parameters": "max_live_parameters", "stage3_max_live_parameters": "max_live_parameters",
-    "prefetch_bucket_size": "prefetch_numel", "stage3_prefetch_bucket_size": "prefetch_numel",
-    "param_persistence_threshold": "persistence_threshold",
-    "stage3_param_persistence_threshold": "persistence_threshold",
-    "stage3_unit_classes": "unit_classes", "stage3_min_unit_params": "min_unit_params",
-}
-ZERO_KEYS = {
-    "stage", "reduce_bucket_size", "reduce_bucket_bytes", "overlap_comm", "contiguous_gradients",
-    "reduce_scatter", "reduce_every_micro_step", "sub_group_size", *STAGE3_KEYS,
-}
-FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}
-BF16_KEYS = {"enabled"}
-# Keys a DeepSpeed user may carry over that mean something zerokit does differently.
-EXPLAINED_REJECTIONS = {
-    "optimizer": "zerokit wraps the torch optimizer you pass to initialize(); remove the 'optimizer' block",
-    "scheduler": "attach a torch LR scheduler to engine.optimizer; remove the 'scheduler' block",
-    "allgather_bucket_size": "zerokit all-gathers parameters in the reduce buckets; set reduce_bucket_size",
-}
-
-
-def _reject_unknown(section: str, given: Mapping[str, Any], accepted: set[str]) -> None:
-    for key in given:
-        if key in EXPLAINED_REJECTIONS:
-            raise ValueError(f"{section}{key} is not supported: {EXPLAINED_REJECTIONS[key]}")
-        if key not in accepted:
-            raise ValueError(f"unknown config key {section}{key!r}; accepted: {', '.join(sorted(accepted))}")
-
-
-# [Note: reading JSON values strictly]
-# Python's bool("false") is True and int(2.7) is 2, so coercing would turn a quoted or mistyped value into a
-# different setting without a word. Each value is read by one helper below that accepts only what the key
-# means: real JSON booleans, whole numbers (JSON has one number type, so DeepSpeed's 5e8 arrives as a float
-# and is accepted when it is whole), finite floats. bool is an int subclass in Python but never a number here.
-
-def _auto_hint(raw: Any) -> str:
-    # DeepSpeed configs copied from Hugging Face examples carry "auto", which only the HF Trainer fills in.
-    if isinstance(raw, str) and raw == "auto":
-        return " (\"auto\" is a Hugging Face Trainer placeholder; write the value)"
-    return ""
-
-
-def _bool(raw: Any, key: str) -> bool:
-    if not isinstance(raw, bool):
-        raise ValueError(f"{key}={raw!r} is not a boolean; use true or false{_auto_hint(raw)}")
-    return raw
-
-
-def _int(raw: Any, key: str) -> int:
-    if isinstance(raw, numbers.Integral) and not isinstance(raw, bool):
-        return int(raw)
-    if isinstance(raw, numbers.Real) and not isinstance(raw, bool):
-        if math.isfinite(raw) and float(raw).is_integer():
-            return int(raw)
-        raise ValueError(f"{key}={raw!r} must be a whole number")
-    raise ValueError(f"{key}={raw!r} is not a number; zerokit needs a whole number here{_auto_hint(raw)}")
-
-
-def _finite(raw: Any, key: str) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, numbers.Real):
-        raise ValueError(f"{key}={raw!r} is not a number; zerokit needs a number here{_auto_hint(raw)}")
-    if not math.isfinite(raw):  # json.loads reads NaN and Infinity; a nan clip value would disable clipping
-        raise ValueError(f"{key}={raw!r} must be a finite number")
-    return float(raw)
-
-
-def _section(raw: Mapping[str, Any], key: str) -> dict[str, Any]:
-    value = raw.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{key} must be a JSON object, not {value!r}")
-    return dict(value)
-
-
-def _dtype(name: Any, key: str) -> torch.dtype:
-    if not isinstance(name, str) or name not in DTYPES_BY_NAME:
-        raise ValueError(f"{key}={name!r} is not a dtype zerokit knows; use fp32, bf16 or fp16")
-    return DTYPES_BY_NAME[name]
-
-
-def _precision(raw: Mapping[str, Any]) -> tuple[MixedPrecision, LossScaling | None]:
-    bf16, fp16 = _section(raw, "bf16"), _section(raw, "fp16")
-    _reject_unknown("bf16.", bf16, BF16_KEYS)
-    _reject_unknown("fp16.", fp16, FP16_KEYS)
-    bf16_on = _bool(bf16.get("enabled", False), "bf16.enabled")
-    fp16_on = _bool(fp16.get("enabled", False), "fp16.enabled")
-    if bf16_on and fp16_on:
-        raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
-    scaling_keys = sorted(set(fp16) - {"enabled"})
-    # Loss-scaling keys with no `enabled` leave it unclear whether fp16 was meant. With an explicit
-    # `enabled: false` they are inert, as in DeepSpeed, and the templates that carry them load as they are.
-    if scaling_keys and "enabled" not in fp16:
-        raise ValueError(f"fp16.{scaling_keys[0]} is set but fp16.enabled is not; set fp16.enabled to true or false")
-    param_dtype = torch.bfloat16 if bf16_on else torch.float16 if fp16_on else torch.float32
-    reduce_dtype = _dtype(raw.get("communication_data_type", "fp32"), "communication_data_type")
+def _precision(config: DeepSpeedConfig) -> tuple[MixedPrecision, LossScaling | None]:
+    name = compute_dtype(config)
+    reduce_dtype = DTYPES_BY_NAME[config.get("communication_data_type") or "fp32"]
     scaling = None
-    if fp16_on:
-        loss_scale = _finite(fp16.get("loss_scale", 0), "fp16.loss_scale")
-        scaling = LossScaling(
-            static_scale=loss_scale or None,
-            initial_scale_power=_int(fp16.get("initial_scale_power", 16), "fp16.initial_scale_power"),
-            window=_int(fp16.get("loss_scale_window", 1000), "fp16.loss_scale_window"),
-            hysteresis=_int(fp16.get("hysteresis", 2), "fp16.hysteresis"),
-            min_scale=_finite(fp16.get("min_loss_scale", 1.0), "fp16.min_loss_scale"),
-        )
-    return MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype), scaling
+    if name == "fp16":
+        loss_scale = config.get("fp16.loss_scale")
+        scaling = LossScaling(static_scale=loss_scale or None,
+                              initial_scale_power=config.get("fp16.initial_scale_power"),
+                              window=config.get("fp16.loss_scale_window"), hysteresis=config.get("fp16.hysteresis"),
+                              min_scale=config.get("fp16.min_loss_scale"))
+    return MixedPrecision(param_dtype=DTYPES_BY_NAME[name], reduce_dtype=reduce_dtype), scaling
 
 
-def _bucket_bytes(zero: Mapping[str, Any], reduce_dtype: torch.dtype) -> int:
-    if "reduce_bucket_size" in zero and "reduce_bucket_bytes" in zero:
+def _bucket_bytes(config: DeepSpeedConfig, reduce_dtype: torch.dtype) -> int:
+    elements, nbytes = config.get(Z + "reduce_bucket_size", None), config.get(Z + "reduce_bucket_bytes", None)
+    if elements is not None and nbytes is not None:
         raise ValueError("give reduce_bucket_size (elements, DeepSpeed) or reduce_bucket_bytes, not both")
-    if "reduce_bucket_size" in zero:  # DeepSpeed counts elements, not bytes
-        elements = _int(zero["reduce_bucket_size"], "zero_optimization.reduce_bucket_size")
+    if isinstance(elements, int):  # DeepSpeed counts elements, not bytes ("auto": resolved later, hidden^2)
         if elements <= 0:
-            raise ValueError(f"zero_optimization.reduce_bucket_size={zero['reduce_bucket_size']} must be > 0")
-        return elements * torch.empty((), dtype=reduce_dtype).element_size()
-    return _int(zero.get("reduce_bucket_bytes", DEFAULT_BUCKET_BYTES), "zero_optimization.reduce_bucket_bytes")
+            raise ValueError(f"zero_optimization.reduce_bucket_size={elements} must be > 0")
+        return elements * _element_size(reduce_dtype)
+    return DEFAULT_BUCKET_BYTES if nbytes is None else nbytes
 
 
-def _stage3(zero: Mapping[str, Any]) -> Stage3Policy:
-    fields: dict[str, Any] = {}
-    for key, name in STAGE3_KEYS.items():
-        if key not in zero:
-            continue
-        if name in fields:
-            raise ValueError(f"zero_optimization has both spellings of {name}; keep one")
-        value = zero[key]
-        if name != "unit_classes":
-            fields[name] = _int(value, f"zero_optimization.{key}")
-        elif isinstance(value, str):  # one class name, not a tuple of its letters
-            fields[name] = (value,)
-        elif isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value):
-            fields[name] = tuple(value)
-        else:
-            raise ValueError(f"zero_optimization.{key}={value!r} must be a module class name or a list of them, "
-                             "like [\"LlamaDecoderLayer\"]")
-    return Stage3Policy(**fields)
-
-
-def _optional_int(raw: Mapping[str, Any], key: str, section: str = "") -> int | None:
-    return None if raw.get(key) is None else _int(raw[key], f"{section}{key}")
+def _given(config: DeepSpeedConfig, table: Mapping[str, str]) -> dict[str, Any]:
+    """The typed fields a table maps from the keys given (AUTO ones wait for resolve())."""
+    return {name: config.get(path) for path, name in table.items()
+            if config.given(path) and config.get(path) is not AUTO}
 
 
 def from_dict(raw: Mapping[str, Any]) -> ZeroConfig:
-    """Build a ZeroConfig from DeepSpeed-style keys."""
-    _reject_unknown("", raw, TOP_LEVEL_KEYS)
-    zero = _section(raw, "zero_optimization")
-    _reject_unknown("zero_optimization.", zero, ZERO_KEYS)
-    if not _bool(zero.get("contiguous_gradients", True), "zero_optimization.contiguous_gradients"):
-        raise ValueError("zero_optimization.contiguous_gradients=false is not supported; buckets are always contiguous")
-    precision, scaling = _precision(raw)
-
-    def flag(key: str, default: bool) -> bool:
-        return _bool(zero.get(key, default), f"zero_optimization.{key}")
-
-    config = ZeroConfig(
-        stage=zero.get("stage", 0),
-        precision=precision,
-        loss_scaling=scaling,
-        gradient_accumulation_steps=_int(raw.get("gradient_accumulation_steps", 1), "gradient_accumulation_steps"),
-        gradient_clipping=_finite(raw.get("gradient_clipping", 0.0), "gradient_clipping"),
-        reduce_bucket_bytes=_bucket_bytes(zero, precision.reduce_dtype),
-        sub_group_size=_optional_int(zero, "sub_group_size", "zero_optimization."),
-        reduce_scatter=None if zero.get("reduce_scatter") is None else flag("reduce_scatter", True),  # null: auto
-        overlap_comm=flag("overlap_comm", True),
-        reduce_every_micro_step=flag("reduce_every_micro_step", True),
-        stage3=_stage3(zero),
-        max_consecutive_skipped_steps=_int(raw.get("max_consecutive_skipped_steps", 20),
-                                           "max_consecutive_skipped_steps"),
-        train_batch_size=_optional_int(raw, "train_batch_size"),
-        train_micro_batch_size_per_gpu=_optional_int(raw, "train_micro_batch_size_per_gpu"),
+    """Build a ZeroConfig from DeepSpeed-style keys (see zerokit.dsconfig and docs/deepspeed_config.md)."""
+    read_config = read(raw)
+    resolution = resolve_auto(read_config)  # everything that needs neither the world size nor the model
+    config = resolution.config
+    precision, scaling = _precision(config)
+    data_types = config.get("data_types.grad_accum_dtype")
+    return ZeroConfig(
+        stage=config.get(Z + "stage"), precision=precision, loss_scaling=scaling,
+        reduce_bucket_bytes=_bucket_bytes(config, precision.reduce_dtype),
+        stage3=Stage3Policy(**_given(config, STAGE3_FIELDS)),
+        grad_accum_dtype=None if data_types is None else DTYPES_BY_NAME[data_types],
+        **_given(config, SCALAR_FIELDS), **block_fields(config),
+        notes=read_config.notes, auto_choices=resolution.choices, pending_auto=pending(config), source=config,
     )
-    # Checked once the stage itself is known to be valid. Stages 0-2 never read these keys, and a
-    # stage-3 limit that silently does nothing is the kind of knob this reader exists to catch.
-    stage3_keys = sorted(key for key in zero if key in STAGE3_KEYS)
-    if stage3_keys and config.stage != 3:
-        raise ValueError(f"zero_optimization.{stage3_keys[0]} is a stage-3 key but zero_optimization.stage="
-                         f"{config.stage}; remove it or use stage 3")
-    return config
 
 
 def load_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None) -> ZeroConfig:
@@ -411,4 +437,21 @@ def load_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None) -> Z
     raise ValueError(f"config must be a ZeroConfig, a dict or a JSON file path, not {type(config).__name__}")
 
 
-__all__ = ["ZeroConfig", "MixedPrecision", "LossScaling", "Stage3Policy", "load_config", "from_dict", "replace"]
+def hidden_size_of(model: torch.nn.Module) -> int | None:
+    """The model's hidden size, for "auto" bucket sizes: Hugging Face's config fields (hidden_size, the largest
+    of hidden_sizes, the text_config's), then GPT-2-style n_embd and T5-style d_model; None if it has none."""
+    configs = [getattr(model, "config", None)]
+    configs.append(getattr(configs[0], "text_config", None))
+    for config in configs:
+        for name in ("hidden_size", "hidden_sizes", "n_embd", "d_model"):
+            value = getattr(config, name, None) if config is not None else None
+            if isinstance(value, (list, tuple)) and value:
+                value = max(value)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+__all__ = ["ZeroConfig", "MixedPrecision", "LossScaling", "Stage3Policy", "Offload", "OptimizerSpec",
+           "SchedulerSpec", "ActivationCheckpointing", "CommsLogger", "FlopsProfiler", "Monitor", "Wandb",
+           "load_config", "from_dict", "hidden_size_of", "replace"]

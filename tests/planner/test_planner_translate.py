@@ -12,7 +12,6 @@ from zerokit.planner.translate import (
     DROPPED,
     EXACT,
     NONE,
-    ZEROKIT_KEYS,
     FsdpTerms,
     deepspeed_to_fsdp,
     deepspeed_to_zerokit,
@@ -132,20 +131,20 @@ def test_bad_deepspeed_configs(zero, message):
 
 
 def test_zerokit_keys_are_what_the_engine_reads():
-    """Everything the translator and emitter write for zerokit must be a key zerokit/config.py accepts
-    (offload keys are the agreed interface the engine is adding; see the report)."""
+    """Everything the emitter writes for zerokit is a key the engine's reader honours (one schema for both)."""
     config = pytest.importorskip("zerokit.config")
-    planned = set(ZEROKIT_KEYS) - {"offload_optimizer", "offload_param"}
-    assert planned <= config.ZERO_KEYS
+    from zerokit.dsconfig import SCHEMA, KeyClass, read
+
     emitted = emit_zerokit(estimate(make_scenario("llama2-13b", seq_len=4096), 3))
-    assert set(emitted) <= config.TOP_LEVEL_KEYS
+    assert {SCHEMA[path].klass for path in read(emitted).values} <= {KeyClass.HONOURED, KeyClass.ZEROKIT}
     loaded = config.load_config(emitted)
     assert loaded.stage == 3 and loaded.reduce_bucket_bytes == 25 * 2**20
-    # Llama-2-70B: root 2 x 32,000 x 8,192 + 8,192 = 524,296,192 and blocks of 855,654,400 parameters;
-    # the engine's default 1e9 live elements could not hold root + two blocks, so the config raises it.
-    big = config.load_config(emit_zerokit(estimate(make_scenario("llama2-70b", seq_len=4096), 3)))
-    assert big.stage3.max_live_parameters == 524_296_192 + 2 * 855_654_400
-    assert big.stage3.prefetch_numel == 855_654_400
+    # Llama-2-70B: the engine's default 1e9 live elements could not hold the root and two blocks, so the emitted
+    # config raises the limit (the planner's own tests check its arithmetic); the engine reads what it wrote.
+    emitted = emit_zerokit(estimate(make_scenario("llama2-70b", seq_len=4096), 3))
+    big = config.load_config(emitted)
+    assert big.stage3.max_live_parameters == emitted["zero_optimization"]["stage3_max_live_parameters"] > 10**9
+    assert big.stage3.prefetch_numel == emitted["zero_optimization"]["stage3_prefetch_bucket_size"]
 
 
 def test_emitted_fsdp_code_compiles_and_names_real_apis():
@@ -177,7 +176,62 @@ def test_emitted_deepspeed_config_translates_back_to_the_pick():
     emitted = emit(result, "deepspeed")
     assert emitted.config["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     assert any("checkpointing" in note for note in emitted.notes)
-    with pytest.raises(ValueError, match="does not offload yet"):  # until zerokit has offload tiers
-        deepspeed_to_zerokit(emitted.config)
-    with pytest.raises(ValueError, match="does not offload yet"):
+    # Changed deliberately: the engine's config reads the offload blocks now, so they translate exactly.
+    there = deepspeed_to_zerokit(emitted.config)
+    assert there.config["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    with pytest.raises(ValueError, match="does not offload yet"):  # planner/emit.py still says so
         emit(result, "zerokit")
+
+
+def test_translator_and_engine_read_one_format():
+    """The drifts of issue 8: "false" is false in both readers, and stage3_unit_classes goes both ways."""
+    assert deepspeed_to_fsdp({"bf16": {"enabled": "false"}, "zero_optimization": {"stage": 2}}).config["param_dtype"] \
+        == "fp32"
+    assert deepspeed_to_zerokit({"bf16": {"enabled": "true"}}).config["bf16"] == {"enabled": True}
+    back = zerokit_to_deepspeed({"zero_optimization": {"stage": 3, "stage3_unit_classes": ["LlamaDecoderLayer"],
+                                                       "stage3_min_unit_params": 1000}})
+    assert back.config == {"zero_optimization": {"stage": 3}}
+    assert {m.kind for m in back.mappings} == {EXACT, DROPPED}
+    assert "leaf_module" in next(m.why for m in back.mappings if "unit_classes" in m.source)
+
+
+def test_legacy_spellings_and_strings_translate_as_the_engine_reads_them():
+    config = {"zero_optimization": {"stage": "3", "cpu_offload": True, "max_live_parameters": "1e9",
+                                    "stage3_gather_fp16_weights_on_model_save": "true"},
+              "bfloat16": {"enabled": True}, "communication_data_type": "bfp16", "_comment": "ignored"}
+    zk = deepspeed_to_zerokit(config).config
+    assert zk["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                       "stage3_max_live_parameters": 1_000_000_000}
+    # accepted by zerokit, but it sets nothing there: dropped with what zerokit does instead
+    assert "full_state_dict" in next(m.why for m in deepspeed_to_zerokit(config).mappings if "gather" in m.source)
+    assert zk["bf16"] == {"enabled": True} and zk["communication_data_type"] == "bf16"
+    fsdp = deepspeed_to_fsdp({**config, "zero_optimization": {"stage": 3, "cpu_offload_param": True,
+                                                              "cpu_offload": True}})
+    assert fsdp.config["cpu_offload"] and fsdp.config["param_dtype"] == "bf16" and fsdp.config["reduce_dtype"] == "bf16"
+
+
+def test_zerokit_refusals_are_no_equivalent():
+    with pytest.raises(ValueError, match="no zerokit equivalent for pipeline"):
+        deepspeed_to_zerokit({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}})
+    partial = deepspeed_to_zerokit({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}},
+                                   allow_partial=True)
+    assert [m.kind for m in partial.unmapped] == [NONE] and "quantized gradient" in partial.unmapped[0].why
+    with pytest.raises(ValueError, match="did you mean stage3_param_persistence_threshold"):
+        deepspeed_to_zerokit({"zero_optimization": {"stage": 3, "stage3_param_persistance_threshold": 1}})
+
+
+def test_reduce_bucket_bytes_become_elements_of_the_reduce_dtype():
+    back = zerokit_to_deepspeed({"zero_optimization": {"stage": 2, "reduce_bucket_bytes": 4_000_000},
+                                 "communication_data_type": "bf16"})
+    assert back.config["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 2_000_000}
+
+
+def test_every_zero_key_has_an_fsdp_mapping():
+    """FSDP_KNOBS is the translator's only table; it must name every zero_optimization key the schema knows."""
+    from zerokit.dsconfig import SCHEMA, KeyClass
+    from zerokit.planner.translate import FSDP_KNOBS, MAPPED_WITH_THE_STAGE, Z, short_name
+
+    zero_keys = {short_name(path) for path, key in SCHEMA.items() if path.startswith(Z)
+                 and path.count(".") == 1 and key.klass not in (KeyClass.ALIAS, KeyClass.REMOVED)}
+    handled = set(FSDP_KNOBS) | set(MAPPED_WITH_THE_STAGE) | {"offload_optimizer", "offload_param"}
+    assert zero_keys == handled

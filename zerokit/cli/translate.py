@@ -5,7 +5,9 @@
     zerokit translate --fsdp FULL_SHARD CPUOffload param_dtype=bf16   # to DeepSpeed and zerokit
 
 The mapping table is printed first; anything without an equivalent then ends the command with a
-one-line error (exit code 2), so a script cannot miss it.
+one-line error (exit code 2), so a script cannot miss it. DeepSpeed and zerokit files are read by
+zerokit.dsconfig, the reader the engine uses: a key the engine would refuse, or a misspelt one, is the
+same one-line error here.
 """
 
 from __future__ import annotations

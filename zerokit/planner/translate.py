@@ -6,6 +6,10 @@ dropped (a tuning knob the target sets by construction) and none (a semantic fea
 lacks). A translation with any `none` mapping raises ValueError naming each one, unless the caller
 asks for the partial result (the CLI prints the table, then the error).
 
+DeepSpeed configs are read by zerokit.dsconfig, as the engine reads them: the same keys, aliases, coercion
+("false" is false) and refusals; what zerokit does with each key is the schema's class, so the zerokit
+direction needs no table of its own. FSDP has one (FSDP_KNOBS), checked against the schema by the tests.
+
     DeepSpeed stage        FSDP2 fully_shard                  FSDP1 ShardingStrategy
     0                      (DDP; FSDP2 has no NO_SHARD)       NO_SHARD
     1                      DDP + ZeroRedundancyOptimizer      (none)
@@ -18,26 +22,34 @@ asks for the partial result (the CLI prints the table, then the error).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
+
+from zerokit.defaults import DEFAULT_BUCKET_BYTES
+from zerokit.dsconfig import SCHEMA, AUTO, DeepSpeedConfig, KeyClass, read
+from zerokit.dsconfig.auto import resolve
+from zerokit.dsconfig.precision import compute_dtype
+from zerokit.dsconfig.schema_zero import UNPREFIXED
+from zerokit.dsconfig.values import to_dtype, whole
 
 EXACT, APPROXIMATE, DROPPED, NONE = "exact", "approximate", "dropped", "none"
 FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 STAGE_OF_STRATEGY = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0}
-DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
-          "torch.float16": "fp16", "fp32": "fp32", "float32": "fp32", "torch.float32": "fp32"}
-REMOVED = ("mics_shard_size", "mics_hierarchical_params_gather", "zeropp_loco_param")
-DEPRECATED = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
-              "cpu_offload_use_pin_memory": "offload_*.pin_memory",
-              "stage3_gather_fp16_weights_on_model_save": "gather_16bit_weights_on_model_save"}
+Z = "zero_optimization."
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
-# DeepSpeed knobs that FSDP2 sets by construction: key -> (kind, FSDP counterpart, why).
+# zero_optimization keys in FSDP terms: short name (stage-3 keys without their stage3_ prefix, as FSDP users
+# know them) -> (kind, FSDP counterpart, why). Offload blocks and the stage are mapped on their own.
 FSDP_KNOBS = {
     "reduce_bucket_size": (DROPPED, "-", "FSDP2 reduce-scatters one fully_shard unit at a time: choose units"),
+    "reduce_bucket_bytes": (DROPPED, "-", "FSDP2 reduce-scatters one fully_shard unit at a time: choose units"),
     "allgather_bucket_size": (DROPPED, "-", "FSDP2 all-gathers one fully_shard unit at a time"),
     "contiguous_gradients": (DROPPED, "-", "FSDP2 reduce-scatters into preallocated per-unit buffers"),
     "reduce_scatter": (DROPPED, "-", "FSDP2 always reduce-scatters"),
     "allgather_partitions": (DROPPED, "-", "FSDP2 always all-gathers"),
     "use_multi_rank_bucket_allreduce": (DROPPED, "-", "no bucket merging in FSDP2"),
     "overlap_comm": (APPROXIMATE, "implicit", "FSDP2 always overlaps communication on separate streams"),
+    "reduce_every_micro_step": (APPROXIMATE, "set_requires_gradient_sync(False) between boundaries",
+                                "false accumulates unsharded gradients locally, as FSDP2 does without sync"),
     "prefetch_bucket_size": (APPROXIMATE, "set_modules_to_forward_prefetch",
                              "FSDP2 prefetches the next unit by itself; the setter prefetches more"),
     "max_live_parameters": (APPROXIMATE, "FSDP1 limit_all_gathers=True", "FSDP2 keeps at most two units gathered"),
@@ -46,6 +58,8 @@ FSDP_KNOBS = {
                                     "leave small modules out of units; the root unit keeps them gathered"),
     "model_persistence_threshold": (DROPPED, "-", "no global persistence budget in FSDP2"),
     "module_granularity_threshold": (APPROXIMATE, "module choice", "choose which modules get a fully_shard call"),
+    "stage3_unit_classes": (APPROXIMATE, "fully_shard(module) per instance", "one unit per module of these classes"),
+    "stage3_min_unit_params": (APPROXIMATE, "module choice", "choose which modules get a fully_shard call"),
     "use_all_reduce_for_fetch_params": (DROPPED, "-", "FSDP2 gathers with all-gather"),
     "allgather_sequential": (DROPPED, "-", "FSDP2 gathers each unit in one call"),
     "sub_group_size": (DROPPED, "-", "offload tiling; FSDP2's CPU optimizer steps whole tensors"),
@@ -71,14 +85,53 @@ FSDP_KNOBS = {
     "zero_quantized_gradients": (NONE, "-", "no quantized reduce-scatter built into FSDP2"),
     "zenflow": (NONE, "-", "ZenFlow's selective, asynchronous CPU update has no FSDP counterpart"),
 }
-SEMANTIC = ("stage", "offload_optimizer", "offload_param", "zero_hpz_partition_size")
-ZERO_KEYS = SEMANTIC + tuple(FSDP_KNOBS) + tuple(DEPRECATED)
-ZEROKIT_SAME = ("stage", "reduce_bucket_size", "overlap_comm", "prefetch_bucket_size", "max_live_parameters",
-                "param_persistence_threshold", "reduce_scatter", "sub_group_size")
-"""Keys zerokit reads with DeepSpeed's meaning (stage-3 ones with or without the stage3_ prefix)."""
-ZEROKIT_KEYS = ZEROKIT_SAME + ("contiguous_gradients", "reduce_every_micro_step")
-TOP_LEVEL = ("zero_optimization", "bf16", "fp16", "gradient_clipping", "gradient_accumulation_steps",
-             "communication_data_type", "train_batch_size", "train_micro_batch_size_per_gpu")
+MAPPED_WITH_THE_STAGE = ("stage", "zero_hpz_partition_size")
+"""Mapped by _stage_to_fsdp (and the offload blocks by _offload_to_fsdp), not by FSDP_KNOBS."""
+FSDP_TOP_LEVEL = {
+    "communication_data_type": "MixedPrecisionPolicy(reduce_dtype=...)",
+    "gradient_clipping": "torch.nn.utils.clip_grad_norm_(max_norm)",
+    "gradient_accumulation_steps": "set_requires_gradient_sync(False) between boundaries",
+    "train_micro_batch_size_per_gpu": "your DataLoader batch size",
+    "train_batch_size": "micro-batch x accumulation x world size",
+}
+
+
+def short_name(path: str) -> str:
+    """A zero_optimization key as FSDP_KNOBS and the tables name it: DeepSpeed's stage3_ prefix dropped
+    where DeepSpeed accepts the key without it."""
+    name = path.removeprefix(Z)
+    bare = name.removeprefix("stage3_")
+    return bare if bare in UNPREFIXED else name
+
+
+def _read(config: dict, *, resolved: bool) -> DeepSpeedConfig:
+    """The config as the engine reads it, refusals collected. resolved: "auto" filled in where no context is
+    needed (FSDP needs values); otherwise "auto" stays "auto", which zerokit reads and DeepSpeed users write."""
+    if not isinstance(config, dict):
+        raise ValueError("a DeepSpeed config must be a JSON object")
+    read_config = read(config, refuse=False)
+    if not resolved:
+        return read_config
+    values = resolve(read_config).config.values
+    return DeepSpeedConfig(values, read_config.spelled, read_config.notes, read_config.refusals)
+
+
+def _value(value: Any) -> Any:
+    return "auto" if value is AUTO else whole(value)
+
+
+def _text(value: Any) -> str:
+    """A value in a mapping row: as Python prints it, 5e8 as the element count it is."""
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1e4:
+        value = int(value)
+    value = "auto" if value is AUTO else value
+    return str(list(value)) if isinstance(value, tuple) else str(value)
+
+
+def _leaves(config: DeepSpeedConfig) -> list[tuple[str, Any, str | None]]:
+    """(path, value, refusal message or None) for every key given, in the order read."""
+    out = [(path, value, None) for path, value in config.values.items()]
+    return out + [(r.path, r.value, r.message) for r in config.refusals]
 
 
 @dataclass(frozen=True)
@@ -140,51 +193,6 @@ class FsdpTerms:
 
 # --- DeepSpeed -> FSDP --------------------------------------------------------------------------
 
-def _zero_section(config: dict) -> dict:
-    if not isinstance(config, dict):
-        raise ValueError("a DeepSpeed config must be a JSON object")
-    zero = config.get("zero_optimization", {})
-    if not isinstance(zero, dict):
-        raise ValueError("zero_optimization must be a JSON object")
-    for key in zero:
-        if key in REMOVED:
-            raise ValueError(f"zero_optimization.{key} was removed in DeepSpeed 0.19.8 (deepspeedai/DeepSpeed#8489)")
-        bare = key.removeprefix("stage3_")
-        if key not in ZERO_KEYS and bare not in ZERO_KEYS:
-            raise ValueError(f"unknown zero_optimization key {key!r}; accepted: {', '.join(sorted(ZERO_KEYS))}")
-    return {key.removeprefix("stage3_") if key.removeprefix("stage3_") in FSDP_KNOBS else key: value
-            for key, value in zero.items()}
-
-
-def _stage(zero: dict) -> int:
-    stage = zero.get("stage", 0)
-    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_optimization.stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
-    return stage
-
-
-def _device(zero: dict, key: str) -> str:
-    block = zero.get(key) or {}
-    if key == "offload_optimizer" and zero.get("cpu_offload"):
-        return "cpu"
-    if key == "offload_param" and zero.get("cpu_offload_param"):
-        return "cpu"
-    if not isinstance(block, dict):
-        raise ValueError(f"zero_optimization.{key} must be a JSON object like {{\"device\": \"cpu\"}}")
-    device = block.get("device", "none") or "none"
-    if device not in ("none", "cpu", "nvme"):
-        raise ValueError(f"zero_optimization.{key}.device={device!r} is not accepted; use none, cpu or nvme")
-    return device
-
-
-def _precision(config: dict) -> str:
-    bf16 = bool((config.get("bf16") or {}).get("enabled", False))
-    fp16 = bool((config.get("fp16") or {}).get("enabled", False))
-    if bf16 and fp16:
-        raise ValueError("bf16.enabled and fp16.enabled are both true; enable at most one")
-    return "bf16" if bf16 else "fp16" if fp16 else "fp32"
-
-
 def _stage_to_fsdp(stage: int, hpz: int) -> tuple[Mapping, dict]:
     if stage == 3 and hpz > 1:
         return (Mapping("stage=3, zero_hpz_partition_size=" + str(hpz), f"fully_shard(reshard_after_forward={hpz})",
@@ -221,53 +229,61 @@ def _offload_to_fsdp(stage: int, optimizer: str, params: str) -> tuple[list[Mapp
                     "together; there is no optimizer-only offload (pytorch PR #120256)")], False
 
 
-def _knob_mappings(zero: dict, table: dict) -> list[Mapping]:
+def _knob_mappings(config: DeepSpeedConfig) -> list[Mapping]:
     out = []
-    for key, value in zero.items():
-        if key in table:
-            kind, target, why = table[key]
-            if kind == NONE and value in (False, None, 0, {}):
-                kind, why = DROPPED, "off, as in the target"
-            out.append(Mapping(f"{key}={value}", target, kind, why))
+    for path, value, _ in _leaves(config):
+        name = short_name(path)
+        if not path.startswith(Z) or name in MAPPED_WITH_THE_STAGE or name.startswith("offload_"):
+            continue
+        kind, target, why = FSDP_KNOBS[name]
+        if kind == NONE and value in (False, None, 0, {}):
+            kind, why = DROPPED, "off, as in the target"
+        out.append(Mapping(f"{name}={_text(value)}", target, kind, why))
     return out
 
 
-def _top_level(config: dict, precision: str, target: str) -> list[Mapping]:
+def _top_level(config: DeepSpeedConfig, precision: str, target: str) -> list[Mapping]:
+    """Precision, clipping, accumulation and batch sizes in FSDP's terms; the rest is not part of ZeRO."""
     out = []
     if precision != "fp32":
         fp16 = precision == "fp16"
         out.append(Mapping(f"{precision}.enabled=true",
-                           f"MixedPrecisionPolicy(param_dtype=torch.{'float16' if fp16 else 'bfloat16'})"
-                           if target == "fsdp" else f"{precision}.enabled=true",
-                           APPROXIMATE if fp16 and target == "fsdp" else EXACT,
-                           "FSDP needs torch.amp.GradScaler for fp16 loss scaling" if fp16 and target == "fsdp"
+                           f"MixedPrecisionPolicy(param_dtype=torch.{'float16' if fp16 else 'bfloat16'})",
+                           APPROXIMATE if fp16 else EXACT,
+                           "FSDP needs torch.amp.GradScaler for fp16 loss scaling" if fp16
                            else "same compute dtype, fp32 master weights"))
-    for key, fsdp_name in (("communication_data_type", "MixedPrecisionPolicy(reduce_dtype=...)"),
-                           ("gradient_clipping", "torch.nn.utils.clip_grad_norm_(max_norm)"),
-                           ("gradient_accumulation_steps", "set_requires_gradient_sync(False) between boundaries"),
-                           ("train_micro_batch_size_per_gpu", "your DataLoader batch size"),
-                           ("train_batch_size", "micro-batch x accumulation x world size")):
-        if key in config:
-            out.append(Mapping(f"{key}={config[key]}", fsdp_name if target == "fsdp" else key, EXACT,
-                               "same meaning"))
-    for key in config:
-        if key not in TOP_LEVEL:
-            out.append(Mapping(key, "-", DROPPED, "not part of ZeRO: keep it in your training script"))
+    for key, fsdp_name in FSDP_TOP_LEVEL.items():
+        if config.given(key):
+            out.append(Mapping(f"{key}={_text(config.get(key))}", fsdp_name, EXACT, "same meaning"))
+    seen = {"zero_optimization", "bf16", "fp16", *FSDP_TOP_LEVEL}
+    for path, _, _ in _leaves(config):
+        top = path.partition(".")[0]
+        if top not in seen:
+            seen.add(top)
+            out.append(Mapping(top, "-", DROPPED, f"not part of ZeRO: keep it in your training script ({target} "
+                                                  "has no such setting)"))
     return out
 
 
+def _hpz(config: DeepSpeedConfig) -> int:
+    for path, value, _ in _leaves(config):
+        if path == Z + "zero_hpz_partition_size":
+            return max(1, int(value))
+    return 1
+
+
 def deepspeed_to_fsdp(config: dict, *, allow_partial: bool = False) -> Translation:
-    zero = _zero_section(config)
-    stage, precision = _stage(zero), _precision(config)
-    hpz = int(zero.get("zero_hpz_partition_size", 1) or 1)
-    stage_mapping, terms = _stage_to_fsdp(stage, hpz)
-    offload, cpu = _offload_to_fsdp(stage, _device(zero, "offload_optimizer"), _device(zero, "offload_param"))
-    mappings = [stage_mapping, *offload, *_knob_mappings(zero, FSDP_KNOBS), *_top_level(config, precision, "fsdp")]
-    reduce = config.get("communication_data_type")
+    read_config = _read(config, resolved=True)
+    stage, precision = read_config.get(Z + "stage"), compute_dtype(read_config)
+    stage_mapping, terms = _stage_to_fsdp(stage, _hpz(read_config))
+    offload, cpu = _offload_to_fsdp(stage, read_config.get(Z + "offload_optimizer.device"),
+                                    read_config.get(Z + "offload_param.device"))
+    mappings = [stage_mapping, *offload, *_knob_mappings(read_config), *_top_level(read_config, precision, "fsdp")]
+    accumulation = read_config.get("gradient_accumulation_steps", None)
     fsdp = FsdpTerms(**terms, cpu_offload=cpu, param_dtype=precision,
-                     reduce_dtype=DTYPES.get(str(reduce)) if reduce else None,
-                     clip_grad_norm=config.get("gradient_clipping"),
-                     gradient_accumulation_steps=config.get("gradient_accumulation_steps"))
+                     reduce_dtype=read_config.get("communication_data_type"),
+                     clip_grad_norm=read_config.get("gradient_clipping", None),
+                     gradient_accumulation_steps=None if accumulation is AUTO else accumulation)
     result = Translation("deepspeed", "fsdp", tuple(mappings), fsdp.as_dict())
     return result if allow_partial else result.check()
 
@@ -319,75 +335,102 @@ def fsdp_to_deepspeed(terms: FsdpTerms, *, allow_partial: bool = False) -> Trans
 
 # --- DeepSpeed <-> zerokit ---------------------------------------------------------------------
 
-ZEROKIT_DROPS = {
-    "allgather_bucket_size": "zerokit all-gathers parameters in its reduce buckets; set reduce_bucket_size",
-    "round_robin_gradients": "copy scheduling",
-    "elastic_checkpoint": "checkpoint detail", "load_from_fp32_weights": "checkpoint detail",
-    "use_multi_rank_bucket_allreduce": "bucket merging", "allgather_partitions": "zerokit always all-gathers",
-    "compute_grad_norm": "zerokit computes the global norm when clipping",
-}
+def _to_zerokit_mapping(path: str, value: Any, refusal: str | None, spelled: str) -> tuple[Mapping, bool]:
+    """How zerokit reads one key (the schema's class), and whether the zerokit config keeps it."""
+    source = f"{short_name(spelled) if spelled.startswith(Z) else spelled}={_text(value)}"
+    if spelled.rpartition(".")[2].startswith("cpu_offload"):  # a legacy switch, read as a block's key
+        source = f"{spelled.removeprefix(Z)}=True"
+    if refusal is not None:
+        return Mapping(source, "-", NONE, refusal), False
+    key = SCHEMA.get(path)
+    klass = key.klass if key is not None else KeyClass.HONOURED  # optimizer/scheduler params: by type
+    target = f"{path}={_text(value)}"
+    if klass == KeyClass.HONOURED:
+        return Mapping(source, target, EXACT, "same key, same meaning"), True
+    if klass == KeyClass.ZEROKIT:
+        return Mapping(source, target, EXACT, "zerokit's own key"), True
+    if klass == KeyClass.ALWAYS and key.accepts:
+        return Mapping(source, target, EXACT, "zerokit always does this"), True
+    if klass == KeyClass.ALWAYS:
+        return Mapping(source, "-", DROPPED, key.note), False
+    return Mapping(source, "-", DROPPED, "off, as in zerokit"), False  # a refused key holding a value that asks nothing
 
 
-def _to_zerokit_mapping(key: str, value) -> Mapping:
-    if key in ZEROKIT_SAME:
-        return Mapping(f"{key}={value}", f"zero_optimization.{key}={value}", EXACT, "same key, same meaning")
-    if key == "contiguous_gradients":
-        ok = value is not False
-        return Mapping(f"{key}={value}", f"zero_optimization.{key}={value}" if ok else "-", EXACT if ok else NONE,
-                       "zerokit always does this" if ok else "zerokit cannot turn it off")
-    if key in ("offload_optimizer", "offload_param"):
-        device = (value or {}).get("device", "none") if isinstance(value, dict) else "none"
-        if device in (None, "none"):
-            return Mapping(f"{key}.device=none", "-", DROPPED, "no offload is zerokit's default")
-        return Mapping(f"{key}.device={device}", "-", NONE,
-                       "zerokit's engine does not offload yet (CPU/NVMe tiers are planned); use DeepSpeed for offload")
-    if key in ZEROKIT_DROPS:
-        return Mapping(f"{key}={value}", "-", DROPPED, ZEROKIT_DROPS[key])
-    if key in FSDP_KNOBS and FSDP_KNOBS[key][0] == NONE and value not in (False, None, 0, {}):
-        return Mapping(f"{key}={value}", "-", NONE, "zerokit has no " + key)
-    if key == "zero_hpz_partition_size" and value not in (None, 1):
-        return Mapping(f"{key}={value}", "-", NONE, "zerokit shards over one flat group (no hpZ)")
-    return Mapping(f"{key}={value}", "-", DROPPED, "a DeepSpeed tuning knob zerokit sets itself")
-
-
-def _whole(value):
-    """5e8 read from JSON is a float; write it back as the element count it is."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
+def _nested(values: dict[str, Any]) -> dict:
+    """Leaf paths back into JSON objects."""
+    out: dict = {}
+    for path, value in values.items():
+        *blocks, name = path.split(".")
+        node = out
+        for block in blocks:
+            node = node.setdefault(block, {})
+        node[name] = list(value) if isinstance(value, tuple) else _value(value)
+    return out
 
 
 def deepspeed_to_zerokit(config: dict, *, allow_partial: bool = False) -> Translation:
-    zero = _zero_section(config)
-    _stage(zero)
-    precision = _precision(config)
-    mappings = [_to_zerokit_mapping(key, value) for key, value in zero.items()]
-    kept = {m.target.split(".")[1].split("=")[0] for m in mappings if m.kind == EXACT}
-    out_zero = {key: _whole(value) for key, value in zero.items() if key in kept}
-    out: dict = {"zero_optimization": out_zero}
-    for key in TOP_LEVEL[1:]:
-        if key in config:
-            out[key] = config[key]
-    mappings += _top_level(config, precision, "zerokit")
-    result = Translation("deepspeed", "zerokit", tuple(mappings), out)
+    """zerokit reads DeepSpeed's keys: what it honours is kept as written (aliases under their key), what it
+    always does is kept or dropped with the reason, and what it refuses has no equivalent."""
+    read_config = _read(config, resolved=False)
+    compute_dtype(read_config)  # both precisions on is an error here too
+    mappings, kept = [], {Z + "stage": read_config.get(Z + "stage")}
+    for path, value, refusal in _leaves(read_config):
+        mapping, keep = _to_zerokit_mapping(path, value, refusal, read_config.spelling(path))
+        mappings.append(mapping)
+        if keep:
+            kept[path] = value
+    result = Translation("deepspeed", "zerokit", tuple(mappings), _nested(kept))
     return result if allow_partial else result.check()
 
 
+ZEROKIT_ONLY = {
+    "max_consecutive_skipped_steps": (DROPPED, "DeepSpeed has no such check"),
+    "comm_timeout_seconds": (DROPPED, "pass timeout= to deepspeed.init_distributed instead"),
+    "broadcast_buffers": (APPROXIMATE, "DeepSpeed broadcasts buffers once at initialize, not before every forward"),
+    Z + "stage3_unit_classes": (DROPPED, "DeepSpeed gathers parameters module by module through its own hooks; "
+                                         "zero_optimization.leaf_module.classes is the nearest control"),
+    Z + "stage3_min_unit_params": (DROPPED, "DeepSpeed gathers parameters module by module through its own hooks"),
+}
+
+
+def _from_zerokit_mapping(path: str, value: Any, config: DeepSpeedConfig) -> tuple[Mapping, dict]:
+    """A zerokit-only key in DeepSpeed's terms, and what it adds to the DeepSpeed config."""
+    source = f"{path}={_text(value)}"
+    if path == Z + "reduce_every_micro_step":
+        if value is False:
+            return Mapping(source, "-", NONE, "DeepSpeed ZeRO-2 reduces on every micro-step; "
+                           "engine.coalesce_grad_reduction() is the nearest API"), {}
+        return Mapping(source, "-", DROPPED, "DeepSpeed ZeRO-2 reduces on every micro-step"), {}
+    if path == Z + "reduce_bucket_bytes":
+        size = ELEMENT_BYTES[config.get("communication_data_type") or "fp32"]
+        elements = max(1, value // size)
+        return (Mapping(source, f"reduce_bucket_size={elements}", EXACT if value % size == 0 else APPROXIMATE,
+                        f"{size}-byte elements of communication_data_type (zerokit's default bucket is "
+                        f"{DEFAULT_BUCKET_BYTES} bytes)"), {Z + "reduce_bucket_size": elements})
+    kind, why = ZEROKIT_ONLY[path]
+    return Mapping(source, "-", kind, why), {}
+
+
 def zerokit_to_deepspeed(config: dict, *, allow_partial: bool = False) -> Translation:
-    """zerokit's keys are DeepSpeed's, except two of its own."""
-    zero = dict(config.get("zero_optimization") or {})
-    mappings = []
-    if "reduce_bucket_bytes" in zero:
-        raise ValueError("give reduce_bucket_size (elements) rather than reduce_bucket_bytes to translate; "
-                         "the element size depends on communication_data_type")
-    if zero.get("reduce_every_micro_step") is False:
-        mappings.append(Mapping("reduce_every_micro_step=false", "-", NONE, "DeepSpeed ZeRO-2 reduces on every "
-                                "micro-step; engine.coalesce_grad_reduction() is the nearest API"))
-    zero.pop("reduce_every_micro_step", None)
-    rest = {k: v for k, v in config.items() if k not in ("zero_optimization", "max_consecutive_skipped_steps")}
-    if "max_consecutive_skipped_steps" in config:
-        mappings.append(Mapping("max_consecutive_skipped_steps", "-", DROPPED, "DeepSpeed has no such check"))
-    back = deepspeed_to_zerokit({**rest, "zero_optimization": zero}, allow_partial=True)
-    mapped = [Mapping(m.target if m.kind == EXACT else m.source, m.source, m.kind, m.why) for m in back.mappings]
-    result = Translation("zerokit", "deepspeed", tuple(mappings + mapped), back.config)
+    """zerokit's keys are DeepSpeed's, except its own (KeyClass.ZEROKIT), which map here one by one."""
+    read_config = _read(config, resolved=False)
+    if read_config.given(Z + "reduce_bucket_size") and read_config.given(Z + "reduce_bucket_bytes"):
+        raise ValueError("give reduce_bucket_size (elements, DeepSpeed) or reduce_bucket_bytes, not both")
+    mappings, out = [], {}
+    for path, value, refusal in _leaves(read_config):
+        key = SCHEMA.get(path)
+        if refusal is not None:
+            mappings.append(Mapping(f"{path}={_text(value)}", "-", NONE, refusal))
+        elif key is not None and key.klass == KeyClass.ZEROKIT:
+            mapping, added = _from_zerokit_mapping(path, value, read_config)
+            mappings.append(mapping)
+            out.update(added)
+        else:
+            mappings.append(Mapping(f"{path}={_text(value)}", f"{path}={_text(value)}", EXACT,
+                                    "same key, same meaning"))
+            out[path] = value
+    result = Translation("zerokit", "deepspeed", tuple(mappings), _nested({Z + "stage": read_config.get(Z + "stage"),
+                                                                           **out}))
     return result if allow_partial else result.check()
 
 
@@ -437,9 +480,10 @@ def _parse_pair(key: str, value: str, fields: dict) -> None:
     elif key in ("cpu_offload", "offload_params"):
         fields["cpu_offload"] = _bool(value, key)
     elif key in ("param_dtype", "reduce_dtype"):
-        if value not in DTYPES:
-            raise ValueError(f"{key}={value!r} is not accepted; use bf16, fp16 or fp32")
-        fields[key] = DTYPES[value]
+        try:
+            fields[key] = to_dtype(value, key)
+        except ValueError:
+            raise ValueError(f"{key}={value!r} is not accepted; use bf16, fp16 or fp32") from None
     elif key in ("replicate", "gradient_accumulation_steps"):
         if not value.isdigit() or int(value) < 1:
             raise ValueError(f"{key}={value!r} must be a positive integer")

@@ -1,0 +1,169 @@
+""""auto" means zerokit decides: fill each AUTO in, and say what was chosen.
+
+[Note: resolving "auto"]
+Hugging Face's DeepSpeed templates write "auto" where its Trainer fills in a value. zerokit fills them in
+itself, once the world size and the model's hidden size are known:
+- batch sizes by DeepSpeed's identity train_batch_size = micro-batch x accumulation x world size, deriving the
+  unknown ones from the known ones exactly as DeepSpeed's _set_batch_related_parameters does (an absent key
+  counts as unknown too); all unknown: micro-batch 1, accumulation 1;
+- reduce_bucket_size = hidden^2, stage3_prefetch_bucket_size = 0.9 hidden^2, stage3_param_persistence_threshold
+  = 10 hidden, as Hugging Face's integration sets them (transformers/integrations/deepspeed.py);
+- gradient_clipping 1.0 (DeepSpeed 0.19.8's default and the Trainer's max_grad_norm); bf16/fp16.enabled off;
+- optimizer and scheduler parameters: DeepSpeed's defaults for that type (schema_optim.py);
+- anything else: the key's default.
+scheduler.params.total_num_steps cannot be guessed, so "auto" there is an error. Most of this needs no
+context, so zerokit/config.py resolves it at once; what needs the world size or the model is `pending()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from zerokit.dsconfig.reader import DeepSpeedConfig
+from zerokit.dsconfig.schema import SCHEMA
+from zerokit.dsconfig.schema_optim import params_table
+from zerokit.dsconfig.values import AUTO, show
+
+TBS, MICRO, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
+Z = "zero_optimization."
+HIDDEN_KEYS = (Z + "reduce_bucket_size", Z + "stage3_prefetch_bucket_size", Z + "stage3_param_persistence_threshold")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One value zerokit chose: for a key given as "auto", or a batch size derived from the others."""
+
+    path: str
+    value: Any
+    why: str
+    derived: bool = False
+    """True: the key was absent and derived (batch sizes); False: it was "auto"."""
+
+    def line(self) -> str:
+        how = "derived" if self.derived else '"auto"'
+        return f"{self.path}: {how} -> {show(self.value)} ({self.why})"
+
+
+@dataclass(frozen=True)
+class Resolution:
+    config: DeepSpeedConfig
+    """The config with every AUTO it could fill in replaced (or dropped where the default applies)."""
+    choices: tuple[Choice, ...]
+
+
+def pending(config: DeepSpeedConfig) -> tuple[str, ...]:
+    """Paths whose value needs the world size or the model's hidden size before training can start."""
+    out = [path for path in HIDDEN_KEYS if config.get(path, None) is AUTO]
+    if _known(config, GAS) is None and _known(config, TBS) is not None and _known(config, MICRO) is not None:
+        out.append(GAS)  # train_batch_size / (micro-batch x world size)
+    return tuple(out)
+
+
+def resolve(config: DeepSpeedConfig, *, world_size: int | None = None, hidden_size: int | None = None) -> Resolution:
+    """Fill in every AUTO and the derived batch sizes. world_size None: only what needs no context (the
+    `pending()` paths stay as they are); with a world size, everything, or a one-line error naming the key."""
+    updates: dict[str, Any] = {}
+    drops: list[str] = []
+    choices: list[Choice] = []
+    _batch(config, world_size, updates, choices)
+    if world_size is not None:
+        _hidden(config, hidden_size, updates, choices)
+    for path in config.auto_paths():
+        if path in updates or path in (GAS, TBS, MICRO) or path in HIDDEN_KEYS:
+            continue
+        value, why = _default_for(config, path)
+        choices.append(Choice(path, value, why))
+        if value is None:
+            drops.append(path)
+        else:
+            updates[path] = value
+    return Resolution(config.with_values(updates, tuple(drops)), tuple(choices))
+
+
+def _known(config: DeepSpeedConfig, path: str) -> int | None:
+    value = config.get(path, None)
+    return None if value is AUTO else value
+
+
+def _default_for(config: DeepSpeedConfig, path: str) -> tuple[Any, str]:
+    if path == "scheduler.params.total_num_steps":
+        raise ValueError("scheduler.params.total_num_steps='auto': zerokit cannot know how many steps you will "
+                         "train; write the number")
+    if path == "gradient_clipping":
+        return 1.0, "DeepSpeed 0.19.8's default and the Hugging Face Trainer's max_grad_norm"
+    if path in ("bf16.enabled", "fp16.enabled"):
+        return False, "no key asks for this precision"
+    for kind in ("optimizer", "scheduler"):
+        if path.startswith(kind + ".params."):
+            type_name = config.get(kind + ".type")
+            key = params_table(kind, type_name)[path.rpartition(".")[2]]
+            return key.default, f"DeepSpeed's {type_name} default" if key.default is not None else key.note
+    value = SCHEMA[path].default
+    return value, "the default" if value is not None else "zerokit's default"
+
+
+def _batch(config: DeepSpeedConfig, world_size: int | None, updates: dict, choices: list) -> None:
+    tbs, micro, gas = _known(config, TBS), _known(config, MICRO), _known(config, GAS)
+    for name, value in ((TBS, tbs), (MICRO, micro), (GAS, gas)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name}={value} must be >= 1")
+    if world_size is None:  # only the accumulation steps can be fixed without the world size
+        if config.get(GAS, None) is AUTO and not (tbs is not None and micro is not None):
+            _choose(config, GAS, 1, "no batch key fixes it", updates, choices)
+        return
+    derived = derive_batch(tbs, micro, gas, world_size)
+    mentioned = any(config.given(path) for path in (TBS, MICRO, GAS))
+    reasons = {TBS: f"micro-batch x accumulation x {world_size} ranks",
+               MICRO: f"train_batch_size / (accumulation x {world_size} ranks)" if tbs is not None
+               else "no batch key fixes it",
+               GAS: f"train_batch_size / (micro-batch x {world_size} ranks)" if tbs is not None and micro is not None
+               else "1, as DeepSpeed sets it when it cannot be derived"}
+    for path, value in zip((TBS, MICRO, GAS), derived):
+        if _known(config, path) is None:
+            updates[path] = value
+            if mentioned:  # a config that names no batch key needs no line about them
+                choices.append(Choice(path, value, reasons[path], derived=not config.given(path)))
+
+
+def _choose(config: DeepSpeedConfig, path: str, value: Any, why: str, updates: dict, choices: list) -> None:
+    updates[path] = value
+    choices.append(Choice(path, value, why, derived=not config.given(path)))
+
+
+def derive_batch(tbs: int | None, micro: int | None, gas: int | None, world_size: int) -> tuple[int, int, int]:
+    """(train_batch_size, micro-batch, accumulation) as DeepSpeed derives them, exactly or a one-line error."""
+    if tbs is not None and micro is not None and gas is None:
+        gas = _split(tbs, micro * world_size, f"{micro} micro-batch x {world_size} ranks")
+    elif tbs is not None and micro is None:
+        gas = 1 if gas is None else gas
+        micro = _split(tbs, gas * world_size, f"{gas} accumulation steps x {world_size} ranks")
+    micro = 1 if micro is None else micro
+    gas = 1 if gas is None else gas
+    expected = micro * gas * world_size
+    if tbs is not None and tbs != expected:
+        raise ValueError(f"train_batch_size={tbs} but train_micro_batch_size_per_gpu x gradient_accumulation_steps "
+                         f"x world size = {micro} x {gas} x {world_size} = {expected}")
+    return expected, micro, gas
+
+
+def _split(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"train_batch_size={total} cannot be split over {what} ({total} is not a multiple of "
+                         f"{parts})")
+    return total // parts
+
+
+def _hidden(config: DeepSpeedConfig, hidden_size: int | None, updates: dict, choices: list) -> None:
+    wanted = [path for path in HIDDEN_KEYS if config.get(path, None) is AUTO]
+    if not wanted:
+        return
+    if hidden_size is None or hidden_size < 1:
+        raise ValueError(f"{', '.join(wanted)}='auto' needs the model's hidden size, which zerokit could not find "
+                         "(model.config.hidden_size); write the values or pass hidden_size")
+    rules = {HIDDEN_KEYS[0]: (hidden_size * hidden_size, "hidden^2"),
+             HIDDEN_KEYS[1]: (int(0.9 * hidden_size * hidden_size), "0.9 x hidden^2"),
+             HIDDEN_KEYS[2]: (10 * hidden_size, "10 x hidden")}
+    for path in wanted:
+        value, rule = rules[path]
+        _choose(config, path, value, f"{rule}, hidden size {hidden_size}, as Hugging Face sets it", updates, choices)

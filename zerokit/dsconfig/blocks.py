@@ -1,0 +1,273 @@
+"""Typed, validated blocks of a DeepSpeed config that need no torch: offload tiers, the optimizer and scheduler
+blocks, activation checkpointing and observability. zerokit/config.py holds them in ZeroConfig; each
+field's default is DeepSpeed's (tests/test_dsconfig.py checks them against the schema).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from zerokit.dsconfig import values as v
+from zerokit.dsconfig.keys import KeyClass
+from zerokit.dsconfig.schema_optim import (OPTIMIZER_TYPES, REQUIRED_PARAMS, SCHEDULER_TYPES, canonical_type,
+                                           params_table)
+
+DEVICES = ("none", "cpu", "nvme")
+
+
+def check_offload(device: str, nvme_path: str | None, ratio: float, counts: Mapping[str, int], where: str) -> None:
+    """The rules of an offload block, named by `where` (e.g. "zero_optimization.offload_param")."""
+    if device not in DEVICES:
+        raise ValueError(f"{where}.device={device!r} is not accepted; use none, cpu or nvme")
+    if device == "nvme" and not nvme_path:
+        raise ValueError(f"{where}.device=nvme needs {where}.nvme_path, the NVMe mount to offload to")
+    if not 0 < ratio <= 1:
+        raise ValueError(f"{where}.ratio={ratio} must be in (0, 1]: the share of the optimizer step on the CPU")
+    for name, count in counts.items():
+        if count < 0:
+            raise ValueError(f"{where}.{name}={count} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Offload:
+    """Where one kind of state lives: DeepSpeed's offload_optimizer or offload_param block."""
+
+    device: str = "none"
+    """none (accelerator memory), cpu (host memory) or nvme (files under nvme_path)."""
+    pin_memory: bool = True
+    """Page-locked host memory, for asynchronous copies."""
+    nvme_path: str | None = None
+    """The NVMe mount to offload to; needed with device nvme."""
+    buffer_count: int = 4
+    """Buffers in the NVMe swap pool (DeepSpeed: 4 for the optimizer, 5 for parameters)."""
+    buffer_size: int = 100_000_000
+    """offload_param only: elements per NVMe swap buffer."""
+    max_in_cpu: int = 1_000_000_000
+    """offload_param only: parameter elements kept in host memory with nvme."""
+    ratio: float = 1.0
+    """offload_optimizer only: share of the optimizer step done on the CPU, 0 < ratio <= 1."""
+    fast_init: bool = False
+    """offload_optimizer only: fast optimizer initialisation with nvme."""
+    pipeline_read: bool = False
+    """offload_optimizer only: overlap reading the next NVMe tile with the step."""
+    pipeline_write: bool = False
+    """offload_optimizer only: overlap writing the previous NVMe tile with the step."""
+
+    def __post_init__(self) -> None:
+        check_offload(self.device, self.nvme_path, self.ratio, {"buffer_count": self.buffer_count,
+                      "buffer_size": self.buffer_size, "max_in_cpu": self.max_in_cpu}, "offload")
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+def _params_tuple(kind: str, type_name: str, params: Any) -> tuple[tuple[str, Any], ...]:
+    """Params as sorted (name, value) pairs (hashable, like the frozen config around them), each read as the
+    schema reads it so that a typed block and a JSON block mean the same."""
+    from zerokit.dsconfig.reader import coerce  # the reader imports this module's neighbours
+
+    items = dict(params) if isinstance(params, Mapping) else dict(params or ())
+    table = params_table(kind, type_name)
+    out = []
+    for name, value in sorted(items.items()):
+        key = table.get(name)
+        if key is None:
+            guess = v.closest(name, table)
+            hint = f"did you mean {guess}? " if guess else ""
+            raise ValueError(f"{kind}.params.{name} is not a {type_name} parameter; {hint}accepted: "
+                             f"{', '.join(sorted(table))}")
+        value = coerce(key, value, f"{kind}.params.{name}")
+        if value is v.AUTO:
+            raise ValueError(f"{kind}.params.{name}='auto' must be resolved before the {kind} is built")
+        if key.accepts and value not in key.accepts and key.klass in (KeyClass.ALWAYS, KeyClass.REFUSED):
+            raise ValueError(f"{kind}.params.{name}={v.show(value)} is not supported: {key.why}")
+        out.append((name, value))
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSpec:
+    """An `optimizer` block: built by zerokit.schedules.build_optimizer when initialize() gets no optimizer."""
+
+    type: str
+    """Adam, AdamW, SGD, Adagrad or Muon."""
+    params: tuple[tuple[str, Any], ...] = ()
+    """The hyperparameters given (a dict is accepted); DeepSpeed's defaults fill in the rest."""
+
+    def __post_init__(self) -> None:
+        name = canonical_type("optimizer", str(self.type))
+        if name not in OPTIMIZER_TYPES:
+            raise ValueError(f"optimizer.type={self.type!r} is not one zerokit builds; use {v.words(OPTIMIZER_TYPES)}")
+        object.__setattr__(self, "type", name)
+        object.__setattr__(self, "params", _params_tuple("optimizer", name, self.params))
+
+    def value(self, name: str) -> Any:
+        """The given value, else DeepSpeed's default for this type."""
+        return dict(self.params).get(name, params_table("optimizer", self.type)[name].default)
+
+    @property
+    def adam_w_mode(self) -> bool:
+        """Decoupled weight decay: always for AdamW, DeepSpeed's adam_w_mode (default true) for Adam and Muon."""
+        return self.type == "AdamW" or (self.type in ("Adam", "Muon") and bool(self.value("adam_w_mode")))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerSpec:
+    """A `scheduler` block: built by zerokit.schedules.build_scheduler, stepped at each optimizer step."""
+
+    type: str
+    """WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest."""
+    params: tuple[tuple[str, Any], ...] = ()
+    """The parameters given (a dict is accepted); DeepSpeed's defaults fill in the rest."""
+
+    def __post_init__(self) -> None:
+        name = canonical_type("scheduler", str(self.type))
+        if name not in SCHEDULER_TYPES:
+            raise ValueError(f"scheduler.type={self.type!r} is not one zerokit builds; use {v.words(SCHEDULER_TYPES)}")
+        object.__setattr__(self, "type", name)
+        object.__setattr__(self, "params", _params_tuple("scheduler", name, self.params))
+        for required in REQUIRED_PARAMS.get(name, ()):
+            if required not in dict(self.params):
+                raise ValueError(f"scheduler.params.{required} is required by {name}")
+
+    def value(self, name: str) -> Any:
+        return dict(self.params).get(name, params_table("scheduler", self.type)[name].default)
+
+    def kwargs(self) -> dict[str, Any]:
+        """Every parameter of the schedule, given or default."""
+        return {name: self.value(name) for name in params_table("scheduler", self.type)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationCheckpointing:
+    """DeepSpeed's activation_checkpointing block (for checkpointed modules)."""
+
+    partition_activations: bool = False
+    """Partition checkpoints over model-parallel ranks (no model parallelism here: a no-op)."""
+    cpu_checkpointing: bool = False
+    """Keep checkpointed activations in host memory."""
+    contiguous_memory_optimization: bool = False
+    """Copy partitioned checkpoints into one buffer."""
+    number_checkpoints: int | None = None
+    """Checkpoints per step, to size that buffer."""
+    synchronize_checkpoint_boundary: bool = False
+    """Synchronise the device at each checkpoint boundary."""
+    profile: bool = False
+    """Log forward/backward time of each checkpointed function."""
+
+    def __post_init__(self) -> None:
+        if self.number_checkpoints is not None and self.number_checkpoints < 1:
+            raise ValueError(f"activation_checkpointing.number_checkpoints={self.number_checkpoints} must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommsLogger:
+    """DeepSpeed's comms_logger block: zerokit logs comm_stats() per step."""
+
+    enabled: bool = False
+    verbose: bool = False
+    """Log every collective as it is issued."""
+    prof_all: bool = True
+    """Every collective kind; false: only prof_ops."""
+    debug: bool = False
+    """Name the caller of each collective."""
+    prof_ops: tuple[str, ...] = ()
+    """Collective kinds to log when prof_all is false."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlopsProfiler:
+    """DeepSpeed's flops_profiler block: model FLOPs at one step (torch.utils.flop_counter)."""
+
+    enabled: bool = False
+    profile_step: int = 1
+    """The optimizer step to profile."""
+    module_depth: int = -1
+    """Module depth to aggregate at; -1: every depth."""
+    top_modules: int = 1
+    """How many of the costliest modules to report."""
+    detailed: bool = True
+    """Report per module."""
+    output_file: str | None = None
+    """Write the report here; None: the log."""
+    recompute_fwd_factor: float = 0.0
+    """Extra forward share recomputed by activation checkpointing."""
+
+    def __post_init__(self) -> None:
+        if self.profile_step < 1:
+            raise ValueError(f"flops_profiler.profile_step={self.profile_step} must be >= 1")
+        if self.top_modules < 1 or self.module_depth < -1:
+            raise ValueError("flops_profiler.top_modules must be >= 1 and module_depth >= -1")
+
+
+def _require_package(package: str, key: str) -> None:
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(f"{key}.enabled=true needs the {package} package, which is not installed; "
+                         f"pip install {package} or set {key}.enabled to false")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Monitor:
+    """DeepSpeed's tensorboard or csv_monitor block: training metrics written under output_path/job_name."""
+
+    enabled: bool = False
+    output_path: str = ""
+    """Directory; empty: the working directory."""
+    job_name: str = "DeepSpeedJobName"
+    """Sub-directory for this run."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Wandb:
+    """DeepSpeed's wandb block."""
+
+    enabled: bool = False
+    group: str | None = None
+    team: str | None = None
+    project: str = "deepspeed"
+
+    def __post_init__(self) -> None:
+        if self.enabled:
+            _require_package("wandb", "wandb")
+
+
+def tensorboard_available() -> None:
+    """torch.utils.tensorboard needs the tensorboard package; say so at start, not at the first log."""
+    _require_package("tensorboard", "tensorboard")
+
+
+def from_values(cls: type, given: Mapping[str, Any]) -> Any:
+    """A block dataclass from the keys given under its section (the rest keep their defaults)."""
+    names = {f.name for f in fields(cls)}
+    return cls(**{name: (tuple(value) if isinstance(value, list) else value)
+                  for name, value in given.items() if name in names})
+
+
+def offload_from(given: Mapping[str, Any], where: str, buffer_count: int) -> Offload:
+    """An Offload from the keys given under `where`, checked with their full names first."""
+    check_offload(given.get("device", "none"), given.get("nvme_path"), given.get("ratio", 1.0),
+                  {name: given[name] for name in ("buffer_count", "buffer_size", "max_in_cpu") if name in given},
+                  where)
+    return from_values(Offload, {"buffer_count": buffer_count, **given})
+
+
+def block_fields(config: Any) -> dict[str, Any]:
+    """ZeroConfig's torch-free block fields from a read DeepSpeedConfig (no AUTO left in these blocks)."""
+    z = "zero_optimization."
+    out: dict[str, Any] = {
+        "offload_optimizer": offload_from(config.under(z + "offload_optimizer"), z + "offload_optimizer", 4),
+        "offload_param": offload_from(config.under(z + "offload_param"), z + "offload_param", 5),
+        "activation_checkpointing": from_values(ActivationCheckpointing, config.under("activation_checkpointing")),
+        "comms_logger": from_values(CommsLogger, config.under("comms_logger")),
+        "flops_profiler": from_values(FlopsProfiler, config.under("flops_profiler")),
+        "csv_monitor": from_values(Monitor, config.under("csv_monitor")),
+        "tensorboard": from_values(Monitor, config.under("tensorboard")),
+        "wandb": from_values(Wandb, config.under("wandb")),
+    }
+    for kind, spec in (("optimizer", OptimizerSpec), ("scheduler", SchedulerSpec)):
+        if config.given(kind + ".type"):
+            out[kind] = spec(type=config.get(kind + ".type"), params=config.under(kind + ".params"))
+    return out

@@ -1,0 +1,92 @@
+"""Observability, activation checkpointing, checkpoints and I/O blocks."""
+
+from __future__ import annotations
+
+from zerokit.dsconfig.keys import Key, Kind, always, block, honoured, refused, refused_block
+
+NO_CHECKPOINTS = "zerokit has no save_checkpoint yet"
+A = "activation_checkpointing."
+
+OBSERVABILITY = (
+    honoured("steps_per_print", Kind.INT, None, "log loss, LR, grad norm, loss scale, skips and step time every N "
+             "optimizer steps (logger 'zerokit', rank 0)"),
+    honoured("wall_clock_breakdown", Kind.BOOL, False, "time forward, backward, reduction and optimizer step"),
+    block("comms_logger", "log comm_stats() per step"),
+    honoured("comms_logger.enabled", Kind.BOOL, False, "log what each collective moved"),
+    honoured("comms_logger.verbose", Kind.BOOL, False, "log every collective as it is issued"),
+    honoured("comms_logger.prof_all", Kind.BOOL, True, "profile every collective kind"),
+    honoured("comms_logger.debug", Kind.BOOL, False, "name the caller of each collective"),
+    honoured("comms_logger.prof_ops", Kind.NAMES, (), "only these collective kinds (with prof_all false)"),
+    block("flops_profiler", "model FLOPs at one step (torch.utils.flop_counter)"),
+    honoured("flops_profiler.enabled", Kind.BOOL, False, "count FLOPs at profile_step"),
+    honoured("flops_profiler.profile_step", Kind.INT, 1, "the optimizer step to profile"),
+    honoured("flops_profiler.module_depth", Kind.INT, -1, "module depth to aggregate at (-1: all)"),
+    honoured("flops_profiler.top_modules", Kind.INT, 1, "how many top modules to report"),
+    honoured("flops_profiler.detailed", Kind.BOOL, True, "report per module"),
+    honoured("flops_profiler.output_file", Kind.STR, None, "write the report here (null: the log)", nullable=True),
+    honoured("flops_profiler.recompute_fwd_factor", Kind.FLOAT, 0.0, "extra forward share recomputed by "
+             "activation checkpointing"),
+)
+
+
+def _monitor(name: str, what: str) -> tuple[Key, ...]:
+    return (block(name, what), honoured(name + ".enabled", Kind.BOOL, False, "write the training metrics"),
+            honoured(name + ".output_path", Kind.STR, "", "directory (empty: the working directory)"),
+            honoured(name + ".job_name", Kind.STR, "DeepSpeedJobName", "sub-directory for this run"))
+
+
+MONITORS = (
+    *_monitor("tensorboard", "metrics through torch.utils.tensorboard"),
+    *_monitor("csv_monitor", "metrics as CSV files"),
+    block("wandb", "metrics to Weights & Biases (needs the wandb package)"),
+    honoured("wandb.enabled", Kind.BOOL, False, "log to wandb"),
+    honoured("wandb.group", Kind.STR, None, "wandb group", nullable=True),
+    honoured("wandb.team", Kind.STR, None, "wandb team (entity)", nullable=True),
+    honoured("wandb.project", Kind.STR, "deepspeed", "wandb project"),
+    refused_block("comet", "logging to Comet", "zerokit writes to tensorboard, csv_monitor and wandb"),
+)
+
+ACTIVATION = (
+    block("activation_checkpointing", "how checkpointed activations are kept"),
+    honoured(A + "partition_activations", Kind.BOOL, False, "partition checkpoints over model-parallel ranks (a "
+             "no-op without model parallelism)"),
+    honoured(A + "cpu_checkpointing", Kind.BOOL, False, "keep checkpointed activations in host memory"),
+    honoured(A + "contiguous_memory_optimization", Kind.BOOL, False, "copy partitioned checkpoints into one "
+             "buffer"),
+    honoured(A + "number_checkpoints", Kind.INT, None, "checkpoints per step, to size that buffer", nullable=True),
+    honoured(A + "synchronize_checkpoint_boundary", Kind.BOOL, False, "synchronise the device at each checkpoint"),
+    honoured(A + "profile", Kind.BOOL, False, "log forward/backward time of each checkpointed function"),
+)
+
+C = "checkpoint."
+CHECKPOINT = (
+    block("checkpoint", "how save_checkpoint/load_checkpoint behave"),
+    refused(C + "tag_validation", "checking checkpoint tags across ranks", NO_CHECKPOINTS, Kind.CHOICE, "Warn",
+            ("Warn",), choices=("Ignore", "Warn", "Fail")),
+    refused(C + "load_universal", "loading a universal checkpoint", NO_CHECKPOINTS),
+    refused(C + "use_node_local_storage", "checkpoints on node-local storage", NO_CHECKPOINTS),
+    refused(C + "checkpoint_serialization", "turning checkpoint serialization off", NO_CHECKPOINTS, Kind.BOOL, True),
+    block(C + "parallel_write", "parallel checkpoint writing", ),
+    refused(C + "parallel_write.pipeline_stage", "writing checkpoints by pipeline stage", NO_CHECKPOINTS),
+    refused_block(C + "writer", "DeepSpeed's fast checkpoint writer", NO_CHECKPOINTS, switch=""),
+)
+
+AIO_NOTE = "libaio tuning for DeepSpeed's NVMe swapper; zerokit's NVMe tier does its own I/O"
+AIO = (
+    block("aio", "asynchronous NVMe I/O"),
+    *(always("aio." + name, AIO_NOTE, kind, default) for name, kind, default in (
+        ("block_size", Kind.INT, 1_048_576), ("queue_depth", Kind.INT, 8), ("intra_op_parallelism", Kind.INT, 1),
+        ("thread_count", Kind.INT, 1), ("single_submit", Kind.BOOL, False), ("overlap_events", Kind.BOOL, True),
+        ("use_gds", Kind.BOOL, False))),
+)
+
+TIMERS = (
+    block("timers", "DeepSpeed's throughput timers"),
+    block("timers.throughput", "the throughput timer"),
+    always("timers.throughput.enabled", "zerokit times steps with wall_clock_breakdown and steps_per_print",
+           Kind.BOOL, True),
+    always("timers.throughput.synchronized", "zerokit times steps with wall_clock_breakdown and steps_per_print",
+           Kind.BOOL, True),
+)
+
+KEYS: tuple[Key, ...] = (*OBSERVABILITY, *MONITORS, *ACTIVATION, *CHECKPOINT, *AIO, *TIMERS)

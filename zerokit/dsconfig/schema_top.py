@@ -1,0 +1,134 @@
+"""Top-level DeepSpeed keys: batch sizes, precision, communication, and the features zerokit does not offer."""
+
+from __future__ import annotations
+
+from zerokit.dsconfig.keys import (Key, Kind, alias, always, block, honoured, refused, refused_block,
+                                   removed, zerokit_key)
+
+PARALLELISM = "zerokit is data parallel only: combine it with torch's own tensor/pipeline parallelism in model code"
+
+BATCH = (
+    honoured("train_batch_size", Kind.INT, None, "samples per optimizer step over all ranks; checked against "
+             "micro-batch x accumulation x world size, or derived from them as DeepSpeed does"),
+    honoured("train_micro_batch_size_per_gpu", Kind.INT, None, "samples per rank per micro-step"),
+    honoured("gradient_accumulation_steps", Kind.INT, None, "micro-steps per optimizer step; the loss is divided "
+             "by it"),
+    always("managed_gradient_accumulation", "zerokit's engine.step() steps the optimizer at its accumulation "
+           "boundary and only there", Kind.BOOL, True, (True,),
+           "false hands the boundary to your code, which zerokit does not offer: call engine.step() every micro-step"),
+)
+
+TRAINING = (
+    block("optimizer", "builds the optimizer when initialize() is given none (zerokit.schedules.build_optimizer)"),
+    honoured("optimizer.type", Kind.STR, None, "Adam, AdamW, SGD, Adagrad or Muon", auto=False),
+    block("optimizer.params", "the optimizer's hyperparameters; DeepSpeed's defaults for those not given"),
+    refused("optimizer.legacy_fusion", "DeepSpeed's legacy fused-LAMB path", "zerokit builds torch optimizers"),
+    block("scheduler", "builds the LR schedule, stepped at each optimizer step (zerokit.schedules.build_scheduler)"),
+    honoured("scheduler.type", Kind.STR, None, "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest",
+             auto=False),
+    block("scheduler.params", "the schedule's parameters, with DeepSpeed's formulas and defaults"),
+    honoured("zero_allow_untested_optimizer", Kind.BOOL, False, "allow a passed optimizer other than the ones "
+             "zerokit tests (ZeroConfig.allow_untested_optimizer)"),
+    always("zero_force_ds_cpu_optimizer", "zerokit steps your torch optimizer on the offloaded fp32 masters; there "
+           "is no DeepSpeed CPU Adam to force", Kind.BOOL, True),
+    honoured("gradient_clipping", Kind.FLOAT, 0.0, "clip the global gradient norm over all shards (0: off; "
+             "DeepSpeed 0.19.8 clips at 1.0 when the key is absent, zerokit does not)"),
+    honoured("communication_data_type", Kind.DTYPE, None, "dtype gradients are reduced in (zerokit: fp32 when "
+             "absent; DeepSpeed reduces in the compute dtype); \"bfp16\" is read as bf16"),
+    honoured("prescale_gradients", Kind.BOOL, False, "divide gradients by the world size before the reduction, "
+             "not after"),
+    honoured("gradient_predivide_factor", Kind.FLOAT, 1.0, "divide gradients by this before the reduction and by "
+             "world size / factor after"),
+    always("gradient_allreduce_op", "zerokit averages gradients over ranks", Kind.CHOICE, "mean", ("mean",),
+           "\"sum\" keeps the unscaled sum, which zerokit does not offer", choices=("mean", "sum")),
+    refused("disable_allgather", "broadcasts instead of the parameter all-gather", "zerokit picks the gather per "
+            "back-end (one all-gather on NCCL, per-owner broadcasts on gloo)"),
+    honoured("dataloader_drop_last", Kind.BOOL, False, "drop the last incomplete batch of the loader built from "
+             "training_data"),
+)
+
+PRECISION = (
+    block("fp16", "fp16 compute with fp32 master weights and dynamic loss scaling"),
+    honoured("fp16.enabled", Kind.BOOL, False, "train in fp16 (\"auto\": off)"),
+    honoured("fp16.loss_scale", Kind.FLOAT, 0.0, "0: dynamic loss scaling; >0: this static scale"),
+    honoured("fp16.initial_scale_power", Kind.INT, 16, "dynamic scaling starts at 2**power"),
+    honoured("fp16.loss_scale_window", Kind.INT, 1000, "steps without overflow before the scale doubles"),
+    honoured("fp16.hysteresis", Kind.INT, 2, "overflows tolerated before the scale is halved"),
+    honoured("fp16.min_loss_scale", Kind.FLOAT, 1.0, "the scale never goes below this"),
+    refused("fp16.auto_cast", "casting the model's inputs to fp16", "zerokit passes inputs as you give them"),
+    refused("fp16.consecutive_hysteresis", "refilling the hysteresis after each good step",
+            "zerokit's loss scaler (precision.py) does not"),
+    refused("fp16.fp16_master_weights_and_grads", "fp16 master weights", "zerokit keeps fp32 masters"),
+    block("bf16", "bf16 compute with fp32 master weights"),
+    honoured("bf16.enabled", Kind.BOOL, False, "train in bf16 (\"auto\": off)"),
+    always("bf16.immediate_grad_update", "zerokit moves each gradient into its bucket as soon as it is ready",
+           Kind.BOOL, False),
+    always("bf16.check_grad_overflow", "zerokit checks every step for inf/nan gradients under every precision",
+           Kind.BOOL, True, (True,), "zerokit always checks; a skipped step is reported, never silent"),
+    refused("bf16.bf16_master_weights_and_grads", "bf16 master weights", "zerokit keeps fp32 masters"),
+    refused("bf16.bf16_optimizer_states", "bf16 optimizer states", "zerokit keeps fp32 optimizer states"),
+    alias("bfloat16", "bf16", Kind.BLOCK, "the old name of the bf16 block"),
+    alias("bfloat16.enabled", "bf16.enabled", Kind.BOOL),
+    refused_block("torch_autocast", "running forward under torch.autocast", "zerokit casts parameters to the "
+                  "compute dtype instead (bf16.enabled / fp16.enabled)"),
+    block("data_types", "dtypes of gradient accumulation, parameters and buffers"),
+    honoured("data_types.grad_accum_dtype", Kind.DTYPE, None, "dtype gradients accumulate in across micro-steps"),
+    refused("data_types.param_dtype", "casting parameters to another dtype than the compute dtype",
+            "zerokit's parameters take the compute dtype of bf16/fp16.enabled", Kind.DTYPE, None),
+    refused("data_types.buffer_dtype", "casting buffers to a dtype of their own",
+            "zerokit casts floating buffers with the parameters", Kind.DTYPE, None),
+    refused("data_types.keep_in_fp32_modules", "keeping some modules' buffers in fp32 under bf16/fp16",
+            "zerokit casts every floating buffer to the compute dtype (\"auto\" and [] are accepted)", Kind.ANY,
+            None, (None, ())),
+)
+
+PARALLEL = (
+    refused_block("pipeline", "pipeline parallelism", PARALLELISM, switch=""),
+    refused_block("tensor_parallel", "AutoTP tensor parallelism", PARALLELISM, switch="autotp_size"),
+    refused_block("expert_parallel", "AutoEP expert parallelism", PARALLELISM),
+    refused("sequence_parallel_size", "Ulysses sequence parallelism", PARALLELISM, Kind.INT, 1),
+    refused("seq_parallel_communication_data_type", "a reduction dtype for sequence parallelism", PARALLELISM,
+            Kind.DTYPE, "fp32", ("fp32", None)),
+    refused("use_data_before_expert_parallelism", "a data/expert-parallel process topology", PARALLELISM),
+    refused_block("hybrid_engine", "DeepSpeed's RLHF hybrid training/inference engine", "zerokit trains; generate "
+                  "inside engine.unsharded()"),
+    refused_block("compile", "DeepCompile", "zerokit runs your module eagerly", switch="deepcompile"),
+    refused_block("weight_quantization", "quantized weights for inference", "zerokit trains in bf16/fp16/fp32",
+                  switch=""),
+    refused_block("autotuning", "DeepSpeed's autotuner", "zerokit plan predicts memory and time per stage "
+                  "before you run instead"),
+    refused_block("data_efficiency", "data sampling (curriculum learning) and data routing (random-LTD)",
+                  "zerokit leaves data loading to your loader"),
+    refused_block("datastates_ckpt", "DataStates asynchronous checkpointing", "zerokit has no checkpoint "
+                  "engines", switch=""),
+    refused("memory_breakdown", "printing memory use at every step", "zerokit reports exact bytes by category in "
+            "engine.memory_stats() instead"),
+    refused("dump_state", "printing DeepSpeed's engine state after initialize", "zerokit logs its start-up choices "
+            "(logger 'zerokit') instead"),
+    refused("disable_python_gc", "turning Python's cyclic garbage collector off", "zerokit leaves the garbage "
+            "collector as your process sets it"),
+    always("vocabulary_size", "DeepSpeed only warns when it is not a multiple of 8; zerokit has nothing to check",
+           Kind.INT),
+    always("log_level", "zerokit logs through the standard logging module: set the level of logger 'zerokit'",
+           Kind.ANY),
+)
+
+REMOVED = tuple(removed(path, asks) for path, asks in (
+    ("amp", "NVIDIA Apex AMP"), ("compression_training", "DeepSpeed's compression library (quantization, "
+                                                         "pruning, layer reduction)"),
+    ("quantize_training", "Mixture-of-Quantization (MoQ)"), ("eigenvalue", "eigenvalue-based MoQ"),
+    ("sparse_attention", "DeepSpeed sparse attention"), ("sparse_gradients", "sparse embedding gradients"),
+    ("elasticity", "elastic training (batch sizes chosen for a range of GPU counts)"),
+    ("curriculum_learning", "legacy curriculum learning"), ("progressive_layer_drop", "progressive layer dropping"),
+    ("nebula", "Nebula checkpointing"), ("graph_harvesting", "graph harvesting"),
+))
+
+ZEROKIT_TOP = (
+    zerokit_key("max_consecutive_skipped_steps", Kind.INT, 20, "raise after this many optimizer steps in a row "
+                "were skipped for inf/nan gradients"),
+    zerokit_key("comm_timeout_seconds", Kind.FLOAT, 300.0, "every collective's deadline"),
+    zerokit_key("broadcast_buffers", Kind.BOOL, True, "broadcast rank 0's buffers to every rank, as torch DDP does"),
+)
+
+KEYS: tuple[Key, ...] = (block("zero_optimization", "ZeRO stage and its tuning"), *BATCH, *TRAINING, *PRECISION,
+                         *PARALLEL, *REMOVED, *ZEROKIT_TOP)

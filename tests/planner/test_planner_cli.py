@@ -169,7 +169,7 @@ def test_nothing_fits_exits_1(capsys):
     (["plan", "--model", "llama2-13b", "--gpu", "nope"],
      "argument --gpu: invalid choice: 'nope' (choose from 'a100-40gb'"),
     (["plan", "--model", "llama2-13b", "--dtype", "fp8"], "invalid choice: 'fp8' (choose from 'bf16', 'fp16', 'fp32')"),
-    (["plan"], "one of the arguments --model --params --arch is required"),
+    (["plan"], "give the model: --model, --params or --arch"),
     (["plan", "--params", "13B"], "argument --params: '13B' is not a number"),
     (["plan", "--params", "inf"], "argument --params: 'inf' is not a finite number"),
     (["plan", "--model", "llama2-13b", "--mfu", "nan"], "argument --mfu: 'nan' is not a finite number"),

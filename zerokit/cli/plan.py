@@ -8,6 +8,7 @@ stderr, so `zerokit plan ... --emit deepspeed > ds_config.json` works.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import sys
@@ -79,8 +80,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="pick a ZeRO stage and explain it (no GPU needed)",
                               description="Predict memory and communication per ZeRO stage, pick one, justify it.")
     one_line_errors(p)
-    model = p.add_argument_group("model (give one of --model, --params, --arch)")
-    which = model.add_mutually_exclusive_group(required=True)
+    model = p.add_argument_group("model (give one of --model, --params, --arch; not needed with --check or "
+                                 "--measure-device)")
+    which = model.add_mutually_exclusive_group()
     which.add_argument("--model", help=f"preset ({', '.join(PRESETS)}) or a local config.json path")
     which.add_argument("--params", type=finite_float, help="parameter count, e.g. 13e9 (no activations then)")
     which.add_argument("--arch", help="shapes: layers=,hidden=,heads=,kv_heads=,ffn=,vocab=[,gated=1,tied=0,...]")
@@ -88,7 +90,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     model.add_argument("--lora-rank", type=int, help="LoRA rank r; the base model is frozen")
     model.add_argument("--lora-targets", help=f"comma list of {','.join(LORA_TARGETS)} (default: all)")
     hw = p.add_argument_group("hardware (catalogue keys; numbers override them)")
-    hw.add_argument("--gpu", default="a100-80gb", choices=list(GPUS))
+    hw.add_argument("--gpu", default="a100-80gb", choices=[*GPUS, "cpu"], help="cpu: a measured device (--device-file)")
     hw.add_argument("--gpus-per-node", type=int, default=8)
     hw.add_argument("--nodes", type=int, default=1)
     hw.add_argument("--intra-link", choices=list(LINKS), help="default: the GPU's (NVLink or PCIe)")
@@ -131,6 +133,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     pol.add_argument("--mfu", type=finite_float, default=0.40, help="achieved / peak FLOPS")
     pol.add_argument("--bandwidth-efficiency", type=finite_float, default=0.80)
     pol.add_argument("--overhead-gb", type=finite_float, default=1.0, help="per-GPU allowance (CUDA context, NCCL)")
+    measure = p.add_argument_group("measure and check (these run torch on this machine)")
+    measure.add_argument("--calibrate", action="store_true",
+                         help="run the model (a config.json or preset, --calibration-layers blocks of it) at small "
+                              "shapes here and plan with its measured activations and backward transients")
+    measure.add_argument("--calibration", metavar="FILE", help="a calibration saved by --save-calibration")
+    measure.add_argument("--save-calibration", metavar="FILE", help="write the calibration made by --calibrate")
+    measure.add_argument("--calibration-layers", type=int, default=2, help="blocks of the model to run (default 2)")
+    measure.add_argument("--measure-device", nargs="?", const="-", metavar="FILE",
+                         help="time this machine (FLOPs, memory bandwidth, optimizer, gloo link) and print it; "
+                              "write it to FILE if given")
+    measure.add_argument("--threads", type=int, default=1, help="threads per rank when measuring (default 1)")
+    measure.add_argument("--device-file", metavar="FILE",
+                         help="a measured device (from --measure-device): --gpu cpu plans on it; --check times with it")
+    measure.add_argument("--backend", choices=("nccl", "gloo"), help="default: gloo with --gpu cpu, else nccl")
+    measure.add_argument("--optimizer-ns-per-element", type=finite_float,
+                         help="the optimizer step's time per owned element (default: measured, or memory-bound)")
+    measure.add_argument("--check", metavar="RUN", help="a run recorded by zerokit.profiling.record_run: print the "
+                                                        "plan for its configuration beside it, category by category")
     out = p.add_argument_group("output")
     out.add_argument("--memo", metavar="PATH", help="write the markdown memo here")
     out.add_argument("--plot", metavar="PATH", help="write stacked bars per stage (needs matplotlib)")
@@ -148,14 +168,49 @@ def _model(args: argparse.Namespace):
     return args.params
 
 
+def _device(args: argparse.Namespace):
+    """The measured device of --device-file, with the user's numbers over it."""
+    if not args.device_file:
+        return None
+    from zerokit.planner.device import DeviceProfile
+
+    return DeviceProfile.load(args.device_file).with_overrides(
+        peak_flops=_float_or_none(args.peak_tflops, 1e12), memory_bandwidth=_float_or_none(args.host_mem_gb_per_s, 1e9),
+        link_bandwidth=_float_or_none(args.intra_gb_per_s, 1e9), link_latency=_float_or_none(args.intra_latency_us, 1e-6))
+
+
+def _calibration(args: argparse.Namespace, model):
+    """--calibration FILE, or --calibrate (torch, lazily), or None."""
+    from zerokit.planner.calibration import Calibration
+
+    if args.calibration:
+        return Calibration.load(args.calibration)
+    if not args.calibrate:
+        return None
+    if not isinstance(model, str):
+        raise ValueError("--calibrate needs --model (a preset or a config.json), which it builds and runs")
+    calibrate = importlib.import_module("zerokit.profiling.calibrate")
+    calibrate.set_threads(args.threads)
+    result = calibrate.calibrate(model, precision=args.dtype, layers=args.calibration_layers)
+    if args.save_calibration:
+        result.save(args.save_calibration)
+    return result
+
+
 def scenario_from_args(args: argparse.Namespace):
     targets = tuple(t.strip() for t in args.lora_targets.split(",")) if args.lora_targets else None
     if args.bucket_mib <= 0:
         raise ValueError(f"--bucket-mib={args.bucket_mib:g} must be > 0")
     if args.overhead_gb < 0:
         raise ValueError(f"--overhead-gb={args.overhead_gb:g} must be >= 0")
+    device = _device(args)
+    per_element = None if args.optimizer_ns_per_element is None else args.optimizer_ns_per_element * 1e-9
+    if per_element is None and device is not None:
+        per_element = device.optimizer_seconds_per_element.get(args.optimizer)
     return make_scenario(
-        _model(args), gpu=args.gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes, precision=args.dtype,
+        _model(args), device=device, calibration=_calibration(args, _model(args)),
+        backend=args.backend or ("gloo" if args.gpu == "cpu" else "nccl"), optimizer_seconds_per_element=per_element,
+        gpu=args.gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes, precision=args.dtype,
         optimizer=args.optimizer, seq_len=args.seq_len, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
         checkpointing="none" if args.checkpointing == "auto" else args.checkpointing, attention=args.attention,
         reduce_dtype=args.reduce_dtype, bucket_bytes=int(args.bucket_mib * 2**20), overlap_comm=not args.no_overlap,
@@ -214,6 +269,12 @@ def summary(p: Plan) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.measure_device:
+        return measure_device(args)
+    if args.check:
+        return check_run(args)
+    if args.model is None and args.arch is None and args.params is None:
+        raise ValueError("give the model: --model, --params or --arch (or --check RUN, or --measure-device)")
     scenario = scenario_from_args(args)
     policy = Policy(headroom=args.headroom, checkpointing=args.checkpointing, offload=args.offload,
                     max_micro_batch=args.max_micro_batch)
@@ -251,3 +312,56 @@ def _print(result: Plan, args: argparse.Namespace, emitted) -> None:
         config = emitted.config
         print(config if isinstance(config, str) else json.dumps(config, indent=2), end="" if isinstance(config, str)
               else "\n")
+
+
+def measure_device(args: argparse.Namespace) -> int:
+    device = importlib.import_module("zerokit.profiling.device").measure_device(threads=args.threads)
+    print(f"device: {device.name} ({device.source})")
+    for dtype, flops in sorted(device.peak_flops.items()):
+        print(f"  matmul peak {dtype}: {flops / 1e9:,.1f} GFLOP/s per rank")
+    print(f"  memory bandwidth: {device.memory_bandwidth / 1e9:.1f} GB/s (copy, read + write)")
+    print(f"  gloo link: {device.link_bandwidth / 1e9:.2f} GB/s, {device.link_latency * 1e6:.0f} us per ring step")
+    for name, seconds in sorted(device.optimizer_seconds_per_element.items()):
+        print(f"  optimizer {name}: {seconds * 1e9:.2f} ns per fp32 element")
+    print(f"  a rank's resident memory before its model: {device.resident_bytes / 2**20:,.0f} MiB; "
+          f"memory shared by the ranks: {device.memory_bytes / 2**30:,.1f} GiB")
+    if args.measure_device != "-":
+        device.save(args.measure_device)
+        print(f"wrote device: {args.measure_device}")
+    return 0
+
+
+def check_run(args: argparse.Namespace) -> int:
+    """--check RUN: the plan for the run's configuration beside what it measured (zerokit/planner/check.py)."""
+    from zerokit.planner.calibration import Calibration
+    from zerokit.planner.check import check_rows, format_rows
+
+    record = json.loads(_read(args.check))
+    calibration = Calibration.load(args.calibration) if args.calibration else None
+    if calibration is None and args.calibrate:
+        report = importlib.import_module("zerokit.profiling.report")
+        importlib.import_module("zerokit.profiling.calibrate").set_threads(args.threads)
+        calibration = report.calibrate_for_record(record, layers=args.calibration_layers)
+        if args.save_calibration:
+            calibration.save(args.save_calibration)
+    mfu = args.mfu if args.mfu != 0.40 else None  # the GPU default is no guess for a CPU: measure unless given
+    rows = check_rows(record, calibration, _device(args), mfu)
+    if args.json:
+        print(json.dumps([row.as_dict() for row in rows], indent=2))
+    else:
+        setup = record["setup"]
+        print(f"zerokit plan --check {args.check}: stage {setup['stage']}, {setup['precision']}, {setup['world']} "
+              f"{setup['backend']} ranks, micro-batch {record['micro_batch']}, seq {record['seq_len']}")
+        print("\n".join(format_rows(rows)))
+    if args.memo:
+        with open(args.memo, "a") as handle:
+            handle.write("\n## Predicted vs measured: " + args.check + "\n\n```\n" + "\n".join(format_rows(rows)) + "\n```\n")
+    return 0
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as handle:
+            return handle.read()
+    except OSError as error:
+        raise ValueError(f"run record {path!r} cannot be read: {error.strerror}") from None

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from zerokit.planner.device import DeviceProfile
+
 GiB = 2**30
 TiB = 2**40
 TB = 10**12
@@ -240,20 +242,40 @@ def _override(item, **changes):
     return replace(item, source=f"user override ({note}); otherwise {item.source}", **given)
 
 
+def device_entries(profile: DeviceProfile, gpus_per_node: int) -> tuple[GPU, Link]:
+    """A measured device (a CPU, `zerokit plan --measure-device`) as a catalogue GPU and its link between
+    ranks: `gpus_per_node` ranks share its memory."""
+    gpu_entry = GPU("cpu", profile.name, profile.memory_bytes // gpus_per_node if profile.memory_bytes else 0,
+                    dict(profile.peak_flops), profile.memory_bandwidth, "loopback", "pcie4", "eth-100g", "generic",
+                    profile.source)
+    return gpu_entry, Link("loopback", "gloo between ranks on this host", profile.link_bandwidth,
+                           profile.link_latency, profile.source)
+
+
 def make_cluster(gpu_key: str, *, gpus_per_node: int = 8, nodes: int = 1, intra_link: str | None = None,
                  inter_link: str | None = None, host_key: str | None = None, nics_per_node: int | None = None,
                  gpu_memory: int | None = None, peak_tflops: float | None = None,
                  intra_bandwidth: float | None = None, inter_bandwidth: float | None = None,
                  intra_latency: float | None = None, inter_latency: float | None = None,
                  host_ram: int | None = None, nvme_capacity: int | None = None, nvme_read: float | None = None,
-                 nvme_write: float | None = None, ram_bandwidth: float | None = None) -> Cluster:
-    """A cluster from catalogue keys, with the user's own numbers where given (bytes, bytes/s, s)."""
+                 nvme_write: float | None = None, ram_bandwidth: float | None = None,
+                 device: DeviceProfile | None = None) -> Cluster:
+    """A cluster from catalogue keys, with the user's own numbers where given (bytes, bytes/s, s).
+    gpu_key "cpu" takes a measured `device` (zerokit/planner/device.py) instead of a catalogue entry."""
     for name, value in (("gpus per node", gpus_per_node), ("nodes", nodes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
     if nics_per_node is not None and (not isinstance(nics_per_node, int) or nics_per_node < 1):
         raise ValueError(f"nics per node={nics_per_node!r} must be a positive integer")
-    chosen = gpu(gpu_key)
+    measured_link = None
+    if gpu_key == "cpu":
+        if device is None:
+            raise ValueError("--gpu cpu needs the device's numbers: --device-file (from zerokit plan --measure-device)")
+        chosen, measured_link = device_entries(device, gpus_per_node)
+        if not chosen.memory and gpu_memory is None:
+            raise ValueError("the device file does not say how much memory it has; give --gpu-memory-gib")
+    else:
+        chosen = gpu(gpu_key)
     chosen = _override(chosen, memory=gpu_memory)
     if peak_tflops is not None:
         if not 0 < peak_tflops < math.inf:
@@ -261,7 +283,8 @@ def make_cluster(gpu_key: str, *, gpus_per_node: int = 8, nodes: int = 1, intra_
         flops = {name: peak_tflops * 1e12 for name in chosen.peak_flops}
         chosen = replace(chosen, peak_flops=flops, source=f"user override (peak {peak_tflops:g} TFLOPS); "
                                                           f"otherwise {chosen.source}")
-    intra = _override(link(intra_link or chosen.intra_link), bandwidth=intra_bandwidth, latency=intra_latency)
+    base_intra = measured_link if measured_link is not None and intra_link is None else link(intra_link or chosen.intra_link)
+    intra = _override(base_intra, bandwidth=intra_bandwidth, latency=intra_latency)
     inter = _override(link(inter_link or chosen.inter_link), bandwidth=inter_bandwidth, latency=inter_latency)
     node = _override(host(host_key or chosen.host), ram=host_ram, nvme_capacity=nvme_capacity,
                      nvme_read=nvme_read, nvme_write=nvme_write, ram_bandwidth=ram_bandwidth)

@@ -135,15 +135,29 @@ def predicted_seconds(record: dict, setup: EngineSetup, inventory: ParamInventor
         tokens = record["micro_batch"] * record["seq_len"] * setup.grad_accum
         rate = device.flops(setup.precision) * mfu
         out["forward"], out["backward"] = forward * tokens / rate, backward * tokens / rate
-    per_element = device.optimizer_seconds_per_element.get(setup.optimizer)
-    if per_element is not None:
-        owned = sum(b.shard_numel for b in engine_buckets(inventory, setup))
-        out["step"] = owned * per_element
     n = setup.world
     steps = {"all_reduce": 2 * (n - 1)}
     wire = wire_bytes(comm, n)
-    out["communication"] = sum(wire[k] / device.link_bandwidth + e["calls"] * steps.get(k, n - 1) * device.link_latency
-                               for k, e in comm.items())
+    seconds = {k: wire[k] / device.link_bandwidth + e["calls"] * steps.get(k, n - 1) * device.link_latency
+               for k, e in comm.items()}
+    out["communication"] = sum(seconds.values())
+    per_element = device.optimizer_seconds_per_element.get(setup.optimizer)
+    if per_element is not None:
+        # the optimizer on the owned elements; the norm reads their gradients and publishing writes the
+        # compute copy (memory-bound); then the step's own collectives: the norm and, at stages 1-2, the
+        # all-gather of the updated parameters (stage 3 gathers in the next forward)
+        owned = sum(b.shard_numel for b in engine_buckets(inventory, setup))
+        touched = owned * (BYTES_PER_ELEMENT[setup.reduce_dtype] + BYTES_PER_ELEMENT[setup.precision])
+        after = seconds.get("all_gather", 0.0) if setup.stage in (1, 2) else 0.0
+        norm = seconds.get("all_reduce", 0.0) / max(1, comm.get("all_reduce", {}).get("calls", 1)) if setup.stage else 0.0
+        out["step"] = owned * per_element + touched / device.memory_bandwidth + after + norm
+    if out["forward"] is not None and setup.backend == "gloo":
+        # gloo runs collectives on the CPU cores that compute, so on a CPU nothing overlaps: the gradient
+        # reductions lengthen backward, stage 3's gathers forward and backward (about half each)
+        reduce = sum(v for k, v in seconds.items() if k in ("reduce_scatter", "all_reduce")) - (norm if setup.stage else 0)
+        gathers = seconds.get("all_gather", 0.0) if setup.stage == 3 else 0.0
+        out["forward"] += gathers / 2
+        out["backward"] += reduce + gathers / 2
     return out
 
 

@@ -65,14 +65,18 @@ def flops_per_token(model: ModelSpec, counts: ParamCounts, training: Training) -
 
 
 def gpu_optimizer_seconds(rank: RankParams, training: Training, stage: int, cluster: Cluster,
-                          efficiency: float) -> float:
+                          efficiency: float, per_element: float | None = None) -> float:
+    """Memory-bound at the device's bandwidth, or the measured (or given) seconds per owned element."""
     elements = math.ceil(rank.trainable / rank.shard) if stage >= 1 else rank.trainable
+    if per_element is not None:
+        return elements * per_element
     touched = 2 * optimizer_state_bytes(training) + training.grad_bytes + (training.param_bytes if training.mixed else 8)
     return elements * touched / (cluster.gpu.hbm_bandwidth * efficiency)
 
 
 def compute_estimate(model: ModelSpec, counts: ParamCounts, rank: RankParams, training: Training, layout: Layout,
-                     stage: int, offload: Offload, cluster: Cluster, mfu: float, efficiency: float) -> ComputeEstimate:
+                     stage: int, offload: Offload, cluster: Cluster, mfu: float, efficiency: float,
+                     optimizer_per_element: float | None = None) -> ComputeEstimate:
     forward, backward = flops_per_token(model, counts, training)
     achievable = cluster.peak_flops(training.precision) * mfu
     split = layout.tp * layout.pp
@@ -83,7 +87,7 @@ def compute_estimate(model: ModelSpec, counts: ParamCounts, rank: RankParams, tr
     bubble = (p - 1) / (m + p - 1)
     busy = m * (forward_s + backward_s)
     optimizer_s = 0.0 if offload.optimizer != "none" else gpu_optimizer_seconds(rank, training, stage, cluster,
-                                                                                efficiency)
+                                                                                efficiency, optimizer_per_element)
     return ComputeEstimate(flops_per_token=forward + backward, flops=(forward + backward) * tokens * m / split,
                            seconds=busy / (1 - bubble), forward_seconds=forward_s, backward_seconds=backward_s,
                            bubble=bubble, optimizer_seconds=optimizer_s)

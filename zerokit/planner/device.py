@@ -31,6 +31,8 @@ class DeviceProfile:
     """Per optimizer (adamw, sgd-momentum, ...): seconds to step one fp32 master element."""
     resident_bytes: int = 0
     """Resident memory of one rank after joining its process group, before building a model."""
+    memory_bytes: int = 0
+    """Memory the ranks of one machine share (a CPU's RAM); 0: not known."""
     threads: int = 1
     source: str = "measured by zerokit plan --measure-device"
 

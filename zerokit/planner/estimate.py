@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from zerokit.planner.calibration import Calibration
 from zerokit.planner.catalogue import Cluster, make_cluster
 from zerokit.planner.comms import CommEstimate, communication, exposed_seconds
 from zerokit.planner.compute import ComputeEstimate, OffloadEstimate, compute_estimate, offload_estimate
@@ -27,6 +28,8 @@ class Scenario:
     training: Training = field(default_factory=Training)
     layout: Layout = field(default_factory=Layout)
     assumptions: Assumptions = field(default_factory=Assumptions)
+    calibration: Calibration | None = None
+    """Measured activations and transients of this model (zerokit plan --calibrate); None: the formulas."""
 
     def __post_init__(self) -> None:
         self.layout.dp_shard(self.cluster.world)  # raises if the world does not fit the layout
@@ -126,12 +129,12 @@ def estimate(scenario: Scenario | None = None, stage: int = 3, offload: Offload 
     _validate(scenario, stage, offload)
     cluster, training, layout, assume = scenario.cluster, scenario.training, scenario.layout, scenario.assumptions
     rank = scenario.rank
-    memory = memory_breakdown(scenario.model, rank, training, layout, stage, offload, assume)
+    memory = memory_breakdown(scenario.model, rank, training, layout, stage, offload, assume, scenario.calibration)
     host = host_usage(rank, training, offload, cluster.gpus_per_node, cluster.host.ram, cluster.host.nvme_capacity,
                       headroom, assume)
     comm = communication(scenario.model, rank, training, layout, stage, cluster, assume.bandwidth_efficiency)
     compute = compute_estimate(scenario.model, scenario.counts, rank, training, layout, stage, offload, cluster,
-                               assume.mfu, assume.bandwidth_efficiency)
+                               assume.mfu, assume.bandwidth_efficiency, assume.optimizer_seconds_per_element)
     offload_time = offload_estimate(rank, training, stage, offload, cluster, assume.bandwidth_efficiency, compute)
     exposed = exposed_seconds(comm, compute.forward_seconds, compute.backward_seconds, training.grad_accum)
     capacity = cluster.gpu.memory
@@ -148,7 +151,9 @@ def make_scenario(model: ModelSpec | str | int | float = "llama2-13b", *, gpu: s
                   trainable_fraction: float = 1.0, lora_rank: int | None = None,
                   lora_targets: tuple[str, ...] | None = None, tp: int = 1, pp: int = 1, replicas: int = 1,
                   mfu: float | None = None, bandwidth_efficiency: float | None = None,
-                  overhead_bytes: int | None = None, **cluster_overrides) -> Scenario:
+                  overhead_bytes: int | None = None, backend: str = "nccl", reduce_scatter: bool | None = None,
+                  calibration: Calibration | None = None, optimizer_seconds_per_element: float | None = None,
+                  **cluster_overrides) -> Scenario:
     """A Scenario from plain values: catalogue keys, preset names, numbers (bytes, bytes/s, seconds).
     `seq_len` defaults to the model's context, capped at 2048. `cluster_overrides` go to make_cluster."""
     spec = resolve_model(model)
@@ -162,12 +167,13 @@ def make_scenario(model: ModelSpec | str | int | float = "llama2-13b", *, gpu: s
                         attention=attention, reduce_dtype=reduce_dtype,
                         **({"bucket_bytes": bucket_bytes} if bucket_bytes is not None else {}),
                         overlap_comm=overlap_comm, reduce_every_micro_step=reduce_every_micro_step,
-                        trainable=trainable)
+                        backend=backend, reduce_scatter=reduce_scatter, trainable=trainable)
     defaults = Assumptions()
     assumptions = Assumptions(mfu=defaults.mfu if mfu is None else mfu,
                               bandwidth_efficiency=(defaults.bandwidth_efficiency if bandwidth_efficiency is None
                                                     else bandwidth_efficiency),
-                              overhead_bytes=defaults.overhead_bytes if overhead_bytes is None else overhead_bytes)
+                              overhead_bytes=defaults.overhead_bytes if overhead_bytes is None else overhead_bytes,
+                              optimizer_seconds_per_element=optimizer_seconds_per_element)
     cluster = make_cluster(gpu, gpus_per_node=gpus_per_node, nodes=nodes, **cluster_overrides)
     return Scenario(model=spec, cluster=cluster, training=training, layout=Layout(tp=tp, pp=pp, replicas=replicas),
-                    assumptions=assumptions)
+                    assumptions=assumptions, calibration=calibration)

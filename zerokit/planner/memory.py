@@ -40,6 +40,7 @@ import math
 from dataclasses import dataclass
 
 from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT, STAGE3_PARAM_PERSISTENCE_THRESHOLD
+from zerokit.planner.calibration import Calibration
 from zerokit.planner.models import Architecture, ModelSpec, ParamCounts
 from zerokit.planner.spec import Assumptions, Layout, Offload, Training
 
@@ -171,20 +172,23 @@ def output_activation_bytes(arch: Architecture, training: Training) -> int:
     return tokens * (2 * training.act_bytes * arch.hidden + 4 * arch.vocab)
 
 
-def activation_bytes(model: ModelSpec, training: Training, layout: Layout) -> int:
-    """Peak activation bytes on the busiest rank; 0 when only a parameter count is known."""
+def activation_bytes(model: ModelSpec, training: Training, layout: Layout, calibration: Calibration | None = None) -> int:
+    """Peak activation bytes on the busiest rank; 0 when only a parameter count is known. A calibration
+    replaces the per-block and outside counts by what the model measurably saves (calibration.py)."""
     arch = model.architecture
     if arch is None:
         return 0
     t, p = layout.tp, layout.pp
-    block = math.ceil(block_activation_bytes(arch, training) / t)
+    b, s = training.micro_batch, training.seq_len
+    measured = calibration.block(b, s) if calibration else block_activation_bytes(arch, training)
+    block = math.ceil(measured / t)
     tokens = training.tokens_per_micro_batch
     stored = block if training.checkpointing == "none" else math.ceil(training.act_bytes * tokens * arch.hidden / t)
     working = 0 if training.checkpointing == "none" else block  # the block being recomputed
     layers = math.ceil(arch.n_layers / p)
     in_flight = min(p, training.grad_accum)
     embedding_mask = math.ceil(tokens * arch.hidden / t) if arch.dropout else 0
-    output = math.ceil(output_activation_bytes(arch, training) / t)
+    output = math.ceil((calibration.outside(b, s) if calibration else output_activation_bytes(arch, training)) / t)
     first_stage = in_flight * (layers * stored + embedding_mask) + working
     last_stage = layers * stored + working + output + (embedding_mask if p == 1 else 0)
     return max(first_stage, last_stage)
@@ -215,11 +219,20 @@ def buffer_bytes(rank: RankParams, training: Training, stage: int) -> int:
 
 
 def memory_breakdown(model: ModelSpec, rank: RankParams, training: Training, layout: Layout, stage: int,
-                     offload: Offload, assumptions: Assumptions) -> MemoryBreakdown:
+                     offload: Offload, assumptions: Assumptions, calibration: Calibration | None = None) -> MemoryBreakdown:
+    """With a calibration, overhead also holds the backward's measured transient peak above the saved
+    activations (activation gradients, the logits' gradients: See [Note: extrapolating a calibration])."""
     parameters, gradients, optimizer = model_states(rank, training, stage, offload)
+    activations = activation_bytes(model, training, layout, calibration)
+    transient = 0
+    if calibration is not None and model.architecture is not None:
+        b, s = training.micro_batch, training.seq_len
+        peaks = calibration.phase_peaks(b, s, model.architecture.n_layers)
+        transient = max(0, math.ceil((max(peaks.values()) - calibration.activations(b, s, model.architecture.n_layers))
+                                     / layout.tp))
     return MemoryBreakdown(parameters=parameters, gradients=gradients, optimizer_state=optimizer,
-                           activations=activation_bytes(model, training, layout),
-                           buffers=buffer_bytes(rank, training, stage), overhead=assumptions.overhead_bytes)
+                           activations=activations, buffers=buffer_bytes(rank, training, stage),
+                           overhead=assumptions.overhead_bytes + transient)
 
 
 # --- host RAM and NVMe per node -----------------------------------------------------------------

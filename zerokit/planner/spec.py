@@ -226,6 +226,9 @@ class Assumptions:
     """DeepSpeed's `sub_group_size` default: optimizer elements staged in host RAM at a time (NVMe)."""
     nvme_param_buffer_elements: int = 5 * 10**8
     """DeepSpeed's offload_param buffer_count (5) x buffer_size (1e8): host staging for NVMe params."""
+    optimizer_seconds_per_element: float | None = None
+    """The optimizer step's time per owned element, measured (zerokit plan --measure-device) or given;
+    None prices it as memory-bound at the device's bandwidth."""
 
     def __post_init__(self) -> None:
         _fraction("mfu", self.mfu, low=0.0, high=1.0, closed_high=True)
@@ -234,6 +237,9 @@ class Assumptions:
             raise ValueError("mfu and bandwidth efficiency must be > 0")
         if isinstance(self.overhead_bytes, bool) or not self.overhead_bytes >= 0:  # `not >=` rejects NaN too
             raise ValueError(f"overhead={self.overhead_bytes!r} bytes must be >= 0")
+        seconds = self.optimizer_seconds_per_element
+        if seconds is not None and not 0 < seconds < math.inf:
+            raise ValueError(f"optimizer seconds per element={seconds!r} must be > 0 and finite")
 
 
 @dataclass(frozen=True, kw_only=True)

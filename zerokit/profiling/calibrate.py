@@ -136,3 +136,10 @@ def calibrate(model: str | ModelSpec | nn.Module, *, precision: str = "fp32", la
         return calibrate_module(model, precision=precision, seqs=seqs, **kwargs)
     name = model if isinstance(model, str) else model.name
     return calibrate_module(build_hf_model(model, layers), precision=precision, seqs=seqs, name=name, **kwargs)
+
+
+def set_threads(threads: int) -> None:
+    """Calibrate and measure with the threads one rank will have (each rank is its own process)."""
+    if threads < 1:
+        raise ValueError(f"threads={threads} must be a positive integer")
+    torch.set_num_threads(threads)

@@ -24,6 +24,8 @@ def cases_for(world_size: int) -> list[Case]:
         for s in (1, 2, 3) for d in ("fp32", "bf16")]
     if world_size == 5:
         return base
+    exact_steps = [Case(f"stage{s}-{d}-{name}", stage=s, dtype=d, **options)
+                   for s in (0, 1, 2, 3) for d in ("fp32", "bf16") for name, options in EXACT_STEP_CASES]
     # Without clipping, 1 or 2 ranks add and halve exactly what one process does: bit-exact even at 16 bits.
     exact = [Case(f"stage{s}-{d}-noclip", stage=s, dtype=d, clip=0.0) for s in (0, 1, 2, 3) for d in ("bf16", "fp16")]
     return base + (exact if world_size <= 2 else []) + [
@@ -41,7 +43,22 @@ def cases_for(world_size: int) -> list[Case]:
         *[Case(f"stage{s}-{d}-sub-groups", stage=s, dtype=d, bucket_bytes=2**20, sub_group_size=997)
           for s, d in ((0, "fp32"), (1, "bf16"), (2, "fp32"), (3, "bf16"))],
         *STAGE3_EXTRAS,
+        *exact_steps,
     ]
+
+
+# Every optimizer step is the one a single process takes (issue 9): a layer no rank runs on even steps and rank 0
+# alone runs on odd ones (also across an accumulation window that uses it once); MoE experts idle everywhere or on
+# rank 0 only (kept inside the root unit at stage 3: a unit that some ranks skip is another matter); optimizers
+# that need whole tensors (Muon beside AdamW, Adafactor); SGD with momentum, whose buffer an unused layer must keep.
+EXACT_STEP_CASES = [
+    ("idle-branch", {"usage": "idle-or-rank0"}),
+    ("idle-branch-accum2", {"usage": "idle-or-rank0", "accumulation": 2}),
+    ("moe-idle-experts", {"model": "moe", "usage": "idle-or-rank0", "min_unit_params": 10**6}),
+    ("muon-adamw", {"optimizer": "muon+adamw", "usage": "idle-or-rank0"}),
+    ("adafactor", {"optimizer": "adafactor", "usage": "idle-or-rank0"}),
+    ("sgd-momentum-idle-branch", {"optimizer": "sgd", "usage": "idle-or-rank0", "clip": 0.0}),
+]
 
 
 # Stage 3 with what its gather/free hooks must survive. The limit case: root (2.6k, and its 0.6k frozen

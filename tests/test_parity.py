@@ -15,6 +15,15 @@ optimizer (see zerokit/testing/parity.py). Tolerances, and why (figures measured
   ranks; allowed 1e-2. Where micro-steps accumulate in the 16-bit gradient buffer (stages 0-1, stage 2
   at the boundary) as torch's .grad does, while the reference accumulates in fp32: at most 1.1e-2
   measured, allowed 5e-2. Losses: rtol 5e-4 (measured at most 7e-6).
+- Muon (torch.optim.Muon) orthogonalises each update with Newton-Schulz iterations in bf16, so a one-ulp
+  difference in an fp32 gradient can flip a bf16 rounding inside it and change whole update elements by a
+  bf16 ulp; the run drifts from there. Where the sums are exact (1-2 ranks; bf16 gradients, whose sums of
+  three are exact in fp32) zerokit matches one process bit for bit (update error 0 measured, held to the
+  bounds above). With fp32 gradients on 3 ranks the ranks add in another order than the reference: the
+  reference against itself with its ranks' batches added in reverse order differs by an update error of
+  2.0e-2 (measured), zerokit by 0.5-2.2e-2; allowed 5e-2, losses rtol 5e-4.
+- Step counts: every parameter's own optimizer step count (or, for optimizers without one, whether it has
+  state at all) equals the reference's exactly: a parameter no rank used is never stepped.
 """
 
 from __future__ import annotations
@@ -50,7 +59,8 @@ def initial_params(case: Case) -> dict:
 def test_matches_single_process(parity_runs, world_size: int, case: Case) -> None:
     ranks = [out[case.name] for out in parity_runs(world_size)]
     expected = reference(case, world_size)
-    loss_rtol = 1e-5 if case.dtype == "fp32" else 5e-4
+    order_sensitive = "muon" in case.optimizer and case.dtype == "fp32" and world_size >= 3
+    loss_rtol = 1e-5 if case.dtype == "fp32" and not order_sensitive else 5e-4
     for rank, out in enumerate(ranks):
         expected_losses = [loss for _, r, loss in expected["losses"] if r == rank]
         torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(expected_losses), rtol=loss_rtol,
@@ -58,8 +68,10 @@ def test_matches_single_process(parity_runs, world_size: int, case: Case) -> Non
         assert [r["skipped"] for r in out["results"]] == expected["skipped"]
         for name, value in out["params"].items():  # every rank holds the same full parameters
             assert torch.equal(value, ranks[0]["params"][name]), f"rank {rank} diverged on {name}"
+    counts = {name: count for out in ranks for name, count in out["step_counts"].items()}
+    assert counts == {name: expected["step_counts"][name] for name in counts}, "step counts differ"
     got = ranks[0]["params"]
-    if case.dtype == "fp32":
+    if case.dtype == "fp32" and not order_sensitive:
         torch.testing.assert_close(got, expected["params"], rtol=0, atol=2e-5)
         return
     error = update_error(got, expected["params"], initial_params(case))
@@ -67,6 +79,8 @@ def test_matches_single_process(parity_runs, world_size: int, case: Case) -> Non
 
 
 def allowed_update_error(case: Case, world_size: int) -> float:
+    if "muon" in case.optimizer and case.dtype == "fp32":
+        return 5e-2  # See "Muon" in the module docstring
     if case.clip == 0.0 and world_size <= 2:
         return 1e-6
     accumulates_in_16_bit = case.accumulation > 1 and not (case.stage == 2 and case.reduce_every_micro_step)

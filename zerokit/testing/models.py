@@ -91,6 +91,34 @@ class TinyGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class TinyMoE(nn.Module):
+    """A top-1 mixture of experts whose routing is decided by the token (expert = token id % n_experts), with
+    a learned gate that scales each expert's output: a batch without a given expert's tokens leaves that
+    expert with no gradient, so the tests can make an expert idle on every rank, or on some only."""
+
+    def __init__(self, vocab_size: int = 67, dim: int = 16, n_experts: int = 4) -> None:
+        super().__init__()
+        self.n_experts = n_experts
+        self.wte = nn.Embedding(vocab_size, dim)
+        self.router = nn.Linear(dim, n_experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+                                     for _ in range(n_experts))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.apply(_init_weights)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        gate = F.softmax(self.router(x).float(), dim=-1).to(x.dtype)
+        choice = idx % self.n_experts
+        mixed = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            chosen = choice == index
+            if chosen.any():  # data-dependent: an expert no token chose is not run at all
+                mixed[chosen] = expert(x[chosen]) * gate[chosen][:, index:index + 1]
+        return self.head(self.ln_f(x + mixed))
+
+
 def _init_weights(module: nn.Module) -> None:
     """GPT-2's initialisation: N(0, 0.02) weights, zero biases."""
     if isinstance(module, (nn.Linear, nn.Embedding)):

@@ -22,16 +22,20 @@ import torch
 
 from zerokit.config import DTYPES_BY_NAME, LossScaling, load_config
 from zerokit.precision import make_loss_scaler
-from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups, seeded_init
+from zerokit.testing.models import TinyGPT, TinyGPTConfig, TinyMoE, lm_loss, param_groups, seeded_init
 
 
 @dataclass(frozen=True)
 class Case:
     name: str
     stage: int
-    model: str = "tiny"  # tiny | hf-gpt2 | hf-llama (Hugging Face transformers, built from a tiny config)
+    model: str = "tiny"  # tiny | moe | hf-gpt2 | hf-llama (Hugging Face transformers, built from a tiny config)
     dtype: str = "fp32"
-    optimizer: str = "adamw"  # adamw | adam | sgd
+    optimizer: str = "adamw"  # adamw | adam | sgd | adafactor | muon+adamw (two optimizers)
+    # tiny: who runs the sometimes-used layer. "rotating": rank r on steps where (step + micro + r) % 3 == 0;
+    # "idle-or-rank0": nobody on even steps, rank 0 alone on odd ones (at any world size).
+    # moe: "idle-or-rank0": experts 2-3 get no token on even steps anywhere, on odd steps none on rank 0 only.
+    usage: str = "rotating"
     steps: int = 5
     accumulation: int = 1
     clip: float = 0.5
@@ -60,6 +64,8 @@ class Case:
 
 def make_model(case: Case) -> torch.nn.Module:
     torch.manual_seed(1234)
+    if case.model == "moe":
+        return TinyMoE()
     if case.model == "tiny":
         model = TinyGPT(TinyGPTConfig(checkpoint_blocks=case.checkpoint, n_layer=case.n_layer,
                                       reuse_first_block=case.reuse_first_block,
@@ -104,7 +110,7 @@ def forward_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return lm_loss(output if isinstance(output, torch.Tensor) else output.logits, tokens)
 
 
-def make_optimizer(case: Case, model: torch.nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(case: Case, model: torch.nn.Module) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
     groups = param_groups(model, weight_decay=0.1)
     if case.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=3e-3, betas=(0.9, 0.95))
@@ -112,7 +118,23 @@ def make_optimizer(case: Case, model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.Adam(groups, lr=3e-3)
     if case.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    if case.optimizer == "adafactor":
+        return torch.optim.Adafactor(groups, lr=1e-2)
+    if case.optimizer == "muon+adamw":  # Muon for the hidden matrices, as its authors use it; AdamW for the rest
+        hidden = [p for name, p in model.named_parameters() if p.dim() == 2 and _is_hidden(name)]
+        rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
+        return [torch.optim.Muon(hidden, lr=2e-2, weight_decay=0.1),
+                torch.optim.AdamW(rest, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)]
     raise ValueError(f"unknown optimizer {case.optimizer!r}")
+
+
+def _is_hidden(name: str) -> bool:
+    """Not the embeddings or the output head (tied to the token embedding)."""
+    return not any(part in name for part in ("wte", "wpe", "lm_head", "head"))
+
+
+def optimizer_list(optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    return optimizer if isinstance(optimizer, list) else [optimizer]
 
 
 def make_batch(case: Case, step: int, micro: int, rank: int, vocab: int = 67, block: int = 16) -> torch.Tensor:
@@ -120,10 +142,23 @@ def make_batch(case: Case, step: int, micro: int, rank: int, vocab: int = 67, bl
     sometimes-used layer runs (token % 3 == 0): it is set so ranks disagree on some steps."""
     generator = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
     tokens = torch.randint(0, vocab, (case.micro_batch, block + 1), generator=generator)
-    tokens[0, 0] = (step + micro + rank) % 3
+    if case.model == "moe":
+        return _route(tokens, step, rank, case.usage)
+    if case.usage == "idle-or-rank0":
+        tokens[0, 0] = 0 if step % 2 == 1 and rank == 0 else 1
+    else:
+        tokens[0, 0] = (step + micro + rank) % 3
     if case.reverse_on_odd_steps:  # the model's order marker: the same on every rank, odd steps reversed
         tokens[1, 0] = step % 2
     return tokens
+
+
+def _route(tokens: torch.Tensor, step: int, rank: int, usage: str, experts: int = 4) -> torch.Tensor:
+    """Tokens re-mapped so that only some experts of TinyMoE are chosen (expert = token % 4): see Case.usage."""
+    if usage != "idle-or-rank0" or (step % 2 == 1 and rank != 0):
+        return tokens
+    allowed = 2 if step % 2 == 0 else 3  # even steps: experts 0-1 everywhere; odd: 0-2 on rank 0
+    return tokens - tokens % experts + tokens % allowed
 
 
 def engine_config(case: Case) -> dict:
@@ -201,7 +236,33 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
         "frozen_numel": sum(p.numel() for p in model.parameters() if not p.requires_grad),
         **stage3_frozen_layout(engine.stage),
         "peak_live_numel": engine.stage.shards.peak_live_numel if engine.config.stage == 3 else None,
+        "step_counts": engine_step_counts(engine, model),
+        "owned_buckets": [(b.owner, b.numel) for b in engine.stage.layout.buckets if b.owner is not None],
     }
+
+
+def engine_step_counts(engine, model: torch.nn.Module) -> dict[str, float]:
+    """How many times each parameter this rank (partly) updates has been stepped, by name: the optimizer's
+    own `step` state of its pieces (0 for a piece never stepped), for the optimizers that keep one."""
+    masters, counts = engine.stage.masters, {}
+    names = {i: slot.name for b in engine.stage.layout.buckets for slot in b.slots for i in [slot.param_index]}
+    optimizer_of = {id(p): o for o in masters.optimizers for g in o.param_groups for p in g["params"]}
+    for pieces, params in zip(masters.pieces, masters.piece_params):
+        for piece, param in zip(pieces, params):
+            state = optimizer_of[id(piece)].state.get(piece, {})
+            counts[names[param]] = float(state["step"]) if "step" in state else (1.0 if state else 0.0)
+    return counts
+
+
+def reference_step_counts(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, float]:
+    counts = {}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                state = optimizer.state.get(param, {})
+                name = next(n for n, p in model.named_parameters() if p is param)
+                counts[name] = float(state["step"]) if "step" in state else (1.0 if state else 0.0)
+    return counts
 
 
 def stage3_frozen_layout(stage) -> dict:
@@ -227,7 +288,7 @@ def run_reference(case: Case, world_size: int) -> dict:
 def _run_reference(case: Case, world_size: int) -> dict:
     dtype = DTYPES_BY_NAME[case.dtype]
     master = make_model(case)
-    optimizer = make_optimizer(case, master)
+    optimizers = optimizer_list(make_optimizer(case, master))
     compute = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
     pairs = [(m, c) for m, c in zip(master.parameters(), compute.parameters()) if m.requires_grad]
     scaler = make_loss_scaler(LossScaling(initial_scale_power=case.initial_scale_power, hysteresis=1)
@@ -257,7 +318,8 @@ def _run_reference(case: Case, world_size: int) -> dict:
         scaler.update(overflow)
         skipped.append(overflow)
         if not overflow:
-            optimizer.step()
+            for optimizer in optimizers:
+                optimizer.step()
         for grad, (m, _) in zip(master_grads, pairs):
             grad.zero_()
             m.grad = None  # in fp32 the master is the compute parameter: start the next step clean
@@ -265,7 +327,8 @@ def _run_reference(case: Case, world_size: int) -> dict:
             with torch.no_grad():
                 for m, c in pairs:
                     c.copy_(m)
-    return {"losses": losses, "skipped": skipped, "params": fp32_state(compute), "master": fp32_state(master)}
+    return {"losses": losses, "skipped": skipped, "params": fp32_state(compute), "master": fp32_state(master),
+            "step_counts": reference_step_counts(master, optimizers)}
 
 
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:

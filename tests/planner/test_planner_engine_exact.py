@@ -126,3 +126,25 @@ def test_plan_report_on_a_recorded_llama():
     assert abs(rows["peak_allocated"]["error"]) < 0.10
     assert rows["peak_total"]["measured_bytes"] > rows["peak_allocated"]["measured_bytes"]
     assert Calibration.from_dict(calibration.as_dict()) == calibration
+
+
+def test_check_command_prints_the_run_beside_its_plan(tmp_path, capsys):
+    """`zerokit plan --check RUN --calibration FILE --json`: the same rows as plan_report, from the command line."""
+    import json
+    from dataclasses import asdict
+
+    import zerokit.cli
+    from zerokit.profiling.calibrate import calibrate
+
+    run_file, calibration_file = tmp_path / "run.json", tmp_path / "calibration.json"
+    run_file.write_text(json.dumps(runs()["record"]))
+    calibrate(transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        **{**LLAMA, "num_hidden_layers": 2})), precision="bf16", seqs=(32, 64)).save(calibration_file)
+    assert zerokit.cli.main(["plan", "--check", str(run_file), "--calibration", str(calibration_file), "--json"]) == 0
+    rows = {row["category"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["optimizer_state"]["error"] == 0 and abs(rows["peak_allocated"]["error"]) < 0.10
+    assert set(asdict(zerokit.profiling.record.RunRecord(**runs()["record"]))) >= {"setup", "inventory", "measured"}
+    memo = tmp_path / "memo.md"
+    assert zerokit.cli.main(["plan", "--check", str(run_file), "--calibration", str(calibration_file),
+                             "--memo", str(memo)]) == 0
+    assert "peak_total" in capsys.readouterr().out and "## Predicted vs measured" in memo.read_text()

@@ -187,7 +187,7 @@ def activation_bytes(model: ModelSpec, training: Training, layout: Layout, calib
     working = 0 if training.checkpointing == "none" else block  # the block being recomputed
     layers = math.ceil(arch.n_layers / p)
     in_flight = min(p, training.grad_accum)
-    embedding_mask = math.ceil(tokens * arch.hidden / t) if arch.dropout else 0
+    embedding_mask = math.ceil(tokens * arch.hidden / t) if arch.dropout and calibration is None else 0
     output = math.ceil((calibration.outside(b, s) if calibration else output_activation_bytes(arch, training)) / t)
     first_stage = in_flight * (layers * stored + embedding_mask) + working
     last_stage = layers * stored + working + output + (embedding_mask if p == 1 else 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import os
 import time
 from typing import Callable
 
@@ -98,7 +99,9 @@ def measure_device(threads: int = 1, world: int = 2, name: str = "this CPU") -> 
     finally:
         torch.set_num_threads(previous)
     link, latency, resident = link_numbers(world)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
     return DeviceProfile(name=name, peak_flops=flops, memory_bandwidth=bandwidth, link_bandwidth=link,
                          link_latency=latency, optimizer_seconds_per_element=optimizer, resident_bytes=resident,
+                         memory_bytes=memory,
                          threads=threads, source=f"measured on this machine with {threads} thread(s) per rank, "
                                                  f"{world} gloo ranks (zerokit plan --measure-device)")

@@ -55,7 +55,9 @@ def plan_report(engine: Any = None, record: RunRecord | dict | str | Path | None
     category (after backward and after the step), activations, peak_allocated, peak_total (the resident
     peak per rank), each collective kind's calls, elements and bytes, wire bytes, and the times.
     `record`: a RunRecord, its file, or None for the engine's latest (zerokit.profiling.record_run);
-    `calibration`: a Calibration or its file, or None to calibrate the run's model now."""
+    `calibration`: a Calibration or its file, or None to calibrate the run's model now (its Hugging Face
+    config, 2 blocks, in this process); `device`: a DeviceProfile or its file, for the times and the
+    framework's resident share (peak_total is predicted only when that share is known)."""
     if record is None:
         record = last_record(engine) if engine is not None else None
         if record is None:
@@ -64,7 +66,9 @@ def plan_report(engine: Any = None, record: RunRecord | dict | str | Path | None
     if isinstance(calibration, (str, Path)):
         calibration = Calibration.load(calibration)
     elif calibration is None and record["model"].get("hf_config"):
-        calibration = calibrate_for_record(record)
+        # in this process only: every rank may be calling this, so nothing is spawned (no slack measured;
+        # `zerokit plan --check RUN --calibrate` measures it in fresh processes)
+        calibration = calibrate_for_record(record, resident=False)
     if isinstance(device, (str, Path)):
         device = DeviceProfile.load(device)
     return [row.as_dict() for row in check_rows(record, calibration, device, mfu)]

@@ -128,3 +128,27 @@ def assert_same_schedule(spec: SchedulerSpec, deepspeed_params: dict, steps: int
 ])
 def test_schedules_equal_deepspeeds(kind, params):
     assert_same_schedule(SchedulerSpec(type=kind, params=params), params, steps=40)
+
+
+def test_every_key_deepspeeds_models_accept_is_in_the_schema():
+    """DeepSpeed's pydantic sections forbid unknown keys, so their fields (and aliases) are the keys it knows
+    there; the schema must classify each of them (a new DeepSpeed release adding one fails here)."""
+    from deepspeed.comm.config import CommsLoggerConfig
+    from deepspeed.monitor.config import CometConfig, CSVConfig, TensorBoardConfig, WandbConfig
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
+                                                       DeepSpeedZeroOffloadParamConfig)
+
+    from zerokit.dsconfig import SCHEMA
+
+    sections = {"zero_optimization": DeepSpeedZeroConfig, "zero_optimization.offload_param":
+                DeepSpeedZeroOffloadParamConfig, "zero_optimization.offload_optimizer":
+                DeepSpeedZeroOffloadOptimizerConfig, "bf16": DeepSpeedBF16Config, "fp16": DeepSpeedFP16Config,
+                "tensorboard": TensorBoardConfig, "wandb": WandbConfig, "csv_monitor": CSVConfig,
+                "comms_logger": CommsLoggerConfig}
+    missing = [f"{section}.{name}" for section, model in sections.items()
+               for field_name, field in model.model_fields.items() for name in {field_name, field.alias} - {None}
+               if f"{section}.{name}" not in SCHEMA]
+    assert missing == []
+    assert "comet" in SCHEMA and set(CometConfig.model_fields) >= {"enabled"}  # refused as a block while enabled

@@ -24,11 +24,12 @@ import torch
 
 from zerokit.defaults import DEFAULT_BUCKET_BYTES
 from zerokit.dsconfig import AUTO, SCHEMA, DeepSpeedConfig, read
-from zerokit.dsconfig.auto import GAS, MICRO, TBS, Choice, derive_batch, pending
+from zerokit.dsconfig.auto import (GAS, MICRO, TBS, Choice, default_differences, derive_batch, hidden_size_of,
+                                   pending)
 from zerokit.dsconfig.auto import resolve as resolve_auto
-from zerokit.dsconfig.precision import compute_dtype
 from zerokit.dsconfig.blocks import (ActivationCheckpointing, CommsLogger, FlopsProfiler, Monitor, Offload,
                                      OptimizerSpec, SchedulerSpec, Wandb, block_fields, tensorboard_available)
+from zerokit.dsconfig.precision import compute_dtype
 
 DTYPES_BY_NAME = {
     "fp32": torch.float32, "float32": torch.float32,
@@ -322,11 +323,13 @@ class ZeroConfig:
         if self.pending_auto:
             lines.append(f"still to resolve with the world size and the model: {', '.join(self.pending_auto)}")
         if self.source is not None:
-            lines += _default_differences(self)
+            lines += default_differences(self.source, _dtype_name(self.precision.param_dtype),
+                                         _dtype_name(self.precision.reduce_dtype), self.stage)
         return lines
 
 
-RESOLVED_FIELDS = {TBS: "train_batch_size", MICRO: "train_micro_batch_size_per_gpu", GAS: "gradient_accumulation_steps"}
+RESOLVED_FIELDS = {TBS: "train_batch_size", MICRO: "train_micro_batch_size_per_gpu",
+                   GAS: "gradient_accumulation_steps"}
 STAGE3_FIELDS = {Z + "stage3_max_live_parameters": "max_live_parameters",
                  Z + "stage3_prefetch_bucket_size": "prefetch_numel",
                  Z + "stage3_param_persistence_threshold": "persistence_threshold",
@@ -348,20 +351,8 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _default_differences(config: ZeroConfig) -> list[str]:
-    """Where an absent key means something else in zerokit than in DeepSpeed 0.19.8, say so once."""
-    source, lines = config.source, []
-    if not source.given("gradient_clipping"):
-        lines.append("gradient_clipping not set: zerokit does not clip (DeepSpeed 0.19.8 clips at 1.0 by default)")
-    compute = config.precision.param_dtype
-    if compute != torch.float32 and not source.given("communication_data_type"):
-        lines.append(f"communication_data_type not set: gradients are reduced in "
-                     f"{str(config.precision.reduce_dtype).removeprefix('torch.')} (DeepSpeed reduces in the compute "
-                     "dtype)")
-    if not source.given(Z + "overlap_comm") and config.stage < 3:
-        lines.append("zero_optimization.overlap_comm not set: zerokit overlaps reduction with backward (DeepSpeed "
-                     "overlaps only at stage 3 by default)")
-    return lines
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,21 +426,6 @@ def load_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None) -> Z
     if isinstance(config, Mapping):
         return from_dict(config)
     raise ValueError(f"config must be a ZeroConfig, a dict or a JSON file path, not {type(config).__name__}")
-
-
-def hidden_size_of(model: torch.nn.Module) -> int | None:
-    """The model's hidden size, for "auto" bucket sizes: Hugging Face's config fields (hidden_size, the largest
-    of hidden_sizes, the text_config's), then GPT-2-style n_embd and T5-style d_model; None if it has none."""
-    configs = [getattr(model, "config", None)]
-    configs.append(getattr(configs[0], "text_config", None))
-    for config in configs:
-        for name in ("hidden_size", "hidden_sizes", "n_embd", "d_model"):
-            value = getattr(config, name, None) if config is not None else None
-            if isinstance(value, (list, tuple)) and value:
-                value = max(value)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
 
 
 __all__ = ["ZeroConfig", "MixedPrecision", "LossScaling", "Stage3Policy", "Offload", "OptimizerSpec",

@@ -167,3 +167,32 @@ def _hidden(config: DeepSpeedConfig, hidden_size: int | None, updates: dict, cho
     for path in wanted:
         value, rule = rules[path]
         _choose(config, path, value, f"{rule}, hidden size {hidden_size}, as Hugging Face sets it", updates, choices)
+
+
+def hidden_size_of(model: Any) -> int | None:
+    """The model's hidden size, for "auto" bucket sizes: Hugging Face's config fields (hidden_size, the largest
+    of hidden_sizes, the text_config's), then GPT-2-style n_embd and T5-style d_model; None if it has none."""
+    configs = [getattr(model, "config", None)]
+    configs.append(getattr(configs[0], "text_config", None))
+    for config in configs:
+        for name in ("hidden_size", "hidden_sizes", "n_embd", "d_model"):
+            value = getattr(config, name, None) if config is not None else None
+            if isinstance(value, (list, tuple)) and value:
+                value = max(value)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def default_differences(config: DeepSpeedConfig, compute: str, reduce: str, stage: int) -> list[str]:
+    """Start-up lines for keys whose absence means something else in zerokit than in DeepSpeed 0.19.8."""
+    lines = []
+    if not config.given("gradient_clipping"):
+        lines.append("gradient_clipping not set: zerokit does not clip (DeepSpeed 0.19.8 clips at 1.0 by default)")
+    if compute != "fp32" and not config.given("communication_data_type"):
+        lines.append(f"communication_data_type not set: gradients are reduced in {reduce} (DeepSpeed reduces in "
+                     f"the compute dtype, {compute})")
+    if not config.given(Z + "overlap_comm") and stage < 3:
+        lines.append("zero_optimization.overlap_comm not set: zerokit overlaps reduction with backward (DeepSpeed "
+                     "overlaps only at stage 3 by default)")
+    return lines

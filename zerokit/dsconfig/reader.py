@@ -137,9 +137,8 @@ def unknown_key_message(prefix: str, name: str, table: Mapping[str, Key]) -> str
 
 def _read_entry(key: Key, raw: Any, spelled: str, state: _State) -> None:
     if key.klass == KeyClass.REMOVED:
-        issue = ZERO_REMOVED_ISSUE
-        raise ValueError(f"{spelled} was removed in DeepSpeed 0.19.8 ({issue}): it asked for {key.note}, which "
-                         "zerokit does not offer either")
+        raise ValueError(f"{spelled} was removed in DeepSpeed 0.19.8 ({ZERO_REMOVED_ISSUE}): it asked for "
+                         f"{key.note}, which zerokit does not offer either")
     if raw is None and not key.nullable:
         return  # null: not set, DeepSpeed's default
     if raw is None:

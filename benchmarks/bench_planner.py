@@ -52,7 +52,7 @@ def build(config: dict) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
 
 
-def record_rank(rank: int, world: int, config: dict, stage: int, dtype: str, batch: int, seq: int) -> dict:
+def record_rank(rank: int, world: int, config: dict, stage: int, dtype: str, batch: int, seq: int, steps: int) -> dict:
     import zerokit
     from zerokit.profiling.record import record_run
     from zerokit.testing.models import param_groups
@@ -65,7 +65,7 @@ def record_rank(rank: int, world: int, config: dict, stage: int, dtype: str, bat
     vocab = config["vocab_size"]
     batches = iter(lambda: torch.randint(0, vocab, (batch, seq), generator=generator), None)
     record = record_run(engine, batches, lambda e, tokens: e(input_ids=tokens, labels=tokens).loss,
-                        optimizer=optimizer, micro_batch=batch, seq_len=seq, warmup=1, steps=2)
+                        optimizer=optimizer, micro_batch=batch, seq_len=seq, warmup=1, steps=steps)
     return asdict(record)
 
 
@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--out", default="planner-sweep.json", help="every record and row, as JSON")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per run")
+    parser.add_argument("--out", default="planner-sweep.json", help="every record and row, as JSON (after each run)")
     args = parser.parse_args(argv)
     table = {**MODELS, **EXTRA}
     names = args.models.split(",") + (list(EXTRA) if args.extra else [])
@@ -132,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in args.dtypes.split(","):
             for stage in map(int, args.stages.split(",")):
                 started = time.perf_counter()
-                record = spawn(record_rank, 2, table[name], stage, dtype, args.batch, args.seq)[0]
+                record = spawn(record_rank, 2, table[name], stage, dtype, args.batch, args.seq, args.steps)[0]
                 calibration = calibrations(name, table[name], dtype, args.batch, args.seq, stage, cache)
                 rows = check_rows(record, calibration, device)
                 label = f"{name} stage {stage} {dtype} (b={args.batch}, s={args.seq})"
@@ -140,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                 results.append({"run": label, "record": record, "rows": [r.as_dict() for r in rows],
                                 "peers": peers(table[name], record), "calibration": calibration.as_dict()})
                 summary.append((label, {r.category: r for r in rows}, results[-1]["peers"]))
+                Path(args.out).write_text(json.dumps({"device": asdict(device), "runs": results}, indent=1, default=str))
     print_summary(summary)
-    Path(args.out).write_text(json.dumps({"device": asdict(device), "runs": results}, indent=1, default=str))
     return 0
 
 

@@ -133,6 +133,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     pol.add_argument("--mfu", type=finite_float, default=0.40, help="achieved / peak FLOPS")
     pol.add_argument("--bandwidth-efficiency", type=finite_float, default=0.80)
     pol.add_argument("--overhead-gb", type=finite_float, default=1.0, help="per-GPU allowance (CUDA context, NCCL)")
+    add_measure_arguments(p)
+    out = p.add_argument_group("output")
+    out.add_argument("--memo", metavar="PATH", help="write the markdown memo here")
+    out.add_argument("--plot", metavar="PATH", help="write stacked bars per stage (needs matplotlib)")
+    out.add_argument("--json", action="store_true", help="print the plan as JSON")
+    out.add_argument("--emit", choices=TARGETS, help="print the config that implements the pick")
+    out.add_argument("--gradient-clipping", type=finite_float, default=DEFAULT_CLIPPING, help="written by --emit")
+    return p
+
+
+def add_measure_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags that measure this machine or the user's model, or check a recorded run."""
     measure = p.add_argument_group("measure and check (these run torch on this machine)")
     measure.add_argument("--calibrate", action="store_true",
                          help="run the model (a config.json or preset, --calibration-layers blocks of it) at small "
@@ -151,13 +163,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                          help="the optimizer step's time per owned element (default: measured, or memory-bound)")
     measure.add_argument("--check", metavar="RUN", help="a run recorded by zerokit.profiling.record_run: print the "
                                                         "plan for its configuration beside it, category by category")
-    out = p.add_argument_group("output")
-    out.add_argument("--memo", metavar="PATH", help="write the markdown memo here")
-    out.add_argument("--plot", metavar="PATH", help="write stacked bars per stage (needs matplotlib)")
-    out.add_argument("--json", action="store_true", help="print the plan as JSON")
-    out.add_argument("--emit", choices=TARGETS, help="print the config that implements the pick")
-    out.add_argument("--gradient-clipping", type=finite_float, default=DEFAULT_CLIPPING, help="written by --emit")
-    return p
 
 
 def _model(args: argparse.Namespace):

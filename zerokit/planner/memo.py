@@ -81,14 +81,20 @@ def category_rows(result: Estimate) -> list[list[str]]:
             ["optimizer_state", _g(m.optimizer_state), optim],
             ["activations", _g(m.activations), activation_how(result)],
             ["buffers", _g(m.buffers), buffer_how(result)],
-            ["overhead", _g(m.overhead), "allowance for CUDA context, NCCL and workspaces (assumed)"],
+            ["overhead", _g(m.overhead), "allowance for CUDA context, NCCL and workspaces (assumed)"
+             + (", plus the backward's measured transient peak" if s.calibration is not None else "")],
             ["**total**", f"**{_g(m.total)}**", f"of {_g(result.usable)} usable ({_g(result.capacity)} capacity)"]]
 
 
 def activation_how(result: Estimate) -> str:
-    arch, t = result.scenario.model.architecture, result.training
+    arch, t, calibration = result.scenario.model.architecture, result.training, result.scenario.calibration
     if arch is None:
         return "not modelled (parameter count only)"
+    if calibration is not None:
+        b, s = t.micro_batch, t.seq_len
+        return (f"{arch.n_layers} blocks x {_g(calibration.block(b, s))} + outside the blocks "
+                f"{_g(calibration.outside(b, s))}, measured on {calibration.model} ({calibration.device}, "
+                f"{calibration.precision}) and extrapolated (calibration.py)")
     block = block_activation_bytes(arch, t)
     output = output_activation_bytes(arch, t)
     if t.checkpointing == "full":

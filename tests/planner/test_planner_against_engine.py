@@ -5,6 +5,8 @@ within bucket padding. The same on 2 real gloo ranks: test_planner_engine_exact.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -109,3 +111,28 @@ def test_plan_matches_the_engine(fake_world, stage):
         assert 0 <= measured["elements"] - expected["elements"] <= (WORLD - 1) * measured["calls"] + extra, kind
         if not norm:
             assert measured["bytes"] * expected["elements"] == expected["bytes"] * measured["elements"], kind
+
+
+def test_emitted_stage3_limits_pass_the_engines_start_up_check(fake_world):
+    """The emitted stage3_max_live_parameters holds the root (with every block's small parameters) and two
+    blocks, bucket padding included: the engine's start-up check accepts it, and rejects a little less."""
+    transformers = pytest.importorskip("transformers")
+    from zerokit.planner.emit import emit_zerokit
+    from zerokit.planner.models import from_hf_dict
+
+    shapes = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 384, "intermediate_size": 1024,
+              "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 6}
+    emitted = emit_zerokit(estimate(make_scenario(from_hf_dict(shapes), gpus_per_node=WORLD, seq_len=64), 3))
+    zero = emitted["zero_optimization"]
+
+    def start(limit: int) -> None:
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**shapes))
+        zerokit.initialize(model, torch.optim.AdamW(param_groups(model)), {
+            "zero_optimization": {**zero, "stage3_max_live_parameters": limit}, "bf16": {"enabled": True}})
+
+    start(zero["stage3_max_live_parameters"])
+    with pytest.raises(ValueError, match="stage3_max_live_parameters") as raised:
+        start(1)
+    needed = int(re.search(r"below the (\d+) elements", str(raised.value)).group(1))
+    assert needed <= zero["stage3_max_live_parameters"] <= needed + 6 * WORLD  # padding allowed: 2 x N per unit

@@ -87,7 +87,10 @@ def _stage3_limits(result: Estimate) -> dict:
     rank = result.scenario.rank
     if result.stage != 3 or not rank.unit:
         return {}
-    return {"stage3_prefetch_bucket_size": rank.unit, "stage3_max_live_parameters": rank.root + 2 * rank.unit}
+    # the engine pads each of a unit's buckets (one per param group; two with the usual decay split) to a
+    # multiple of the world size, and counts the padding live: allow it, or the start-up check could fail
+    unit, root = rank.unit + 2 * rank.shard, rank.root + 2 * rank.shard
+    return {"stage3_prefetch_bucket_size": unit, "stage3_max_live_parameters": root + 2 * unit}
 
 
 def emit_deepspeed(result: Estimate, clipping: float = DEFAULT_CLIPPING) -> dict:

@@ -79,6 +79,11 @@ def engine_setup(engine: Any, optimizer_name: str) -> EngineSetup:
 
 
 def optimizer_name(optimizer: Any) -> str:
+    if isinstance(optimizer, (list, tuple)):  # the engine rebuilds a list when given several
+        names = {optimizer_name(item) for item in optimizer}
+        if len(names) != 1:
+            raise ValueError(f"the planner models one optimizer kind per run; this engine steps {sorted(names)}")
+        return names.pop()
     name = type(optimizer).__name__.lower()
     if name == "sgd":
         return "sgd-momentum" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "sgd"
@@ -199,6 +204,7 @@ def record_run(engine: Any, batches: Iterable, loss_fn: LossFn, *, optimizer: An
     `param_groups` if it is not at hand). Rank 0 writes the record to `path` if given."""
     batches = iter(batches)
     blocks = list(blocks_of(engine.module))
+    optimizer = optimizer if optimizer is not None else getattr(engine, "user_optimizer", None)
     name = optimizer_name(engine.optimizer)
     setup = engine_setup(engine, name)
     inventory = param_inventory(engine.module, param_groups if param_groups is not None else optimizer,

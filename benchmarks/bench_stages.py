@@ -29,7 +29,7 @@ import torch
 from benchmarks.contenders import CONTENDERS, Contender
 from benchmarks.harness import run_rank
 from benchmarks.report import check_losses, compare, format_report, summarize
-from benchmarks.workload import DTYPES, BenchSettings
+from benchmarks.workload import DTYPES, OPTIMIZERS, BenchSettings
 from zerokit.testing.spawn import spawn
 
 DEFAULT_OUT = Path("bench_results/bench_stages.json")
@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None) -> tuple[BenchSettings, argparse.Namespac
     parser.add_argument("--bucket-mb", type=float, default=defaults.bucket_bytes / 2**20,
                         help="gradient bucket size in MiB, for every contender that has the knob")
     parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default=defaults.optimizer,
+                        help="adamw, or muon: torch Muon on the matrices beside AdamW on the rest (DeepSpeed: its Muon)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--rounds", type=int, default=2,
                         help="run every contender this many times, alternating the order; timed steps are pooled")
@@ -65,7 +67,8 @@ def parse_args(argv: list[str] | None) -> tuple[BenchSettings, argparse.Namespac
     settings = BenchSettings(
         world_size=args.world_size, steps=args.steps, warmup=args.warmup, dtype=args.dtype, n_layer=args.n_layer,
         n_embd=args.n_embd, n_head=args.n_head, block_size=args.block_size, vocab_size=args.vocab_size,
-        batch_size=args.batch_size, bucket_bytes=int(args.bucket_mb * 2**20), lr=args.lr, seed=args.seed)
+        batch_size=args.batch_size, bucket_bytes=int(args.bucket_mb * 2**20), lr=args.lr, seed=args.seed,
+        optimizer=args.optimizer)
     return settings, args
 
 
@@ -100,11 +103,11 @@ def run_rounds(contenders: list[Contender], settings: BenchSettings, rounds: int
     for round_index in range(rounds):
         sequence = contenders if round_index % 2 == 0 else contenders[::-1]
         for contender in (c for c in sequence if c.name not in failed):
-            print(f"round {round_index + 1}/{rounds}: {contender.name} on {settings.world_size} ranks ...",
-                  end=" ", flush=True)
+            processes = 1 if contender.single_process else settings.world_size
+            print(f"round {round_index + 1}/{rounds}: {contender.name} on {processes} ranks ...", end=" ", flush=True)
             load_before, spawned = os.getloadavg()[0], time.perf_counter()
             try:
-                ranks = spawn(run_rank, settings.world_size, contender, settings)
+                ranks = spawn(run_rank, processes, contender, settings)
             except RuntimeError as error:
                 failed[contender.name] = str(error)
                 print(f"FAILED\n{error}", flush=True)
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     runnable, skipped = [], {}
     for contender in select(args.only):
-        reason = contender.why_skipped(settings.dtype)
+        reason = contender.why_skipped(settings.dtype) or contender.why_not_optimizer(settings.optimizer)
         if reason is None:
             runnable.append(contender)
         else:

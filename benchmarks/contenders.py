@@ -18,14 +18,15 @@ import io
 import os
 from dataclasses import dataclass
 from importlib.util import find_spec
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from benchmarks.accounting import optimizer_state_tensors, storage_bytes
-from benchmarks.workload import DTYPES, BenchSettings, adamw_hyperparameters, make_optimizer, optimizer_groups
+from benchmarks.workload import (DTYPES, OPTIMIZERS, BenchSettings, adamw_hyperparameters, make_optimizer,
+                                 muon_hyperparameters, optimizer_groups)
 
 
 class Trainer(NamedTuple):
@@ -54,6 +55,10 @@ class Contender:
     prepare: Callable[[], None] | None = None
     """Per-process set-up run before the memory baseline, like the harness's own process group:
     communication back-ends, not model state."""
+    optimizers: tuple[str, ...] = ("adamw",)  # the --optimizer settings it can run
+    single_process: bool = False
+    """Runs in one process on every rank's batch stacked (union_batch): the reference a distributed step
+    must equal, not a peer to race."""
 
     @property
     def is_zerokit(self) -> bool:
@@ -66,15 +71,20 @@ class Contender:
             return f"{self.name} does not support --dtype {dtype}"
         return None
 
+    def why_not_optimizer(self, optimizer: str) -> str | None:
+        return None if optimizer in self.optimizers else f"{self.name} does not run --optimizer {optimizer}"
+
 
 CONTENDERS: list[Contender] = []
 
 
 def contender(name: str, *, stage: int, family: str, requires: str | None = None, install: str = "",
-              dtypes: tuple[str, ...] = DTYPES, note: str = "", prepare: Callable[[], None] | None = None):
+              dtypes: tuple[str, ...] = DTYPES, note: str = "", prepare: Callable[[], None] | None = None,
+              optimizers: tuple[str, ...] = ("adamw",), single_process: bool = False):
     """Register a builder; contenders run, and are listed, in registration order."""
     def register(build: Callable[[nn.Module, BenchSettings], Trainer]):
-        CONTENDERS.append(Contender(name, stage, family, build, requires, install, dtypes, note, prepare))
+        CONTENDERS.append(Contender(name, stage, family, build, requires, install, dtypes, note, prepare, optimizers,
+                                    single_process))
         return build
     return register
 
@@ -91,7 +101,8 @@ def _zerokit(model: nn.Module, settings: BenchSettings, stage: int) -> Trainer:
 
 
 for _stage in range(4):  # zerokit-0 .. zerokit-3 (a partial of a module-level function pickles to the ranks)
-    contender(f"zerokit-{_stage}", stage=_stage, family="zerokit")(functools.partial(_zerokit, stage=_stage))
+    contender(f"zerokit-{_stage}", stage=_stage, family="zerokit", optimizers=OPTIMIZERS)(
+        functools.partial(_zerokit, stage=_stage))
 
 
 # --- torch --------------------------------------------------------------------------------------
@@ -106,29 +117,39 @@ def _ddp(model: nn.Module, settings: BenchSettings) -> nn.Module:
     return DistributedDataParallel(model, bucket_cap_mb=settings.bucket_bytes / 2**20, gradient_as_bucket_view=True)
 
 
-def _torch_trainer(ddp: nn.Module, optimizer: torch.optim.Optimizer, local_optimizer: torch.optim.Optimizer,
-                   settings: BenchSettings) -> Trainer:
-    """`local_optimizer` is the one whose state this rank holds (ZeroRedundancyOptimizer's `.optim`)."""
-    params = list(ddp.module.parameters())
+def _torch_trainer(ddp: nn.Module, optimizer: Any, local_optimizer: Any, settings: BenchSettings) -> Trainer:
+    """`optimizer`: one or a list; `local_optimizer` is the one whose state this rank holds
+    (ZeroRedundancyOptimizer's `.optim`)."""
+    params = list(ddp.module.parameters() if hasattr(ddp, "module") else ddp.parameters())
+    optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
 
     def forward(tokens: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.dtype == "bf16"):
             return ddp(tokens)
 
     def step() -> None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)  # zero the bucket views in place, as DDP intends
+        for each in optimizers:
+            each.step()
+            each.zero_grad(set_to_none=False)  # zero the bucket views in place, as DDP intends
 
     def state_bytes() -> dict[str, int]:
-        return storage_bytes(params, [p.grad for p in params], optimizer_state_tensors(local_optimizer))
+        locals_ = local_optimizer if isinstance(local_optimizer, list) else [local_optimizer]
+        return storage_bytes(params, [p.grad for p in params], [optimizer_state_tensors(o) for o in locals_])
 
     return Trainer(forward, torch.Tensor.backward, step, state_bytes)
 
 
-@contender("torch-ddp", stage=0, family="torch", note=TORCH_NOTE)
+@contender("torch-ddp", stage=0, family="torch", note=TORCH_NOTE, optimizers=OPTIMIZERS)
 def torch_ddp(model: nn.Module, settings: BenchSettings) -> Trainer:
     optimizer = make_optimizer(model, settings)
     return _torch_trainer(_ddp(model, settings), optimizer, optimizer, settings)
+
+
+@contender("single-process", stage=0, family="reference", optimizers=OPTIMIZERS, single_process=True,
+           note="one process on every rank's batch stacked, plain torch: the step a distributed one must equal")
+def single_process(model: nn.Module, settings: BenchSettings) -> Trainer:
+    optimizer = make_optimizer(model, settings)
+    return _torch_trainer(model, optimizer, optimizer, settings)
 
 
 @contender("torch-zero-opt", stage=1, family="torch",
@@ -197,7 +218,7 @@ def _deepspeed_comm() -> None:
 def _deepspeed(model: nn.Module, settings: BenchSettings, stage: int) -> Trainer:
     import deepspeed
 
-    bucket_numel = settings.bucket_bytes // (2 if settings.dtype == "bf16" else 4)
+    bucket_numel = settings.bucket_bytes // (2 if settings.dtype == "bf16" else 4) // 2 * 2  # it wants an even count
     config = {
         "train_micro_batch_size_per_gpu": settings.batch_size,
         "gradient_accumulation_steps": 1,
@@ -209,7 +230,15 @@ def _deepspeed(model: nn.Module, settings: BenchSettings, stage: int) -> Trainer
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**30,
     }
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(model, settings), config=config)
+    if settings.optimizer == "muon":  # DeepSpeed's own Muon: its config block, parameters tagged by its rule
+        muon = muon_hyperparameters(settings)
+        config["zero_optimization"]["reduce_scatter"] = False  # its stage 3 refuses Muon with reduce-scatter
+        config["optimizer"] = {"type": "Muon", "params": {
+            "muon_lr": muon["lr"], "momentum": muon["momentum"], "adam_lr": settings.lr,
+            "betas": list(adamw_hyperparameters(settings)["betas"]), "weight_decay": muon["weight_decay"]}}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=optimizer_groups(model), config=config)
+    else:
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(model, settings), config=config)
     zero = engine.optimizer  # DeepSpeed's ZeRO optimizer: flat groups, fp32 partitions, the inner AdamW
     params = list(engine.module.parameters())
     ipg = [bucket.buffer for bucket in getattr(zero, "ipg_buckets", {}).values()]
@@ -232,18 +261,18 @@ def _deepspeed(model: nn.Module, settings: BenchSettings, stage: int) -> Trainer
 
 
 @contender("deepspeed-1", stage=1, family="deepspeed", requires="deepspeed", install="pip install deepspeed",
-           note=DEEPSPEED_NOTE, prepare=_deepspeed_comm)
+           note=DEEPSPEED_NOTE, prepare=_deepspeed_comm, optimizers=OPTIMIZERS)
 def deepspeed_stage1(model: nn.Module, settings: BenchSettings) -> Trainer:
     return _deepspeed(model, settings, stage=1)
 
 
 @contender("deepspeed-2", stage=2, family="deepspeed", requires="deepspeed", install="pip install deepspeed",
-           note=DEEPSPEED_NOTE, prepare=_deepspeed_comm)
+           note=DEEPSPEED_NOTE, prepare=_deepspeed_comm, optimizers=OPTIMIZERS)
 def deepspeed_stage2(model: nn.Module, settings: BenchSettings) -> Trainer:
     return _deepspeed(model, settings, stage=2)
 
 
 @contender("deepspeed-3", stage=3, family="deepspeed", requires="deepspeed", install="pip install deepspeed",
-           note=DEEPSPEED_NOTE, prepare=_deepspeed_comm)
+           note=DEEPSPEED_NOTE, prepare=_deepspeed_comm, optimizers=OPTIMIZERS)
 def deepspeed_stage3(model: nn.Module, settings: BenchSettings) -> Trainer:
     return _deepspeed(model, settings, stage=3)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from benchmarks.accounting import live_tensor_bytes, peak_growth, start_peak_memory
 from benchmarks.commcount import CollectiveCounter
 from benchmarks.contenders import Contender
-from benchmarks.workload import EVAL_RANK, BenchSettings, make_batch, make_model
+from benchmarks.workload import EVAL_RANK, BenchSettings, make_batch, make_model, union_batch
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss
 
 
@@ -83,7 +83,7 @@ def run_rank(rank: int, world_size: int, contender: Contender, settings: BenchSe
     states_after_backward: dict[str, int] = {}
     total_steps = settings.warmup + settings.steps
     for step in range(total_steps):
-        tokens = make_batch(settings, rank, step)  # (B, T+1)
+        tokens = union_batch(settings, step) if contender.single_process else make_batch(settings, rank, step)
         dist.barrier()
         clock = StepClock()
         loss = lm_loss(trainer.forward(tokens[:, :-1]), tokens)
@@ -102,7 +102,7 @@ def run_rank(rank: int, world_size: int, contender: Contender, settings: BenchSe
     peak = peak_growth(memory)
     states_after_step = trainer.state_bytes()
     with CollectiveCounter() as counter:  # one more step, untimed: See benchmarks/commcount.py
-        tokens = make_batch(settings, rank, total_steps)
+        tokens = union_batch(settings, total_steps) if contender.single_process else make_batch(settings, rank, total_steps)
         trainer.backward(lm_loss(trainer.forward(tokens[:, :-1]), tokens))
         trainer.step()
 

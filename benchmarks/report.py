@@ -92,7 +92,8 @@ def compare(summaries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """For each zerokit stage: its time and peak memory over the best peer doing the same stage."""
     rows = []
     for ours in (s for s in summaries.values() if s["family"] == "zerokit"):
-        peers = [s for s in summaries.values() if s["family"] != "zerokit" and s["stage"] == ours["stage"]]
+        peers = [s for s in summaries.values()
+                 if s["family"] not in ("zerokit", "reference") and s["stage"] == ours["stage"]]
         row: dict[str, Any] = {"zerokit": ours["name"], "stage": ours["stage"], "peers": [p["name"] for p in peers],
                                "formula_deviation_percent": ours["formula_deviation_percent"],
                                "formula_ok": abs(ours["formula_deviation_percent"]) <= FORMULA_TOLERANCE_PERCENT}
@@ -111,21 +112,27 @@ def compare(summaries: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def check_losses(summaries: dict[str, dict[str, Any]], dtype: str) -> dict[str, Any]:
-    """Every contender's eval loss beside the reference's (torch DDP where it ran): same init, same
-    data, same optimizer, so a contender that trains wrong stands out."""
+    """Every contender's eval loss beside the reference's (one process where it ran, else torch DDP): same
+    init, same data, same optimizer, so a contender that trains wrong stands out."""
     if not summaries:
         return {}
-    reference = summaries.get("torch-ddp") or next(iter(summaries.values()))
+    reference = summaries.get("single-process") or summaries.get("torch-ddp") or next(iter(summaries.values()))
     tolerance = LOSS_TOLERANCE[dtype]
     rows = {}
     for name, summary in summaries.items():
         delta = summary["eval_loss"] - reference["eval_loss"]
-        train_delta = max(abs(a - b) for a, b in zip(summary["train_losses_per_rank"][0],
-                                                     reference["train_losses_per_rank"][0]))
+        train_delta = max(abs(a - b) for a, b in zip(_mean_train_losses(summary), _mean_train_losses(reference)))
         rows[name] = {"eval_loss": summary["eval_loss"], "delta": delta, "max_train_loss_delta": train_delta,
                       "ranks_agree": summary["eval_loss_rank_spread"] <= tolerance / 10,
                       "ok": abs(delta) <= tolerance and train_delta <= tolerance}
     return {"reference": reference["name"], "tolerance": tolerance, "contenders": rows}
+
+
+def _mean_train_losses(summary: dict[str, Any]) -> list[float]:
+    """Each step's loss averaged over the ranks: the loss of the union of their batches, which is what one
+    process training on all of them (the single-process reference) reports."""
+    per_rank = summary["train_losses_per_rank"]
+    return [sum(losses) / len(losses) for losses in zip(*per_rank)]
 
 
 # --- presentation -------------------------------------------------------------------------------

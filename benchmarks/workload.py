@@ -18,6 +18,7 @@ from torch import nn
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, param_groups
 
 DTYPES = ("fp32", "bf16")
+OPTIMIZERS = ("adamw", "muon")
 EVAL_RANK = -1  # the data stream of the evaluation batch, which every rank and contender shares
 
 
@@ -45,8 +46,14 @@ class BenchSettings:
     reduce_bucket_bytes). 25 MiB is torch DDP's default."""
     lr: float = 1e-3
     seed: int = 0
+    optimizer: str = "adamw"
+    """adamw: torch AdamW; muon: torch Muon on the matrices (DeepSpeed's rule: 2-D, not an embedding or the
+    head) beside AdamW on the rest, two optimizers."""
+    muon_lr: float = 0.02
 
     def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r} is not benchmarked; use one of {', '.join(OPTIMIZERS)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not benchmarked; use one of {', '.join(DTYPES)}")
         if self.world_size < 1 or self.steps < 1 or self.warmup < 0:
@@ -82,9 +89,30 @@ def optimizer_groups(model: nn.Module) -> list[dict]:
     return param_groups(model, weight_decay=0.1)
 
 
-def make_optimizer(model: nn.Module, settings: BenchSettings) -> torch.optim.AdamW:
-    """torch AdamW, the same for every contender (fp32 state; the for-loop implementation on CPU)."""
-    return torch.optim.AdamW(optimizer_groups(model), **adamw_hyperparameters(settings))
+def make_optimizer(model: nn.Module, settings: BenchSettings) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+    """torch AdamW, the same for every contender (fp32 state; the for-loop implementation on CPU); with
+    --optimizer muon, [torch Muon over the matrices, torch AdamW over the rest]."""
+    if settings.optimizer == "adamw":
+        return torch.optim.AdamW(optimizer_groups(model), **adamw_hyperparameters(settings))
+    matrices = muon_parameters(model)
+    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+    return [torch.optim.Muon(matrices, **muon_hyperparameters(settings)),
+            torch.optim.AdamW(rest, weight_decay=0.0, **adamw_hyperparameters(settings))]
+
+
+def muon_hyperparameters(settings: BenchSettings) -> dict:
+    return {"lr": settings.muon_lr, "momentum": 0.95, "weight_decay": 0.1}
+
+
+def muon_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """DeepSpeed's rule (deepspeed.set_optimizer_flags), so every contender splits the model alike."""
+    return [p for name, p in model.named_parameters()
+            if p.dim() >= 2 and not any(word in name.lower() for word in ("embed", "lm_head"))]
+
+
+def union_batch(settings: BenchSettings, step: int) -> torch.Tensor:
+    """Every rank's batch at `step`, stacked: what one process trains on to take the ranks' step alone."""
+    return torch.cat([make_batch(settings, rank, step) for rank in range(settings.world_size)])
 
 
 def make_batch(settings: BenchSettings, rank: int, step: int) -> torch.Tensor:

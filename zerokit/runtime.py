@@ -71,9 +71,10 @@ def configure_logging() -> None:
     logger.propagate = False
 
 
-def log_startup(stage: "ZeroStage") -> None:
-    """What a user should see once, on rank 0: the stage, its buckets, how they are reduced, the units."""
+def log_startup(stage: "ZeroStage", config_lines: list[str]) -> None:
+    """What a user should see once, on rank 0: the stage, its buckets, how they are reduced, the units, and
+    what the config reader accepted, derived or resolved."""
     configure_logging()
     if stage.rank == 0:
-        for line in stage.describe():
+        for line in [*stage.describe(), *config_lines]:
             logger.info(line)

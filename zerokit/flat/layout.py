@@ -100,7 +100,7 @@ class Bucket:
             begin, end = max(begin, own_begin), min(end, own_end)
             if begin < end:
                 slices.append(ParamSlice(slot.param_index, begin - own_begin, end - own_begin,
-                                         end - begin == slot.numel, slot.shape))
+                                         end - begin == slot.numel, slot.shape, begin - self.slot_range(slot)[0]))
         return slices
 
 
@@ -112,6 +112,7 @@ class ParamSlice(NamedTuple):
     end: int
     whole: bool  # the shard holds the whole parameter
     shape: tuple[int, ...]
+    param_begin: int  # where the part begins within the (flattened) parameter
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -37,6 +37,16 @@ from zerokit.masters.optimizer import GroupRef, rebuild_optimizer
 # Default elements per optimizer piece, by the type of device the masters live on; absent: one piece
 # per parameter slice. See [Note: optimizer pieces].
 OPTIMIZER_PIECE_NUMEL = {"cpu": CPU_OPTIMIZER_PIECE_NUMEL}
+
+
+class PieceRef(NamedTuple):
+    """One optimizer piece, for code that saves or loads per parameter (checkpoints): its values are
+    `piece.data` (a view of the master) and its state `optimizer.state[piece]`."""
+
+    param_index: int
+    param_begin: int  # where the piece begins within the (flattened) parameter
+    piece: nn.Parameter
+    optimizer: torch.optim.Optimizer
 
 
 @dataclass(frozen=True)
@@ -63,12 +73,15 @@ class DeviceMasters:
         self.pieces: list[list[nn.Parameter]] = []
         self.piece_params: list[list[int]] = []  # the parameter each piece is part of
         self.piece_offsets: list[list[int]] = []  # where each piece begins in its master
+        self.piece_param_begins: list[list[int]] = []  # where each piece begins in its parameter
         pieces_by_group: list[list[nn.Parameter]] = [[] for _ in plan.refs]
         for master, master_slices, group in zip(self.masters, slices, groups):
             pieces, params, offsets = self._cut(master, master_slices, plan.refs[group].whole_tensor)
             self.pieces.append(pieces)
             self.piece_params.append(params)
             self.piece_offsets.append(offsets)
+            starts = {part.param_index: part.param_begin - part.begin for part in master_slices}
+            self.piece_param_begins.append([starts[param] + offset for param, offset in zip(params, offsets)])
             pieces_by_group[group].extend(pieces)
         self.optimizers = [rebuild_optimizer(optimizer, [pieces_by_group[g] for g, ref in enumerate(plan.refs)
                                                          if ref.optimizer == which])
@@ -169,6 +182,13 @@ class DeviceMasters:
         state = [t for optimizer in self.optimizers for per_piece in optimizer.state.values()
                  for t in per_piece.values()]
         return (0 if self.aliased else tensor_bytes(self.masters)) + tensor_bytes(state)
+
+    def piece_refs(self) -> list[PieceRef]:
+        """Every optimizer piece this rank steps, with the parameter part it is and its optimizer."""
+        optimizer_of = {id(p): o for o in self.optimizers for g in o.param_groups for p in g["params"]}
+        return [PieceRef(param, begin, piece, optimizer_of[id(piece)])
+                for pieces, params, begins in zip(self.pieces, self.piece_params, self.piece_param_begins)
+                for piece, param, begin in zip(pieces, params, begins)]
 
     def __iter__(self):
         """The fp32 master tensors, one per bucket."""

@@ -103,7 +103,8 @@ class Fit:
         fitted = Fit(_fit(chosen))
         if not rest:
             return fitted
-        if all(v > fitted(b, s) for b, s, v in rest):  # a second regime above the fit: it floors the peak
+        if all(v > fitted(b, s) + TOLERANCE * abs(v) for b, s, v in rest):  # a second regime above the fit
+            # floors the peak (a parameter-sized gradient at small shapes)
             return Fit(fitted.coefficients, max(v for *_, v in rest))
         return Fit(_fit(samples))
 
@@ -133,7 +134,7 @@ class Calibration:
     """Resident memory of a process that imported torch and zerokit and joined a process group, before
     building a model: the framework's own share of a rank (0: not measured)."""
     allocator_slack: float = 0.0
-    """Resident growth / allocated growth - 1 over a few training steps (glibc or CUDA caching)."""
+    """Resident growth beyond the model states / the step's allocated growth - 1 (glibc or CUDA caching)."""
     seconds_per_flop: dict = field(default_factory=dict)
     """Measured forward and backward seconds per FLOP of the model on this device (by phase)."""
     notes: tuple[str, ...] = ()

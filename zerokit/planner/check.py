@@ -11,8 +11,8 @@ the micro-batch and sequence length, and what was measured. From the first three
     in that phase: gathered stage-3 units (the root, the unit computing and the prefetched one), the
     reducer's in-flight buckets (MAX_BUCKETS_IN_FLIGHT + 1), and the reduced gradients kept in the
     reduce dtype until the step; or the state after backward, if larger;
-  - the resident peak: the framework's resident memory (measured) plus that peak, times one plus the
-    allocator's measured slack;
+  - the resident peak: the framework's resident memory (measured), the model states, and the step's
+    peak allocations times one plus the allocator's measured slack (See [Note: measuring allocator slack]);
   - times: FLOPs (compute.py) at the device's measured peak x MFU, the optimizer at its measured seconds
     per element, collectives by the alpha-beta model with the measured link.
 """
@@ -191,11 +191,13 @@ def check_rows(record: dict, calibration: Calibration | None = None, device: Dev
     rows.append(Row("activations", "bytes", activations, measured["activations"], how))
     peak, how = predicted_peak(record, setup, inventory, calibration, activations)
     rows.append(Row("peak_allocated", "bytes", peak, measured["peak_allocated"], how))
-    resident = (device.resident_bytes if device else 0) or (calibration.resident_bytes if calibration else 0)
+    resident = (calibration.resident_bytes if calibration else 0) or (device.resident_bytes if device else 0)
     slack = slack if slack is not None else (calibration.allocator_slack if calibration else 0.0)
-    total = resident + peak * (1 + slack) if peak is not None and resident else None
+    kept = sum(states.after_step.values())  # allocated once, in a few large tensors: no slack on them
+    total = resident + kept + (peak - kept) * (1 + slack) if peak is not None and resident else None
     rows.append(Row("peak_total", "bytes", total, measured["peak_resident"],
-                    f"resident peak: framework {resident / 2**20:.0f} MiB + allocated peak x {1 + slack:.2f}"))
+                    f"resident peak: framework {resident / 2**20:.0f} MiB + model states + the step's allocations "
+                    f"x {1 + slack:.2f}"))
     comm = engine_comm(inventory, setup)
     for kind in sorted(set(comm) | set(measured["comm_per_step"])):
         plan, run = comm.get(kind, {}), measured["comm_per_step"].get(kind, {})

@@ -5,9 +5,10 @@ allocator's slack (glibc keeps freed heap for reuse; CUDA's caching allocator ke
 Resident memory is not the sum of live tensors: freed blocks stay with the allocator, fragmented. How
 much depends on the sizes a step allocates, so it is measured on a workload like the target's: the
 calibration model (a few blocks of the real one) trained by a 1-rank zerokit engine at the target's
-micro-batch and sequence length, in a fresh process. Its resident peak over a few steps, less its
-resident memory before the model was built, divided by its allocated peak (model states plus the
-step's peak growth, measured in another step with the profiler), is 1 + slack. The framework's share is
+micro-batch and sequence length, in a fresh process. The model states are allocated once, in a few
+large tensors, and stay; the slack comes from what a step allocates and frees. So its resident peak over
+a few steps, less its resident memory before the model was built and less its model states, divided by
+the step's peak growth of allocated bytes (measured in another step with the profiler), is 1 + slack. The framework's share is
 the resident memory before the model was built: Python, torch, zerokit, transformers, gloo.
 """
 
@@ -50,7 +51,7 @@ def _slack_rank(rank: int, world: int, model: Any, layers: int, precision: str, 
     states = sum(engine.memory_stats().values())
     with AllocationTimeline(torch.device("cpu")) as allocated:
         step()
-    return {"framework": framework, "resident_peak": resident["peak"], "allocated_peak": states + allocated.peak}
+    return {"framework": framework, "resident_peak": resident["peak"], "states": states, "growth": allocated.peak}
 
 
 def measure_resident(model: Any, precision: str, batch: int, seq: int, layers: int = 2, stage: int = 0,
@@ -61,5 +62,5 @@ def measure_resident(model: Any, precision: str, batch: int, seq: int, layers: i
 
     result = max(spawn(_slack_rank, world, model, layers, precision, batch, seq, stage),
                  key=lambda r: r["resident_peak"])
-    slack = (result["resident_peak"] - result["framework"]) / max(1, result["allocated_peak"]) - 1
+    slack = (result["resident_peak"] - result["framework"] - result["states"]) / max(1, result["growth"]) - 1
     return result["framework"], max(0.0, slack)

@@ -81,34 +81,59 @@ def make_loss_scaler(policy: LossScaling | None) -> DynamicLossScaler | NoLossSc
 NORM_CHUNK_NUMEL = 1 << 15  # 256 KiB of float64
 
 
-def global_grad_norm(grads: list[torch.Tensor], comm: Communicator | None, flags: torch.Tensor | None = None) -> float:
-    """L2 norm over all gradient elements of all ranks. Pass `comm` when each rank holds a different
-    shard (their squares are summed across ranks), None when every rank holds the same full gradients.
-    Squares are summed in float64, so the norm (and the clip coefficient) does not depend on how the
-    parameters happen to be split into shards and buckets. See [Note: one scalar decides overflow and norm].
-    `flags` (1-D float64), when given with `comm`, are summed across ranks, in place, by the same
-    all-reduce (See [Note: parameters no rank used] in stages/usage.py)."""
-    device = grads[0].device if grads else torch.device("cpu")
-    squares = torch.zeros((), dtype=torch.float64, device=device)
-    for grad in grads:
-        # In cache-sized chunks: the float64 copy stays small and hot (8x faster on the CPU than a
-        # bucket-sized copy, which also showed up in peak memory); each square of an fp32 is exact.
-        for chunk in grad.reshape(-1).split(NORM_CHUNK_NUMEL):
-            as_double = chunk.double()
-            squares += torch.dot(as_double, as_double)
+def square_sum(grads: list[torch.Tensor]) -> float:
+    """The sum of the squares of every element, in float64: exact for each fp32 square, and the same however
+    the parameters happen to be split into shards and buckets. Tensors may live on several devices."""
+    total = 0.0
+    for device_grads in by_device(grads).values():
+        squares = torch.zeros((), dtype=torch.float64, device=device_grads[0].device)
+        for grad in device_grads:
+            # In cache-sized chunks: the float64 copy stays small and hot (8x faster on the CPU than a
+            # bucket-sized copy, which also showed up in peak memory).
+            for chunk in grad.reshape(-1).split(NORM_CHUNK_NUMEL):
+                as_double = chunk.double()
+                squares += torch.dot(as_double, as_double)
+        total += squares.item()
+    return total
+
+
+def by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device, []).append(tensor)
+    return groups
+
+
+def global_norm(squares: float, comm: Communicator | None, flags: torch.Tensor | None = None) -> float:
+    """The L2 norm from this rank's sum of squares. Pass `comm` when each rank holds a different shard
+    (the sums are added across ranks), None when every rank holds the same full gradients. See [Note: one
+    scalar decides overflow and norm]. `flags` (1-D float64), when given with `comm`, are summed across
+    ranks, in place, by the same all-reduce (See [Note: parameters no rank used] in stages/usage.py)."""
     if comm is not None:
-        packed = squares.reshape(1) if flags is None else torch.cat([squares.reshape(1), flags.to(squares)])
+        packed = torch.tensor([squares], dtype=torch.float64, device=comm.device)
+        if flags is not None:
+            packed = torch.cat([packed, flags.to(packed)])
         comm.all_reduce(packed, op=dist.ReduceOp.SUM)
-        squares = packed[0]
+        squares = packed[0].item()
         if flags is not None:
             flags.copy_(packed[1:])
-    total = squares.item()
-    return math.sqrt(total) if math.isfinite(total) else float("nan")
+    return math.sqrt(squares) if math.isfinite(squares) else float("nan")
+
+
+def global_grad_norm(grads: list[torch.Tensor], comm: Communicator | None, flags: torch.Tensor | None = None) -> float:
+    """L2 norm over all gradient elements of all ranks: global_norm of their square_sum."""
+    return global_norm(square_sum(grads), comm, flags)
+
+
+def scale_(tensors: list[torch.Tensor], factor: float) -> None:
+    """Multiply every tensor by `factor` in place (one foreach call per device)."""
+    if factor != 1.0:
+        for group in by_device(tensors).values():
+            torch._foreach_mul_(group, factor)
 
 
 def unscale_(grads: list[torch.Tensor], scale: float) -> None:
-    if scale != 1.0 and grads:
-        torch._foreach_mul_(grads, 1.0 / scale)
+    scale_(grads, 1.0 / scale)
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

@@ -1,5 +1,5 @@
-from zerokit.comm.collectives import Collective, CommStats, Communicator, Pending, wait
+from zerokit.comm.collectives import Collective, CommStats, Communicator, Pending, Transfer, wait
 from zerokit.comm.groups import ProcessGroups
 from zerokit.comm.reduction import Reduction
 
-__all__ = ["Collective", "CommStats", "Communicator", "Pending", "ProcessGroups", "Reduction", "wait"]
+__all__ = ["Collective", "CommStats", "Communicator", "Pending", "ProcessGroups", "Reduction", "Transfer", "wait"]

@@ -32,6 +32,15 @@ class Collective(str, Enum):
     REDUCE = "reduce"
 
 
+class Transfer(str, Enum):
+    """Bytes an offload tier moves between memories (counted beside the collectives, sent by no one)."""
+
+    HOST_TO_DEVICE = "host_to_device"
+    DEVICE_TO_HOST = "device_to_host"
+    NVME_READ = "nvme_read"
+    NVME_WRITE = "nvme_write"
+
+
 # Ring traffic per rank as a multiple of the logical bytes, for N ranks.
 RING_FACTOR = {
     Collective.ALL_REDUCE: lambda n: 2 * (n - 1) / n,
@@ -52,10 +61,10 @@ class CollectiveCount:
 @dataclass
 class CommStats:
     world_size: int
-    counts: dict[Collective, CollectiveCount] = field(
-        default_factory=lambda: {kind: CollectiveCount() for kind in Collective})
+    counts: dict[Collective | Transfer, CollectiveCount] = field(
+        default_factory=lambda: {kind: CollectiveCount() for kind in (*Collective, *Transfer)})
 
-    def record(self, kind: Collective, tensor: torch.Tensor) -> None:
+    def record(self, kind: Collective | Transfer, tensor: torch.Tensor) -> None:
         count = self.counts[kind]
         count.calls += 1
         count.elements += tensor.numel()
@@ -63,7 +72,8 @@ class CommStats:
 
     def wire_bytes(self) -> float:
         """Bytes this rank sends on a ring, summed over all collectives."""
-        return sum(RING_FACTOR[kind](self.world_size) * count.bytes for kind, count in self.counts.items())
+        return sum(RING_FACTOR[kind](self.world_size) * count.bytes for kind, count in self.counts.items()
+                   if kind in RING_FACTOR)
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {kind.value: vars(count).copy() for kind, count in self.counts.items()}
@@ -96,6 +106,8 @@ class Communicator:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)  # "nccl", "gloo", ...
+        # where this group's tensors must be: NCCL reduces device tensors only
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.stats = stats or CommStats(self.world_size)
 
     def twin(self) -> "Communicator":

@@ -35,7 +35,8 @@ from zerokit.planner.memory import RankParams
 from zerokit.planner.models import ModelSpec
 from zerokit.planner.spec import Layout, Training
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send_recv")
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send_recv",
+         "host_to_device", "device_to_host", "nvme_read", "nvme_write")  # the last four: offload transfers
 PHASES = ("forward", "backward", "boundary", "after_step", "critical", "init")
 """forward/backward: overlaps that pass of every micro-step; boundary: overlaps the last backward;
 after_step: after the optimizer step, exposed; critical: on the compute path (tensor/pipeline

@@ -28,7 +28,8 @@ from zerokit.comm import Communicator, Pending, ProcessGroups, Reduction, wait
 from zerokit.config import ZeroConfig
 from zerokit.flat import (Bucket, FlatParameters, ParamEntry, assign_owners, bucket_view, build_layout, gather_bucket,
                           shard_view, tensor_bytes)
-from zerokit.masters import DeviceMasters, OptimizerPlan
+from zerokit.masters import OptimizerPlan, ShardMasters
+from zerokit.offload import master_homes
 from zerokit.stages.usage import GradientUsage
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ class ZeroStage:
     unit_hooks: "UnitHooks | None" = None
     """Stage 3's module hooks, which gather and free its units (installed by hooks.install_hooks)."""
 
-    def __init__(self, flat: FlatParameters, masters: DeviceMasters, groups: ProcessGroups, config: ZeroConfig,
+    def __init__(self, flat: FlatParameters, masters: ShardMasters, groups: ProcessGroups, config: ZeroConfig,
                  reduces_every_micro_step: bool = False) -> None:
         self.flat, self.layout, self.masters = flat, flat.layout, masters
         self.groups, self.comm, self.config = groups, groups.shard, config
@@ -68,9 +69,9 @@ class ZeroStage:
         flat.adopt(full_precision)
         rank = comm.rank if cls.shards_optimizer else 0
         owned = [bucket.shard_range(rank) for bucket in layout.buckets]
-        masters = DeviceMasters([flat.buffer[begin:end] for begin, end in owned],
-                                [bucket.param_slices(rank) for bucket in layout.buckets],
-                                [groups[b.slots[0].param_index] for b in layout.buckets], plan, config.sub_group_size)
+        homes = master_homes([flat.buffer[begin:end] for begin, end in owned], config, comm.stats, flat.device)
+        masters = ShardMasters(homes, [bucket.param_slices(rank) for bucket in layout.buckets],
+                               [groups[b.slots[0].param_index] for b in layout.buckets], plan, config.sub_group_size)
         for index, (begin, end) in enumerate(owned):
             masters.initialise(index, full_precision[begin:end])
         return cls(flat, masters, ProcessGroups.for_stage(comm, config.stage), config)
@@ -126,10 +127,10 @@ class ZeroStage:
             then(shard)
         return Reduction(pending, store, keep_alive=full)
 
-    def hand_in_grads(self) -> None:
-        """At the accumulation boundary, once every bucket is reduced: each master gets its gradient."""
-        for bucket in self.layout.buckets:
-            self.masters.accept_grad(bucket.index, self.owned_grad(bucket))
+    def grad_final(self, bucket: Bucket) -> None:
+        """The bucket's reduction at the accumulation boundary is done: its master gets its gradient now (an
+        offload tier starts copying it to the host while backward goes on)."""
+        self.masters.accept_grad(bucket.index, self.owned_grad(bucket))
 
     def release_grads(self) -> None:
         self.masters.release_grads()

@@ -16,6 +16,7 @@ import torch
 
 from zerokit.comm import Reduction
 from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT
+from zerokit.flat import Bucket
 from zerokit.stages.base import ZeroStage
 
 
@@ -27,8 +28,9 @@ class BucketReducer:
         self.max_in_flight = max_in_flight  # bounds staging memory to this many full buckets
         self.bucket_of = {slot.param_index: bucket.index for bucket in self.buckets for slot in bucket.slots}
         self.index_of = {id(param): index for index, param in enumerate(stage.flat.params)}
-        self.in_flight: deque[Reduction] = deque()
+        self.in_flight: deque[tuple[Bucket, Reduction]] = deque()
         self.armed = False
+        self.final = False  # this backward ends the accumulation window: reduced gradients go to the masters
         self._reset()
 
     def _reset(self) -> None:
@@ -37,10 +39,11 @@ class BucketReducer:
         self.next_bucket = 0  # buckets before this one are launched
         self.launched_in_backward = 0  # how many were overlapped with backward (the rest waited for flush)
 
-    def arm(self, loss: torch.Tensor) -> None:
-        """The coming backward of `loss` must reduce gradients (an accumulation boundary, or stage 2)."""
+    def arm(self, loss: torch.Tensor, final: bool) -> None:
+        """The coming backward of `loss` must reduce gradients (an accumulation boundary, or stage 2);
+        `final`: it ends the accumulation window."""
         self._reset()
-        self.armed = True
+        self.armed, self.final = True, final
         used = params_in_graph(loss)
         for param_id, index in self.index_of.items():
             if param_id not in used:
@@ -72,9 +75,15 @@ class BucketReducer:
     def _launch_next(self) -> None:
         bucket = self.buckets[self.next_bucket]
         self.next_bucket += 1
-        self.in_flight.append(self.stage.reduce_bucket(bucket))
+        self.in_flight.append((bucket, self.stage.reduce_bucket(bucket)))
         if len(self.in_flight) > self.max_in_flight:
-            self.in_flight.popleft().complete()
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        bucket, reduction = self.in_flight.popleft()
+        reduction.complete()
+        if self.final:
+            self.stage.grad_final(bucket)
 
     def flush(self) -> None:
         """After backward: launch what is left (parameters without gradients count as zero) and wait."""
@@ -86,7 +95,7 @@ class BucketReducer:
                     self.stage.on_grad_ready(slot.param_index)
             self._launch_next()
         while self.in_flight:
-            self.in_flight.popleft().complete()
+            self._complete_oldest()
         self.armed = False
 
 

@@ -10,14 +10,14 @@ import torch
 from zerokit.comm import ProcessGroups, Reduction
 from zerokit.config import ZeroConfig
 from zerokit.flat import Bucket, FlatParameters, Slot
-from zerokit.masters import DeviceMasters
+from zerokit.masters import ShardMasters
 from zerokit.stages.base import ZeroStage
 
 
 class ShardedGradients(ZeroStage):
     shards_optimizer = True
 
-    def __init__(self, flat: FlatParameters, masters: DeviceMasters, groups: ProcessGroups, config: ZeroConfig,
+    def __init__(self, flat: FlatParameters, masters: ShardMasters, groups: ProcessGroups, config: ZeroConfig,
                  reduces_every_micro_step: bool | None = None) -> None:
         """`reduces_every_micro_step`: None reads the config's choice (stage 3 always reduces)."""
         every = config.reduce_every_micro_step if reduces_every_micro_step is None else reduces_every_micro_step

@@ -40,7 +40,8 @@ from torch import nn
 from zerokit.comm import Communicator, ProcessGroups, Reduction
 from zerokit.config import ZeroConfig
 from zerokit.flat import Bucket, FlatParameters, ParamEntry, ShardedFlat, build_layout, tensor_bytes
-from zerokit.masters import DeviceMasters, OptimizerPlan
+from zerokit.masters import OptimizerPlan, ShardMasters
+from zerokit.offload import master_homes
 from zerokit.stages.base import param_entries, whole_tensor_owners
 from zerokit.stages.construction import Construction, materialise
 from zerokit.stages.hooks import TrainingState, UnitHooks
@@ -50,7 +51,7 @@ from zerokit.stages.units import Unit, find_units
 
 
 class ShardedParameters(ShardedGradients):
-    def __init__(self, flat: FlatParameters, masters: DeviceMasters, groups: ProcessGroups, config: ZeroConfig,
+    def __init__(self, flat: FlatParameters, masters: ShardMasters, groups: ProcessGroups, config: ZeroConfig,
                  shards: UnitShards) -> None:
         super().__init__(flat, masters, groups, config, reduces_every_micro_step=True)  # parameters go after backward
         self.shards = shards
@@ -76,9 +77,9 @@ class ShardedParameters(ShardedGradients):
         process_groups = ProcessGroups.for_stage(comm, 3)
         shards = UnitShards(units, trainable, frozen, [b.group // per_unit for b in layout.buckets],
                             process_groups.gather, config.stage3)
-        masters = DeviceMasters([trainable.shard(b) for b in layout.buckets],
-                                [b.param_slices(comm.rank) for b in layout.buckets],
-                                [groups[b.slots[0].param_index] for b in layout.buckets], plan, config.sub_group_size)
+        homes = master_homes([trainable.shard(b) for b in layout.buckets], config, comm.stats, trainable.flat.device)
+        masters = ShardMasters(homes, [b.param_slices(comm.rank) for b in layout.buckets],
+                               [groups[b.slots[0].param_index] for b in layout.buckets], plan, config.sub_group_size)
         _place(model, shards, masters, comm, construction or Construction())
         return cls(trainable.flat, masters, process_groups, config, shards)
 
@@ -173,7 +174,7 @@ def _frozen_flat(model: nn.Module, trainable: list[nn.Parameter], unit_of: dict[
     return FlatParameters(frozen, build_layout(entries, world_size, bucket_numel=sys.maxsize), dtype)
 
 
-def _place(model: nn.Module, shards: UnitShards, masters: DeviceMasters, comm: Communicator,
+def _place(model: nn.Module, shards: UnitShards, masters: ShardMasters, comm: Communicator,
            construction: Construction) -> None:
     """Unit by unit, bucket by bucket: keep this rank's shard and fp32 master (of frozen parameters: the
     shard), free the rest. The peak is one bucket in fp32, and a model built on the meta device is

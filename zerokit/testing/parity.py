@@ -229,7 +229,7 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
         "reduce_scatter": engine.stage.reduce_scatter,
         "optimizer_pieces": engine.stage.masters.piece_count,
         # elements of this rank's masters that are parameters, not padding: only they have optimizer state
-        "stepped_numel": sum(piece.numel() for pieces in engine.stage.masters.pieces for piece in pieces),
+        "stepped_numel": sum(ref.piece.numel() for ref in engine.stage.masters.piece_refs()),
         "trainable_numel": engine.trainable_numel(), "launched_in_backward": overlapped,
         "trainable_tensors": len(engine.stage.flat.params),
         "unit_numel": engine.stage.shards.unit_numel if engine.config.stage == 3 else None,
@@ -244,13 +244,11 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
 def engine_step_counts(engine, model: torch.nn.Module) -> dict[str, float]:
     """How many times each parameter this rank (partly) updates has been stepped, by name: the optimizer's
     own `step` state of its pieces (0 for a piece never stepped), for the optimizers that keep one."""
-    masters, counts = engine.stage.masters, {}
+    counts = {}
     names = {i: slot.name for b in engine.stage.layout.buckets for slot in b.slots for i in [slot.param_index]}
-    optimizer_of = {id(p): o for o in masters.optimizers for g in o.param_groups for p in g["params"]}
-    for pieces, params in zip(masters.pieces, masters.piece_params):
-        for piece, param in zip(pieces, params):
-            state = optimizer_of[id(piece)].state.get(piece, {})
-            counts[names[param]] = float(state["step"]) if "step" in state else (1.0 if state else 0.0)
+    for ref in engine.stage.masters.piece_refs():
+        state = ref.optimizer.state.get(ref.piece, {})
+        counts[names[ref.param_index]] = float(state["step"]) if "step" in state else (1.0 if state else 0.0)
     return counts
 
 

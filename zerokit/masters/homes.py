@@ -1,0 +1,133 @@
+"""Where one fp32 master lives, and what moving its gradient in and its values out costs.
+
+[Note: masters that alias the compute shard]
+In fp32 training the master and the compute parameter would hold the same numbers, so where the compute
+shard is fp32 and lives where the master should, the master *is* the compute shard (a view of the flat
+buffer, or of stage 3's shard buffer): the optimizer updates the parameters in place and publishing
+copies nothing. A 16-bit compute dtype, or a master on another tier, gets its own fp32 tensor.
+
+[Note: the host tier on a machine without a GPU]
+The host tier keeps its masters, their optimizer state and a gradient buffer in host memory, apart from
+the compute shards, and moves each gradient in and each update out even when the "device" is the CPU
+itself: nothing is saved there, but the path that runs is the one a GPU machine runs (counted in
+comm_stats() as host_to_device and device_to_host), so the tests exercise it. With CUDA the buffers are
+pinned and the copies asynchronous: a gradient shard's copy is started as soon as its bucket is
+reduced and waited for only at the optimizer step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerokit.comm import CommStats, Transfer
+
+
+class DeviceHome:
+    """The default tier: the master on the device the model computes on."""
+
+    tier = "device"
+
+    def __init__(self, compute: torch.Tensor, device: torch.device) -> None:
+        self.compute = compute
+        self.aliased = compute.dtype == torch.float32 and compute.device == device
+        self.master = compute if self.aliased else torch.empty(compute.numel(), device=device)
+        self._grad: torch.Tensor | None = None
+        self._grad32: torch.Tensor | None = None
+
+    def initialise(self, values: torch.Tensor) -> None:
+        if not self.aliased:  # an aliased master already holds them: its compute shard was filled first
+            self.master.copy_(values)
+
+    def accept_grad(self, grad: torch.Tensor) -> None:
+        self._grad, self._grad32 = grad, None
+
+    def grad32(self) -> torch.Tensor:
+        """The gradient in fp32 (a transient copy only if it is 16-bit), which the step may change in place."""
+        if self._grad32 is None:
+            if self._grad is None:
+                raise RuntimeError("a master got no gradient before the optimizer step (an internal bug)")
+            self._grad32 = self._grad if self._grad.dtype == torch.float32 else self._grad.float()
+        return self._grad32
+
+    def release(self) -> None:
+        self._grad = self._grad32 = None
+
+    def publish(self) -> None:
+        if not self.aliased:
+            self.compute.copy_(self.master)
+
+    def write_back(self) -> None:
+        if not self.aliased:
+            copy_edits(self.master, self.compute)
+
+    def held(self) -> dict[str, int]:
+        """Bytes it holds by category, besides the optimizer's state: the master unless it is the shard."""
+        return {"optimizer_state": 0 if self.aliased else _bytes(self.master)}
+
+
+class HostHome:
+    """The CPU tier (offload_optimizer.device=cpu): master and gradient in host memory, stepped on the CPU.
+    See [Note: the host tier on a machine without a GPU]."""
+
+    tier = "host"
+
+    def __init__(self, compute: torch.Tensor, pin_memory: bool, stats: CommStats) -> None:
+        pin = pin_memory and torch.cuda.is_available()  # page-locking needs the CUDA driver
+        self.compute, self.stats = compute, stats
+        self.master = torch.empty(compute.numel(), pin_memory=pin)
+        self.grad = torch.zeros(compute.numel(), pin_memory=pin)
+        # a 16-bit copy to send, so that half the bytes cross the bus (cast on the host, as DeepSpeed does)
+        self.staging = (torch.empty(compute.numel(), dtype=compute.dtype, pin_memory=pin)
+                        if compute.is_cuda and compute.dtype != torch.float32 else None)
+        self._copied: torch.cuda.Event | None = None
+        self._has_grad = False
+
+    def initialise(self, values: torch.Tensor) -> None:
+        self.master.copy_(values)
+
+    def accept_grad(self, grad: torch.Tensor) -> None:
+        self.grad.copy_(grad, non_blocking=grad.is_cuda)
+        self.stats.record(Transfer.DEVICE_TO_HOST, grad)
+        self._has_grad = True
+        if grad.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def grad32(self) -> torch.Tensor:
+        if not self._has_grad:
+            raise RuntimeError("a master got no gradient before the optimizer step (an internal bug)")
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        return self.grad
+
+    def release(self) -> None:
+        self._has_grad = False
+
+    def publish(self) -> None:
+        source = self.master
+        if self.staging is not None:
+            self.staging.copy_(self.master)
+            source = self.staging
+        self.compute.copy_(source, non_blocking=self.compute.is_cuda)
+        self.stats.record(Transfer.HOST_TO_DEVICE, source if source.dtype == self.compute.dtype else self.compute)
+
+    def write_back(self) -> None:
+        compute = self.compute.to("cpu")
+        self.stats.record(Transfer.DEVICE_TO_HOST, compute)
+        copy_edits(self.master, compute)
+
+    def held(self) -> dict[str, int]:
+        return {"optimizer_state": _bytes(self.master), "gradients": _bytes(self.grad),
+                "parameters": _bytes(self.staging) if self.staging is not None else 0}
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def copy_edits(master: torch.Tensor, compute: torch.Tensor) -> None:
+    """Copy into the fp32 `master` only the elements whose 16-bit `compute` copy no longer matches it:
+    copying all of them would round every untouched master weight to 16 bits."""
+    edited = compute != master.to(compute.dtype)
+    master[edited] = compute[edited].to(master.dtype)

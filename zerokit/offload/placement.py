@@ -1,0 +1,41 @@
+"""Which tier each master lives on, from the config's offload_optimizer block.
+
+[Note: Twin-Flow]
+`offload_optimizer.ratio` (DeepSpeed's Twin-Flow) is the share of the optimizer stepped on the CPU. The
+masters are given to the host in layout order until they hold that share of this rank's elements; the
+rest stay on the device. Both kinds are pieces of the same optimizer, so one optimizer.step() updates
+them all (an LR schedule sees one optimizer): torch steps the device's pieces with asynchronous kernels,
+so on a GPU they run while the CPU works through the host's. The split is by whole masters (buckets),
+so the share is met to within one bucket.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerokit.comm import CommStats
+from zerokit.config import ZeroConfig
+from zerokit.masters import DeviceHome, HostHome
+from zerokit.masters.shards import Home
+
+
+def master_homes(compute: list[torch.Tensor], config: ZeroConfig, stats: CommStats,
+                 device: torch.device) -> list[Home]:
+    """A home for each master, given the compute shard it publishes to and the device the model runs on."""
+    offload = config.offload_optimizer
+    if not offload.enabled:
+        return [DeviceHome(shard, device) for shard in compute]
+    on_host = _host_share(compute, offload.ratio)
+    return [HostHome(shard, offload.pin_memory, stats) if host else DeviceHome(shard, device)
+            for shard, host in zip(compute, on_host)]
+
+
+def _host_share(compute: list[torch.Tensor], ratio: float) -> list[bool]:
+    """See [Note: Twin-Flow]."""
+    total = sum(shard.numel() for shard in compute)
+    placed, on_host = 0, []
+    for shard in compute:
+        host = ratio >= 1.0 or placed < ratio * total
+        on_host.append(host)
+        placed += shard.numel() if host else 0
+    return on_host

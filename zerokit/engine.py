@@ -19,7 +19,7 @@ from torch import nn
 from zerokit.comm import Communicator
 from zerokit.config import ZeroConfig, hidden_size_of, load_config
 from zerokit.masters import OptimizerPlan, optimizer_kind, trainable_groups
-from zerokit.precision import StepResult, clip_coefficient, global_grad_norm, make_loss_scaler, unscale_
+from zerokit.precision import StepResult, clip_coefficient, global_norm, make_loss_scaler
 from zerokit.runtime import default_device, ensure_process_group, log_startup
 from zerokit.stages import STAGES, BucketReducer, install_hooks
 from zerokit.stages.construction import (Construction, ParamInit, has_meta_parameters, init_buffer_owners,
@@ -113,7 +113,7 @@ class Engine:
         self.stage.prepare_backward()
         scaled = loss * (self.loss_scaler.scale / self.config.gradient_accumulation_steps)
         if must_reduce:
-            self.reducer.arm(scaled)
+            self.reducer.arm(scaled, final=self.at_boundary)
         scaled.backward()
         self.reducer.flush()
         self.stage.finish_backward()
@@ -130,10 +130,7 @@ class Engine:
         if progress.micro_step % self.config.gradient_accumulation_steps != 0:
             return self._result(boundary=False, stepped=False, norm=None, clipped=False)
         stage, masters = self.stage, self.stage.masters
-        stage.hand_in_grads()
-        grads = masters.gradients()
-        unscale_(grads, self.loss_scaler.scale)
-        norm = self._norm_and_usage(grads)
+        norm = self._norm_and_usage(masters.unscaled_square_sum(self.loss_scaler.scale))
         overflow = norm != norm  # nan: some gradient was inf or nan on some rank
         self.loss_scaler.update(overflow)
         if overflow:
@@ -141,23 +138,22 @@ class Engine:
             return self._skip()
         masters.drop_unused(stage.usage.agreed)
         coefficient = clip_coefficient(norm, self.config.gradient_clipping)
-        if coefficient < 1.0:
-            torch._foreach_mul_(grads, coefficient)
-        self.stage.masters.step()
+        masters.step(coefficient)
         self.stage.release_grads()
         self.stage.publish_params()
         progress.optimizer_step += 1
         progress.consecutive_skips = 0
         return self._result(boundary=True, stepped=True, norm=norm, clipped=coefficient < 1.0)
 
-    def _norm_and_usage(self, grads: list[torch.Tensor]) -> float:
-        """The global gradient norm; at stages 1-3 the same all-reduce sums which parameters each rank used
-        (stage 0's last bucket carried them: See [Note: parameters no rank used])."""
+    def _norm_and_usage(self, squares: float) -> float:
+        """The global gradient norm from this rank's sum of squares; at stages 1-3 the same all-reduce sums
+        which parameters each rank used (stage 0's last bucket carried them: See [Note: parameters no rank
+        used])."""
         comm, usage = self.stage.norm_comm, self.stage.usage
         if comm is None:
-            return global_grad_norm(grads, None)
-        flags = usage.flags(torch.float64, grads[0].device if grads else self.device)
-        norm = global_grad_norm(grads, comm, flags)
+            return global_norm(squares, None)
+        flags = usage.flags(torch.float64, comm.device)
+        norm = global_norm(squares, comm, flags)
         usage.agree(flags)
         return norm
 

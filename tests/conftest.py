@@ -26,6 +26,9 @@ def cases_for(world_size: int) -> list[Case]:
         return base
     exact_steps = [Case(f"stage{s}-{d}-{name}", stage=s, dtype=d, **options)
                    for s in (0, 1, 2, 3) for d in ("fp32", "bf16") for name, options in EXACT_STEP_CASES]
+    offloaded = [Case(f"stage{s}-{d}-{name}", stage=s, dtype=d, **options)
+                 for s in (1, 2, 3) for d in ("fp32", "bf16") for name, options in OFFLOAD_CASES
+                 if s == 3 or not {"offload_param", "offload_ratio"} & set(options)]  # as DeepSpeed: stage 3 only
     # Without clipping, 1 or 2 ranks add and halve exactly what one process does: bit-exact even at 16 bits.
     exact = [Case(f"stage{s}-{d}-noclip", stage=s, dtype=d, clip=0.0) for s in (0, 1, 2, 3) for d in ("bf16", "fp16")]
     return base + (exact if world_size <= 2 else []) + [
@@ -44,6 +47,7 @@ def cases_for(world_size: int) -> list[Case]:
           for s, d in ((0, "fp32"), (1, "bf16"), (2, "fp32"), (3, "bf16"))],
         *STAGE3_EXTRAS,
         *exact_steps,
+        *offloaded,
     ]
 
 
@@ -58,6 +62,18 @@ EXACT_STEP_CASES = [
     ("muon-adamw", {"optimizer": "muon+adamw", "usage": "idle-or-rank0"}),
     ("adafactor", {"optimizer": "adafactor", "usage": "idle-or-rank0"}),
     ("sgd-momentum-idle-branch", {"optimizer": "sgd", "usage": "idle-or-rank0", "clip": 0.0}),
+]
+
+
+# Offload tiers (issue 10): every combination the config allows, at stages 1-3 (parameters: stage 3 only). On this
+# CPU-only machine the "device" is the CPU, but the tiers still keep their own copies and move every gradient in
+# and every update out, as on a GPU.
+OFFLOAD_CASES = [
+    ("offload-cpu", {"offload_optimizer": "cpu", "usage": "idle-or-rank0"}),
+    ("offload-cpu-ratio", {"offload_optimizer": "cpu", "offload_ratio": 0.5, "accumulation": 2}),
+    ("offload-cpu-muon", {"offload_optimizer": "cpu", "optimizer": "muon+adamw"}),
+    ("offload-params-cpu", {"offload_param": "cpu", "freeze_norms": True}),
+    ("offload-params-and-optimizer-cpu", {"offload_param": "cpu", "offload_optimizer": "cpu", "accumulation": 2}),
 ]
 
 

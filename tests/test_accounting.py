@@ -10,8 +10,10 @@ from zerokit.testing.parity import Case
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 REDUCE_BYTES = 4  # fp32 reduction, the default
-# The formulas assume every parameter was stepped (has optimizer state): not so where a layer stays idle.
-ADAMW = [(n, c) for n in WORLD_SIZES for c in cases_for(n) if c.optimizer == "adamw" and c.usage == "rotating"]
+# The formulas assume every parameter was stepped (has optimizer state): not so where a layer stays idle; and
+# every state on the device (offload tiers are counted in tests/test_offload.py).
+ADAMW = [(n, c) for n in WORLD_SIZES for c in cases_for(n) if c.optimizer == "adamw" and c.usage == "rotating"
+         and c.offload_optimizer == c.offload_param == "none"]
 
 
 def expected_memory(case: Case, world_size: int, out: dict) -> dict[str, int]:

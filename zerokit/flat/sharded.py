@@ -9,21 +9,35 @@ place gets an error. Gather with engine.unsharded() first.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from zerokit.comm import Communicator, Pending, wait
-from zerokit.flat.buffers import FlatParameters, own_part
+from zerokit.flat.buffers import FlatParameters, own_part, tensor_bytes
 from zerokit.flat.layout import Bucket
 
 
+class ShardHome(Protocol):
+    """Where the shards live between gathers: zerokit/offload/params.py."""
+
+    tier: str
+    offloaded: bool
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
+    def fetch(self, shard: torch.Tensor, slot: torch.Tensor) -> torch.Tensor: ...
+    def store(self, shard: torch.Tensor, values: torch.Tensor) -> None: ...
+
+
 class ShardedFlat:
-    def __init__(self, flat: FlatParameters, rank: int) -> None:
+    def __init__(self, flat: FlatParameters, rank: int, home: ShardHome) -> None:
         self.flat = flat
         self.layout = flat.layout
         self.rank = rank
+        self.home = home
         self.local = self.layout.shards_of(rank)
         # 1-D, param dtype: this rank's shard of every bucket, back to back (See FlatLayout.shards_of).
-        self.shards = torch.zeros(self.local.numel, dtype=flat.dtype, device=flat.device)
+        self.shards = home.allocate(self.local.numel, flat.dtype)
         self.placeholder = torch.full((1,), float("nan"), dtype=flat.dtype, device=flat.device)
         self.full: dict[int, torch.Tensor] = {}  # bucket index -> the gathered bucket (1-D), while gathered
         self.in_flight: dict[int, Pending] = {}  # bucket index -> its gather, until waited on
@@ -35,17 +49,18 @@ class ShardedFlat:
         """Keep this rank's part of `values` (the whole bucket, 1-D, any dtype) as its shard; returns
         that part of `values` itself, so the caller can keep it at full precision."""
         own = own_part(values, bucket, self.rank)
-        self.shard(bucket).copy_(own)
+        self.home.store(self.shard(bucket), own)
         return own
 
     # --- gather and free ----------------------------------------------------------------------------
-    def gather(self, bucket: Bucket, comm: Communicator) -> int:
+    def gather(self, bucket: Bucket, comm: Communicator, purpose: str = "") -> int:
         """Start gathering the bucket (asynchronously); returns the elements that became live (0 if it
         was gathered or on its way already). `wait` before pointing parameters at it."""
         if bucket.index in self.full:
             return 0
         full = torch.empty(bucket.numel, dtype=self.flat.dtype, device=self.flat.device)
-        self.in_flight[bucket.index] = gather_bucket(comm, bucket, full, self.shard(bucket), async_op=True)
+        source = self.home.fetch(self.shard(bucket), own_part(full, bucket, self.rank))
+        self.in_flight[bucket.index] = gather_bucket(comm, bucket, full, source, async_op=True, purpose=purpose)
         self.full[bucket.index] = full
         return bucket.numel
 
@@ -72,11 +87,13 @@ class ShardedFlat:
     def release(self, bucket: Bucket) -> None:
         self.flat.release(bucket, self.placeholder)
 
-    def regather(self, bucket: Bucket, comm: Communicator) -> None:
+    def regather(self, bucket: Bucket, comm: Communicator, purpose: str = "") -> None:
         """Refresh a gathered bucket from the shards (after the shards changed), in place."""
         if bucket.index in self.full:
             self.wait(bucket)
-            wait(gather_bucket(comm, bucket, self.full[bucket.index], self.shard(bucket)))
+            full = self.full[bucket.index]
+            source = self.home.fetch(self.shard(bucket), own_part(full, bucket, self.rank))
+            wait(gather_bucket(comm, bucket, full, source, purpose=purpose))
 
     def write_back(self, bucket: Bucket) -> torch.Tensor | None:
         """Keep in-place edits of a gathered bucket: this rank's part goes back to its shard, and is
@@ -89,13 +106,19 @@ class ShardedFlat:
         """What this holds in memory: the shards, and the gathered buckets."""
         return [self.shards, *self.full.values()]
 
+    def held_by_tier(self) -> dict[str, int]:
+        """Bytes by tier: the shards where their home keeps them, the gathered buckets on the device."""
+        held = {"device": tensor_bytes(self.full.values())}
+        held[self.home.tier] = held.get(self.home.tier, 0) + tensor_bytes([self.shards])
+        return held
+
 
 def gather_bucket(comm: Communicator, bucket: Bucket, full: torch.Tensor, shard: torch.Tensor,
-                  async_op: bool = False) -> Pending:
+                  async_op: bool = False, purpose: str = "") -> Pending:
     """`full` (the whole bucket, 1-D) from every rank's `shard` of it: an all-gather, or for a bucket owned
-    by one rank a broadcast from it (See [Note: buckets owned by one rank])."""
+    by one rank a broadcast from it (See [Note: buckets owned by one rank]). `purpose`: named in reports."""
     if bucket.owner is None:
-        return comm.all_gather(full, shard, async_op=async_op)
+        return comm.all_gather(full, shard, async_op=async_op, purpose=purpose)
     if comm.rank == bucket.owner and full.data_ptr() != shard.data_ptr():
         full.copy_(shard)
-    return comm.broadcast(full, src=bucket.owner, async_op=async_op)
+    return comm.broadcast(full, src=bucket.owner, async_op=async_op, purpose=purpose)

@@ -23,13 +23,15 @@ from zerokit.comm import CommStats, Transfer
 
 
 class DeviceHome:
-    """The default tier: the master on the device the model computes on."""
+    """The default tier: the master on the device the model computes on. `compute_tier`: where the compute
+    shard lives ("host" for stage 3's offloaded parameters, whose publishing is then counted)."""
 
     tier = "device"
 
-    def __init__(self, compute: torch.Tensor, device: torch.device) -> None:
-        self.compute = compute
-        self.aliased = compute.dtype == torch.float32 and compute.device == device
+    def __init__(self, compute: torch.Tensor, device: torch.device, stats: CommStats,
+                 compute_tier: str = "device") -> None:
+        self.compute, self.stats, self.compute_tier = compute, stats, compute_tier
+        self.aliased = compute.dtype == torch.float32 and compute_tier == "device"
         self.master = compute if self.aliased else torch.empty(compute.numel(), device=device)
         self._grad: torch.Tensor | None = None
         self._grad32: torch.Tensor | None = None
@@ -55,6 +57,8 @@ class DeviceHome:
     def publish(self) -> None:
         if not self.aliased:
             self.compute.copy_(self.master)
+            if self.compute_tier != "device":
+                self.stats.record(Transfer.DEVICE_TO_HOST, self.compute)
 
     def write_back(self) -> None:
         if not self.aliased:
@@ -71,14 +75,15 @@ class HostHome:
 
     tier = "host"
 
-    def __init__(self, compute: torch.Tensor, pin_memory: bool, stats: CommStats) -> None:
+    def __init__(self, compute: torch.Tensor, pin_memory: bool, stats: CommStats, compute_tier: str = "device") -> None:
         pin = pin_memory and torch.cuda.is_available()  # page-locking needs the CUDA driver
         self.compute, self.stats = compute, stats
+        self.crosses = compute_tier == "device"  # publishing crosses to the device (not so for offloaded params)
         self.master = torch.empty(compute.numel(), pin_memory=pin)
         self.grad = torch.zeros(compute.numel(), pin_memory=pin)
         # a 16-bit copy to send, so that half the bytes cross the bus (cast on the host, as DeepSpeed does)
         self.staging = (torch.empty(compute.numel(), dtype=compute.dtype, pin_memory=pin)
-                        if compute.is_cuda and compute.dtype != torch.float32 else None)
+                        if self.crosses and compute.is_cuda and compute.dtype != torch.float32 else None)
         self._copied: torch.cuda.Event | None = None
         self._has_grad = False
 
@@ -110,11 +115,13 @@ class HostHome:
             self.staging.copy_(self.master)
             source = self.staging
         self.compute.copy_(source, non_blocking=self.compute.is_cuda)
-        self.stats.record(Transfer.HOST_TO_DEVICE, source if source.dtype == self.compute.dtype else self.compute)
+        if self.crosses:
+            self.stats.record(Transfer.HOST_TO_DEVICE, self.compute)
 
     def write_back(self) -> None:
         compute = self.compute.to("cpu")
-        self.stats.record(Transfer.DEVICE_TO_HOST, compute)
+        if self.crosses:
+            self.stats.record(Transfer.DEVICE_TO_HOST, compute)
         copy_edits(self.master, compute)
 
     def held(self) -> dict[str, int]:

@@ -17,17 +17,23 @@ from zerokit.comm import CommStats
 from zerokit.config import ZeroConfig
 from zerokit.masters import DeviceHome, HostHome
 from zerokit.masters.shards import Home
+from zerokit.offload.params import DeviceShards, HostShards
 
 
-def master_homes(compute: list[torch.Tensor], config: ZeroConfig, stats: CommStats,
-                 device: torch.device) -> list[Home]:
-    """A home for each master, given the compute shard it publishes to and the device the model runs on."""
+def master_homes(compute: list[torch.Tensor], config: ZeroConfig, stats: CommStats, device: torch.device,
+                 compute_tier: str = "device") -> list[Home]:
+    """A home for each master, given the compute shard it publishes to, the device the model runs on, and
+    the tier the compute shards live on (stage 3 with offload_param: "host")."""
     offload = config.offload_optimizer
-    if not offload.enabled:
-        return [DeviceHome(shard, device) for shard in compute]
-    on_host = _host_share(compute, offload.ratio)
-    return [HostHome(shard, offload.pin_memory, stats) if host else DeviceHome(shard, device)
-            for shard, host in zip(compute, on_host)]
+    on_host = _host_share(compute, offload.ratio) if offload.enabled else [False] * len(compute)
+    return [HostHome(shard, offload.pin_memory, stats, compute_tier) if host
+            else DeviceHome(shard, device, stats, compute_tier) for shard, host in zip(compute, on_host)]
+
+
+def shard_home(config: ZeroConfig, stats: CommStats, device: torch.device) -> DeviceShards | HostShards:
+    """Where stage 3's parameter shards live between gathers (offload_param)."""
+    offload = config.offload_param
+    return HostShards(device, offload.pin_memory, stats) if offload.device == "cpu" else DeviceShards(device)
 
 
 def _host_share(compute: list[torch.Tensor], ratio: float) -> list[bool]:

@@ -14,6 +14,15 @@ it well (NCCL). gloo does not: for a 25 MiB fp32 bucket on 2 ranks here, its red
 which this rank already holds whole, is all-reduced in place and the shard is read from it: no more
 memory, less time, and counted honestly as an all-reduce. `zero_optimization.reduce_scatter` forces
 either choice.
+
+[Note: gradient pre-division]
+Gradients are averaged over ranks by default: summed, then divided by N (gloo's AVG does exactly that). A
+16-bit sum of N gradients can overflow where their average would not (two fp16 60000s sum to inf), so
+DeepSpeed offers to divide first: `prescale_gradients` divides by N before the sum; `gradient_predivide_factor`
+f divides by f before it and multiplies the sum by f/N after. zerokit does the same arithmetic, in the
+reduce dtype, with a SUM collective: (sum of g/f) x f/N. Dividing and multiplying by a power of two is exact
+(short of underflow), so with f and N powers of two the result is bit-identical to the plain average
+(tests/test_observe_engine.py checks it); otherwise it differs by rounding only.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zerokit.comm import Communicator, Pending, ProcessGroups, Reduction, wait
@@ -29,6 +39,7 @@ from zerokit.config import ZeroConfig
 from zerokit.flat import (Bucket, FlatParameters, ParamEntry, assign_owners, bucket_view, build_layout, gather_bucket,
                           shard_view, tensor_bytes)
 from zerokit.masters import OptimizerPlan, ShardMasters
+from zerokit.masters.shards import TIERS
 from zerokit.offload import master_homes
 from zerokit.stages.usage import GradientUsage
 
@@ -52,6 +63,8 @@ class ZeroStage:
         self.reduces_every_micro_step = reduces_every_micro_step
         """True where gradients must leave the rank on every micro-step (stage 2's default, stage 3)."""
         self.usage = GradientUsage(len(flat.params))  # See [Note: parameters no rank used]
+        # See [Note: gradient pre-division]: what gradients are divided by before their sum (1: averaged as usual)
+        self.predivide = float(self.world_size) if config.prescale_gradients else config.gradient_predivide_factor
 
     @classmethod
     def build(cls, model: nn.Module, params: list[nn.Parameter], groups: list[int], plan: OptimizerPlan,
@@ -115,17 +128,29 @@ class ZeroStage:
         then call `then` with this rank's shard of the average: a new tensor after a reduce-scatter, a
         view of `full` after an all-reduce. See [Note: reducing a bucket to a shard]."""
         begin, end = bucket.shard_in_bucket(self.rank)
+        op, after = self.predivide_(full)
         if not self.reduce_scatter:
-            pending = Pending(full[begin:end], self.comm.all_reduce(full, async_op=True).work)
+            pending = Pending(full[begin:end], self.comm.all_reduce(full, op=op, async_op=True).work)
         elif bucket.owner is not None:  # See [Note: buckets owned by one rank]
-            pending = Pending(full[begin:end], self.comm.reduce(full, dst=bucket.owner, async_op=True).work)
+            pending = Pending(full[begin:end], self.comm.reduce(full, dst=bucket.owner, op=op, async_op=True).work)
         else:
             shard = torch.empty(end - begin, dtype=full.dtype, device=full.device)
-            pending = self.comm.reduce_scatter(shard, full, async_op=True)
+            pending = self.comm.reduce_scatter(shard, full, op=op, async_op=True)
 
         def store(shard: torch.Tensor) -> None:  # the last link of the chain (`then` may return a tensor)
+            if after != 1.0:
+                shard.mul_(after)
             then(shard)
         return Reduction(pending, store, keep_alive=full)
+
+    def predivide_(self, grads: torch.Tensor) -> tuple[dist.ReduceOp, float]:
+        """Divide `grads` in place before their reduction as DeepSpeed's prescale_gradients /
+        gradient_predivide_factor ask; returns the reduction's op and what its result is then multiplied by.
+        See [Note: gradient pre-division]."""
+        if self.predivide == 1.0:
+            return dist.ReduceOp.AVG, 1.0
+        grads.mul_(1.0 / self.predivide)
+        return dist.ReduceOp.SUM, self.predivide / self.world_size
 
     def grad_final(self, bucket: Bucket) -> None:
         """The bucket's reduction at the accumulation boundary is done: its master gets its gradient now (an
@@ -167,19 +192,28 @@ class ZeroStage:
         """What to gather together when saving: (units, their parameters); here all at once."""
         return [(None, list(model.parameters()))]
 
-    def frozen_bytes(self, model: nn.Module) -> int:
-        """Bytes this rank holds for the frozen parameters (requires_grad=False) of `model`: stages 0-2
-        keep them whole, in the compute dtype."""
+    def frozen_bytes(self, model: nn.Module) -> dict[str, int]:
+        """Bytes this rank holds for the frozen parameters (requires_grad=False) of `model`, by tier: stages
+        0-2 keep them whole, in the compute dtype, on the device."""
         trainable = {id(p) for p in self.flat.params}
-        return tensor_bytes(p for p in model.parameters() if id(p) not in trainable)
+        return {"device": tensor_bytes(p for p in model.parameters() if id(p) not in trainable)}
 
-    def memory_by_category(self) -> dict[str, int]:
-        """Bytes this rank holds for trainable parameters, their gradients and optimizer state."""
-        return {
-            "parameters": tensor_bytes([self.flat.buffer]),
-            "gradients": tensor_bytes(self.gradient_tensors()),
-            "optimizer_state": self.masters.nbytes(),
-        }
+    def parameter_bytes(self) -> dict[str, int]:
+        """Bytes of trainable parameters by tier: the flat buffer, on the device."""
+        return {"device": tensor_bytes([self.flat.buffer])}
+
+    def memory_by_tier(self, model: nn.Module) -> dict[str, dict[str, int]]:
+        """Bytes this rank holds by tier (device, host, nvme) and category (parameters, trainable and frozen;
+        gradients; optimizer_state: fp32 masters, when separate, and the optimizer's own state)."""
+        held = {tier: {"parameters": 0, "gradients": 0, "optimizer_state": 0} for tier in TIERS}
+        held["device"]["gradients"] = tensor_bytes(self.gradient_tensors())
+        for source in (self.parameter_bytes(), self.frozen_bytes(model)):
+            for tier, count in source.items():
+                held[tier]["parameters"] += count
+        for tier, categories in self.masters.held_by_tier().items():
+            for category, count in categories.items():
+                held[tier][category] += count
+        return held
 
     def describe(self) -> list[str]:
         """One line each for the start-up log."""

@@ -41,7 +41,7 @@ from zerokit.comm import Communicator, ProcessGroups, Reduction
 from zerokit.config import ZeroConfig
 from zerokit.flat import Bucket, FlatParameters, ParamEntry, ShardedFlat, build_layout, tensor_bytes
 from zerokit.masters import OptimizerPlan, ShardMasters
-from zerokit.offload import master_homes
+from zerokit.offload import master_homes, shard_home
 from zerokit.stages.base import param_entries, whole_tensor_owners
 from zerokit.stages.construction import Construction, materialise
 from zerokit.stages.hooks import TrainingState, UnitHooks
@@ -71,13 +71,14 @@ class ShardedParameters(ShardedGradients):
         keys = [unit_of[id(p)] * per_unit + g for p, g in zip(params, groups)]
         owners = whole_tensor_owners(params, groups, plan, comm.world_size)
         layout = build_layout(param_entries(model, params, keys, owners), comm.world_size, bucket_numel=sys.maxsize)
-        dtype = config.precision.param_dtype
-        trainable = ShardedFlat(FlatParameters(params, layout, dtype), comm.rank)
-        frozen = ShardedFlat(_frozen_flat(model, params, unit_of, comm.world_size, dtype), comm.rank)
+        dtype, device = config.precision.param_dtype, _device_of(model)
+        home = shard_home(config, comm.stats, device)
+        trainable = ShardedFlat(FlatParameters(params, layout, dtype), comm.rank, home)
+        frozen = ShardedFlat(_frozen_flat(model, params, unit_of, comm.world_size, dtype), comm.rank, home)
         process_groups = ProcessGroups.for_stage(comm, 3)
         shards = UnitShards(units, trainable, frozen, [b.group // per_unit for b in layout.buckets],
                             process_groups.gather, config.stage3)
-        homes = master_homes([trainable.shard(b) for b in layout.buckets], config, comm.stats, trainable.flat.device)
+        homes = master_homes([trainable.shard(b) for b in layout.buckets], config, comm.stats, device, home.tier)
         masters = ShardMasters(homes, [b.param_slices(comm.rank) for b in layout.buckets],
                                [groups[b.slots[0].param_index] for b in layout.buckets], plan, config.sub_group_size)
         _place(model, shards, masters, comm, construction or Construction())
@@ -104,17 +105,18 @@ class ShardedParameters(ShardedGradients):
         self.masters.write_back()
 
     # --- what it holds -------------------------------------------------------------------------------
-    def memory_by_category(self) -> dict[str, int]:
-        stats = super().memory_by_category()
-        stats["parameters"] = tensor_bytes(self.trainable.tensors())
-        return stats
+    def parameter_bytes(self) -> dict[str, int]:
+        """The shards where their home keeps them, and the gathered buckets on the device."""
+        return self.trainable.held_by_tier()
 
-    def frozen_bytes(self, model: nn.Module) -> int:
-        """Frozen shards, the frozen buckets of gathered units, and whatever frozen parameters stay whole.
-        (A released parameter's numel * element_size would count its full size: it holds one element.)"""
+    def frozen_bytes(self, model: nn.Module) -> dict[str, int]:
+        """Frozen shards, the frozen buckets of gathered units, and whatever frozen parameters stay whole
+        (on the device). (A released parameter's numel * element_size would count its full size: it holds
+        one element.)"""
         sharded = {id(p) for p in self.frozen.flat.params} | {id(p) for p in self.flat.params}
-        whole = [p for p in model.parameters() if id(p) not in sharded]
-        return tensor_bytes(self.frozen.tensors()) + tensor_bytes(whole)
+        held = self.frozen.held_by_tier()
+        held["device"] = held.get("device", 0) + tensor_bytes(p for p in model.parameters() if id(p) not in sharded)
+        return held
 
     def state_dict(self) -> dict[str, Any]:
         """The masters and the optimizer, and the frozen shards (nothing else holds them); the trainable
@@ -161,6 +163,11 @@ class ShardedParameters(ShardedGradients):
     def units_of(self, params: list[nn.Parameter]) -> list[Unit]:
         wanted = {id(p) for p in params}
         return [unit for unit in self.units if unit.param_ids & wanted]
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """The device the model computes on (the engine moved it there)."""
+    return next(model.parameters(), torch.empty(0)).device
 
 
 def _frozen_flat(model: nn.Module, trainable: list[nn.Parameter], unit_of: dict[int, int], world_size: int,

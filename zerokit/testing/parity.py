@@ -60,6 +60,9 @@ class Case:
     # stage 3: modules that become units, by name in the model ("blocks.0.attn"): the case is pickled to
     # the ranks, so run_engine resolves the names to the model's own instances
     unit_modules: tuple[str, ...] = ()
+    offload_optimizer: str = "none"  # none | cpu | nvme (stages 1-3)
+    offload_ratio: float = 1.0  # the share of the optimizer stepped on the CPU (DeepSpeed's Twin-Flow ratio)
+    offload_param: str = "none"  # none | cpu | nvme (stage 3)
 
 
 def make_model(case: Case) -> torch.nn.Module:
@@ -181,11 +184,26 @@ def engine_config(case: Case) -> dict:
             "stage3_max_live_parameters": case.max_live_parameters})
         if case.unit_classes:
             config["zero_optimization"]["stage3_unit_classes"] = list(case.unit_classes)
+    for key, device in (("offload_optimizer", case.offload_optimizer), ("offload_param", case.offload_param)):
+        if device != "none":
+            block = config["zero_optimization"][key] = {"device": device}
+            if device == "nvme":
+                block["nvme_path"] = offload_dir()
+            if key == "offload_optimizer" and case.offload_ratio < 1:
+                block["ratio"] = case.offload_ratio
     if case.dtype == "bf16":
         config["bf16"] = {"enabled": True}
     if case.dtype == "fp16":
         config["fp16"] = {"enabled": True, "initial_scale_power": case.initial_scale_power, "hysteresis": 1}
     return config
+
+
+def offload_dir() -> str:
+    """Where NVMe-offload cases swap: a folder of this machine's disk (not a RAM-backed /tmp)."""
+    import os
+    import tempfile
+
+    return os.environ.get("ZEROKIT_TEST_NVME_PATH", tempfile.gettempdir())
 
 
 def fp32_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -225,6 +243,8 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
         "case": asdict(case), "losses": losses, "results": results, "comm_per_step": comm_per_step,
         "params": {name: value for name, value in engine.full_state_dict().items() if name in dict(model.named_parameters())},
         "memory": engine.memory_stats(),
+        "memory_by_tier": engine.memory_by_tier(),
+        "local_shard_numel": engine.stage.layout.shards_of(rank).numel if engine.config.stage > 0 else None,
         "layout_numel": engine.stage.layout.numel, "buckets": len(engine.stage.layout.buckets),
         "reduce_scatter": engine.stage.reduce_scatter,
         "optimizer_pieces": engine.stage.masters.piece_count,

@@ -1,0 +1,49 @@
+"""Offload tiers hold what they say where they say, and move what they say (issue 10). That each offloaded
+run trains like one process is tested in test_parity.py (the offload-* cases)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import cases_for
+
+BYTES = {"fp32": 4, "bf16": 2}
+OFFLOADED = [(n, c) for n in (2, 3) for c in cases_for(n) if c.offload_optimizer == "cpu" and c.offload_ratio == 1
+             and c.optimizer == "adamw" and c.offload_param == "none"]
+
+
+@pytest.mark.parametrize("world_size,case", OFFLOADED, ids=[f"N{n}-{c.name}" for n, c in OFFLOADED])
+def test_optimizer_offload_keeps_masters_state_and_gradients_in_host_memory(parity_runs, world_size, case) -> None:
+    """Host memory holds the fp32 masters (this rank's shard of every bucket), an fp32 gradient buffer of the
+    same size, and AdamW's state; the device holds no optimizer state. Every step moves each reduced
+    gradient shard to the host once (fp32) and each updated shard back once (in the compute dtype)."""
+    for out in (runs[case.name] for runs in parity_runs(world_size)):
+        shard = out["local_shard_numel"]
+        host, device = out["memory_by_tier"]["host"], out["memory_by_tier"]["device"]
+        assert device["optimizer_state"] == 0
+        assert host["optimizer_state"] == 4 * shard + 8 * out["stepped_numel"] + 4 * out["optimizer_pieces"]
+        assert host["gradients"] == 4 * shard
+        for step in out["comm_per_step"][1:]:
+            assert step["device_to_host"]["bytes"] == 4 * shard
+            assert step["host_to_device"]["bytes"] == BYTES[case.dtype] * shard
+
+
+PARAMS_OFFLOADED = [(n, c) for n in (2, 3) for c in cases_for(n) if c.offload_param == "cpu"]
+
+
+@pytest.mark.parametrize("world_size,case", PARAMS_OFFLOADED, ids=[f"N{n}-{c.name}" for n, c in PARAMS_OFFLOADED])
+def test_parameter_offload_keeps_shards_in_host_memory_and_copies_each_gather_in(parity_runs, world_size, case) -> None:
+    """Between steps the device holds no parameter (no unit is persistent here): every shard, trainable and
+    frozen, is in host memory. Each gather first copies this rank's shard to the device: 1/N of what the
+    all-gathers bring in."""
+    for out in (runs[case.name] for runs in parity_runs(world_size)):
+        tiers = out["memory_by_tier"]
+        assert tiers["device"]["parameters"] == 0
+        shards = BYTES[case.dtype] * (out["local_shard_numel"] + out["frozen_shard_numel"])
+        assert tiers["host"]["parameters"] == shards
+        published = 0 if case.offload_optimizer == "cpu" else BYTES[case.dtype] * out["local_shard_numel"]
+        for step in out["comm_per_step"][1:]:
+            assert step["host_to_device"]["bytes"] * world_size == step["all_gather"]["bytes"]
+            # masters on the device publish each updated shard across to the host; host masters publish in place
+            gradients = 4 * out["local_shard_numel"] if case.offload_optimizer == "cpu" else 0
+            assert step["device_to_host"]["bytes"] == published + gradients

@@ -42,7 +42,8 @@ EXTRA = {"qwen2-6x384-gqa": {"model_type": "qwen2", "num_hidden_layers": 6, "hid
                              "intermediate_size": 1024, "num_attention_heads": 6, "num_key_value_heads": 2,
                              "vocab_size": 20000, "max_position_embeddings": 2048}}
 SUMMARY = ("activations", "peak_allocated", "peak_total", "gradients", "optimizer_state", "wire_bytes",
-           "time.forward", "time.backward", "time.step", "time.communication")
+           "time.forward", "time.backward", "time.step", "time.communication", "cpu_time.forward",
+           "cpu_time.backward", "cpu_time.step")
 
 
 def build(config: dict) -> torch.nn.Module:

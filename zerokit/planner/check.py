@@ -168,11 +168,12 @@ def calibrated_mfu(calibration: Calibration | None, spec: ModelSpec | None, devi
     if not timed or spec is None or spec.architecture is None or device is None:
         return None
     sample = timed[-1]
+    # CPU time where measured: it leaves out waiting for a core another process holds
+    seconds = sample.get("forward_cpu_s", sample["forward_s"]) + sample.get("backward_cpu_s", sample["backward_s"])
     arch = replace(spec.architecture, n_layers=calibration.n_layers)
     small = replace(spec, architecture=arch, total_params=arch.total_params())
     training = Training(precision=precision, seq_len=sample["seq"], micro_batch=sample["batch"])
     forward, backward = flops_per_token(small, param_counts(small, Trainable()), training)
-    seconds = sample["forward_s"] + sample["backward_s"]
     return (forward + backward) * sample["batch"] * sample["seq"] / seconds / device.flops(precision)
 
 
@@ -211,6 +212,9 @@ def check_rows(record: dict, calibration: Calibration | None = None, device: Dev
     for phase, value in seconds.items():
         rows.append(Row(f"time.{phase}", "seconds", value, measured["seconds"].get(phase),
                         f"MFU {used_mfu:.2f}" if phase in ("forward", "backward") else ""))
+    for phase in measured.get("cpu_seconds", {}):  # the same prediction against CPU time, steady under load
+        rows.append(Row(f"cpu_time.{phase}", "seconds", seconds.get(phase), measured["cpu_seconds"][phase],
+                        "CPU seconds of the slowest rank"))
     return rows
 
 

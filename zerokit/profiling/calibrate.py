@@ -91,11 +91,12 @@ def _measure(model: nn.Module, blocks: list[nn.Module], inputs: Inputs, loss_of:
 
 def _timed(model: nn.Module, inputs: Inputs, loss_of: LossOf, batch: int, seq: int) -> dict:
     args, kwargs = inputs(batch, seq)
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     loss = loss_of(model(*args, **kwargs))
-    middle = time.perf_counter()
+    middle, middle_cpu = time.perf_counter(), time.process_time()
     loss.backward()
-    return {"batch": batch, "seq": seq, "forward_s": middle - start, "backward_s": time.perf_counter() - middle}
+    return {"batch": batch, "seq": seq, "forward_s": middle - start, "backward_s": time.perf_counter() - middle,
+            "forward_cpu_s": middle_cpu - start_cpu, "backward_cpu_s": time.process_time() - middle_cpu}
 
 
 def calibrate_module(model: nn.Module, *, precision: str = "fp32", seqs: tuple[int, int] = (64, 128),

@@ -3,7 +3,7 @@
 [Note: what a record measures, step by step]
   warm-up steps        untimed: the optimizer's state is created in the first step, kernels are picked
   timed steps          forward (with the loss), backward and step, each after a barrier, the slowest
-                       rank's time; the resident high-water mark over these steps (before any profiling,
+                       rank's wall and CPU time; the resident high-water mark over these steps (before any profiling,
                        whose own buffers would stay resident)
   one profiled step    saved activations (forward and the loss) by block; the allocator's peak over the
                        step by phase; memory_stats() after backward and after the step; the growth of
@@ -135,27 +135,45 @@ def _profiled_step(engine: Any, loss_fn: LossFn, batches: Iterator, blocks: list
             "comm_per_step": _diff(engine.comm_stats(), comm_before)}
 
 
+class _Clock:
+    """Wall and CPU (all threads of this process) seconds per phase. CPU time leaves out waiting for a core
+    that another process holds, so on a shared machine it is the steadier of the two."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = {"forward": 0.0, "backward": 0.0, "step": 0.0}
+        self.cpu: dict[str, float] = dict(self.wall)
+        self.restart()
+
+    def restart(self) -> None:
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+
+    def lap(self, phase: str) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.wall[phase] += wall - self._wall
+        self.cpu[phase] += cpu - self._cpu
+        self._wall, self._cpu = wall, cpu
+
+
 def _timed_steps(engine: Any, loss_fn: LossFn, batches: Iterator, steps: int) -> dict:
-    times = {"forward": [], "backward": [], "step": []}
+    clock = _Clock()
     with resident_peak() as resident:
         for _ in range(steps):
             for _ in range(engine.config.gradient_accumulation_steps):
                 batch = next(batches)
                 dist.barrier()
-                start = time.perf_counter()
+                clock.restart()
                 loss = loss_fn(engine, batch)
-                middle = time.perf_counter()
+                clock.lap("forward")
                 engine.backward(loss)
-                end = time.perf_counter()
-                result = engine.step()
-                times["forward"].append(middle - start)
-                times["backward"].append(end - middle)
-                times["step"].append(time.perf_counter() - end if getattr(result, "stepped", True) else 0.0)
-    m = engine.config.gradient_accumulation_steps
-    per_step = {phase: sum(values) / steps for phase, values in times.items()}  # per optimizer step
+                clock.lap("backward")
+                engine.step()  # off the boundary it returns at once
+                clock.lap("step")
+    per_step = {phase: value / steps for phase, value in clock.wall.items()}  # per optimizer step
     per_step["total"] = sum(per_step.values())
-    return {"seconds": per_step, "peak_resident": resident["peak"], "resident_at_start": resident["start"],
-            "resident_reset": resident["reset"], "micro_steps": m}
+    cpu = {phase: value / steps for phase, value in clock.cpu.items()}
+    return {"seconds": per_step, "cpu_seconds": cpu, "peak_resident": resident["peak"],
+            "resident_at_start": resident["start"], "resident_reset": resident["reset"],
+            "micro_steps": engine.config.gradient_accumulation_steps}
 
 
 def replay_collectives(comm: dict, dtype_of: Callable[[str], torch.dtype], device: torch.device, repeats: int = 3) -> float:
@@ -221,9 +239,12 @@ def record_run(engine: Any, batches: Iterable, loss_fn: LossFn, *, optimizer: An
     measured["seconds"]["communication"] = replay_collectives(
         measured["comm_per_step"], lambda kind: dtypes.get(kind, engine.config.precision.reduce_dtype), device)
     keys = ["peak_allocated", "peak_resident", "resident_at_start"]
-    peaks = _max_over_ranks([measured[k] for k in keys] + list(measured["seconds"].values()))
+    peaks = _max_over_ranks([measured[k] for k in keys] + list(measured["seconds"].values())
+                            + list(measured["cpu_seconds"].values()))
     measured.update(dict(zip(keys, map(int, peaks[:len(keys)]))))
-    measured["seconds"] = dict(zip(measured["seconds"], peaks[len(keys):]))
+    count = len(measured["seconds"])
+    measured["seconds"] = dict(zip(measured["seconds"], peaks[len(keys):len(keys) + count]))
+    measured["cpu_seconds"] = dict(zip(measured["cpu_seconds"], peaks[len(keys) + count:]))
     record = RunRecord(setup=asdict(setup), inventory=inventory.as_dict(), model=_model_info(engine.module, blocks),
                        micro_batch=micro_batch, seq_len=seq_len, measured=measured,
                        device={"type": device.type, "threads": torch.get_num_threads()})

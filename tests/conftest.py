@@ -28,7 +28,7 @@ def cases_for(world_size: int) -> list[Case]:
                    for s in (0, 1, 2, 3) for d in ("fp32", "bf16") for name, options in EXACT_STEP_CASES]
     offloaded = [Case(f"stage{s}-{d}-{name}", stage=s, dtype=d, **options)
                  for s in (1, 2, 3) for d in ("fp32", "bf16") for name, options in OFFLOAD_CASES
-                 if s == 3 or not {"offload_param", "offload_ratio"} & set(options)]  # as DeepSpeed: stage 3 only
+                 if s == 3 or "offload_param" not in options]  # parameters are sharded at stage 3 only
     # Without clipping, 1 or 2 ranks add and halve exactly what one process does: bit-exact even at 16 bits.
     exact = [Case(f"stage{s}-{d}-noclip", stage=s, dtype=d, clip=0.0) for s in (0, 1, 2, 3) for d in ("bf16", "fp16")]
     return base + (exact if world_size <= 2 else []) + [
@@ -74,6 +74,8 @@ OFFLOAD_CASES = [
     ("offload-cpu-muon", {"offload_optimizer": "cpu", "optimizer": "muon+adamw"}),
     ("offload-params-cpu", {"offload_param": "cpu", "freeze_norms": True}),
     ("offload-params-and-optimizer-cpu", {"offload_param": "cpu", "offload_optimizer": "cpu", "accumulation": 2}),
+    ("offload-nvme", {"offload_optimizer": "nvme", "usage": "idle-or-rank0", "accumulation": 2}),
+    ("offload-nvme-adafactor", {"offload_optimizer": "nvme", "optimizer": "adafactor", "usage": "idle-or-rank0"}),
 ]
 
 

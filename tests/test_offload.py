@@ -4,6 +4,7 @@ run trains like one process is tested in test_parity.py (the offload-* cases).""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import cases_for
 
@@ -47,3 +48,20 @@ def test_parameter_offload_keeps_shards_in_host_memory_and_copies_each_gather_in
             # masters on the device publish each updated shard across to the host; host masters publish in place
             gradients = 4 * out["local_shard_numel"] if case.offload_optimizer == "cpu" else 0
             assert step["device_to_host"]["bytes"] == published + gradients
+
+
+# An offloaded run and the same run without offload: (offloaded case, its twin in the matrix).
+TWINS = [("offload-cpu", "idle-branch"), ("offload-nvme", "idle-branch-accum2"), ("offload-nvme-adafactor", "adafactor")]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_offloaded_runs_equal_the_same_run_without_offload_bit_for_bit(parity_runs, world_size) -> None:
+    """Where the masters live changes nothing in the numbers: the same steps on the same values, in another
+    memory, give the same losses and parameters to the last bit, at every stage and precision."""
+    runs = parity_runs(world_size)[0]
+    for stage in (1, 2, 3):
+        for dtype in ("fp32", "bf16"):
+            for offloaded, plain in TWINS:
+                a, b = runs[f"stage{stage}-{dtype}-{offloaded}"], runs[f"stage{stage}-{dtype}-{plain}"]
+                assert a["losses"] == b["losses"], (stage, dtype, offloaded)
+                assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"]), (stage, dtype, offloaded)

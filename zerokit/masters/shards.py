@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, Sequence
+from typing import Any, Iterator, NamedTuple, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -49,6 +50,11 @@ class Home(Protocol):
     def publish(self) -> None: ...
     def write_back(self) -> None: ...
     def held(self) -> dict[str, int]: ...
+
+
+def _paged(home: Home) -> bool:
+    """The master lives on NVMe and comes into memory only for its own step."""
+    return getattr(home, "paged", False)
 
 
 class PieceRef(NamedTuple):
@@ -93,6 +99,7 @@ class ShardMasters:
                                                          if ref.optimizer == which])
                            for which, optimizer in enumerate(plan.optimizers)]
         self._grads: list[torch.Tensor] = []  # fp32, attached to the pieces: from the square sum to the step
+        self._used: Sequence[bool] = []  # which parameters some rank used, this step
 
     def _cut(self, master: nn.Parameter, parts: list[ParamSlice], whole_tensor: bool) -> list[Piece]:
         """See [Note: optimizer pieces]."""
@@ -129,9 +136,10 @@ class ShardMasters:
         """Attach every master's fp32 gradient to its pieces, divide it by the loss scale in place, and return
         the sum of its squares (float64: See [Note: one scalar decides overflow and norm] in precision.py)."""
         grads = [home.grad32() for home in self.homes]
-        for pieces, grad in zip(self.pieces, grads):
-            for piece in pieces:
-                piece.param.grad = grad[piece.offset:piece.offset + piece.param.numel()].view(piece.param.shape)
+        for home, pieces, grad in zip(self.homes, self.pieces, grads):
+            if not _paged(home):  # a paged master's gradient is attached when it is paged in (See nvme.py)
+                for piece in pieces:
+                    piece.param.grad = grad[piece.offset:piece.offset + piece.param.numel()].view(piece.param.shape)
         self._grads = grads
         unscale_(grads, scale)
         return square_sum(grads)
@@ -141,17 +149,45 @@ class ShardMasters:
         as torch's optimizers skip a parameter whose .grad is None (See [Note: parameters no rank used])."""
         if used is None:
             raise RuntimeError("the ranks' gradient usage was never reduced before the optimizer step (an internal bug)")
+        self._used = used
         for pieces in self.pieces:
             for piece in pieces:
                 if not used[piece.param_index]:
                     piece.param.grad = None
 
     def step(self, clip: float = 1.0) -> None:
-        """Scale the gradients by the clip coefficient (if below 1), then step every optimizer."""
+        """Scale the gradients by the clip coefficient (if below 1), then step every optimizer: the resident
+        masters at once, then the paged ones one by one (See [Note: paging a master through a bounded pool])."""
         if clip < 1.0:
             scale_(self._grads, clip)
         for optimizer in self.optimizers:
             optimizer.step()
+        paged = [index for index, home in enumerate(self.homes) if _paged(home)]
+        if paged:
+            for pieces in self.pieces:  # resident pieces are done: they must not be stepped again
+                for piece in pieces:
+                    piece.param.grad = None
+            self._step_paged(paged)
+
+    def _step_paged(self, paged: list[int]) -> None:
+        optimizer_of = self._optimizer_of()
+        self.homes[paged[0]].start_reading()
+        for position, index in enumerate(paged):
+            home, pieces = self.homes[index], self.pieces[index]
+            home.page_in([p.param for p in pieces], [p.offset for p in pieces], optimizer_of, with_grad=True)
+            for piece in pieces:
+                if not self._used[piece.param_index]:
+                    piece.param.grad = None
+            if position + 1 < len(paged):
+                self.homes[paged[position + 1]].start_reading()  # read the next one while this one steps
+            for optimizer in self.optimizers:
+                optimizer.step()
+            home.publish_paged()
+            home.page_out([p.param for p in pieces], optimizer_of)
+        self.homes[paged[0]].pool.drain()
+
+    def _optimizer_of(self) -> dict[int, torch.optim.Optimizer]:
+        return {id(p): o for o in self.optimizers for g in o.param_groups for p in g["params"]}
 
     def release_grads(self) -> None:
         self._grads = []
@@ -173,7 +209,8 @@ class ShardMasters:
     # --- what it holds -------------------------------------------------------------------------------
     def held_by_tier(self) -> dict[str, dict[str, int]]:
         """Bytes held by tier (device, host, nvme) and category: masters, their host buffers, and the
-        optimizers' state, each counted where its master lives."""
+        optimizers' state, each counted where its master lives; a paged master's record on NVMe, and the
+        pool it pages through in host memory."""
         held: dict[str, dict[str, int]] = {tier: defaultdict(int) for tier in TIERS}
         state_of = {id(p): s for optimizer in self.optimizers for p, s in optimizer.state.items()}
         for home, pieces in zip(self.homes, self.pieces):
@@ -181,6 +218,10 @@ class ShardMasters:
                 held[home.tier][category] += count
             held[home.tier]["optimizer_state"] += sum(
                 tensor_bytes(state_of.get(id(piece.param), {}).values()) for piece in pieces)
+        paged = [home for home in self.homes if _paged(home)]
+        if paged:
+            held["nvme"]["optimizer_state"] += sum(home.nvme_bytes() for home in paged)
+            held["host"]["optimizer_state"] += paged[0].pool.held_bytes()
         return {tier: dict(categories) for tier, categories in held.items()}
 
     def nbytes(self) -> int:
@@ -204,16 +245,58 @@ class ShardMasters:
     def piece_count(self) -> int:
         return sum(len(pieces) for pieces in self.pieces)
 
+    @contextmanager
+    def resident(self, index: int) -> Iterator[None]:
+        """Master `index` and its pieces' optimizer state in memory until exit (a paged master is paged in,
+        and written back after: changes made inside are kept). Reading or writing masters outside a step
+        (state_dict, checkpoints) goes through this."""
+        home = self.homes[index]
+        if not _paged(home):
+            yield
+            return
+        pieces, optimizer_of = self.pieces[index], self._optimizer_of()
+        home.page_in([p.param for p in pieces], [p.offset for p in pieces], optimizer_of, with_grad=False)
+        try:
+            yield
+        finally:
+            home.page_out([p.param for p in pieces], optimizer_of)
+            home.pool.drain()
+
     def state_dict(self) -> dict[str, Any]:
-        return {"masters": [master.detach() for master in self.masters],
-                "optimizers": [optimizer.state_dict() for optimizer in self.optimizers]}
+        """Masters and optimizer state; a paged master's pieces' state under "paged_state", by piece position."""
+        masters, paged_state = [], {}
+        for index, master in enumerate(self.masters):
+            with self.resident(index):
+                masters.append(master.detach().clone() if _paged(self.homes[index]) else master.detach())
+                if _paged(self.homes[index]):
+                    paged_state[index] = [_clone(self._state_of(piece.param)) for piece in self.pieces[index]]
+        return {"masters": masters, "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
+                "paged_state": paged_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["masters"]) != len(self.masters):
             raise ValueError(f"the saved optimizer state has {len(state['masters'])} masters, this layout "
                              f"{len(self.masters)}")
-        with torch.no_grad():
-            for master, saved in zip(self.masters, state["masters"]):
-                master.copy_(saved)
         for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(saved)
+        for index, (master, saved) in enumerate(zip(self.masters, state["masters"])):
+            with self.resident(index), torch.no_grad():
+                if _paged(self.homes[index]):
+                    self._load_paged(index, saved, state.get("paged_state", {}).get(index, []))
+                else:
+                    master.copy_(saved)
+
+    def _load_paged(self, index: int, saved: torch.Tensor, states: list[dict[str, Any]]) -> None:
+        """Into a paged-in master: its values, and its pieces' state (written back on leaving `resident`)."""
+        optimizer_of = self._optimizer_of()
+        for position, piece in enumerate(self.pieces[index]):
+            piece.param.copy_(saved[piece.offset:piece.offset + piece.param.numel()].view(piece.param.shape))
+            if position < len(states) and states[position]:
+                optimizer_of[id(piece.param)].state[piece.param] = _clone(states[position])
+
+    def _state_of(self, piece: nn.Parameter) -> dict[str, Any]:
+        return self._optimizer_of()[id(piece)].state.get(piece, {})
+
+
+def _clone(state: dict[str, Any]) -> dict[str, Any]:
+    return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in state.items()}

@@ -16,15 +16,22 @@ import torch
 from zerokit.comm import CommStats
 from zerokit.config import ZeroConfig
 from zerokit.masters import DeviceHome, HostHome
+from zerokit.masters.nvme import BufferPool, NvmeHome
 from zerokit.masters.shards import Home
+from zerokit.offload.swap import SwapDirectory
 from zerokit.offload.params import DeviceShards, HostShards
 
 
-def master_homes(compute: list[torch.Tensor], config: ZeroConfig, stats: CommStats, device: torch.device,
+def master_homes(compute: list[torch.Tensor], config: ZeroConfig, stats: CommStats, device: torch.device, rank: int,
                  compute_tier: str = "device") -> list[Home]:
     """A home for each master, given the compute shard it publishes to, the device the model runs on, and
     the tier the compute shards live on (stage 3 with offload_param: "host")."""
     offload = config.offload_optimizer
+    if offload.device == "nvme":
+        swap = SwapDirectory(offload.nvme_path, rank, "optimizer")
+        pool = BufferPool(offload.buffer_count, offload.pin_memory)
+        return [NvmeHome(shard, f"master{index}", swap, pool, stats, compute_tier)
+                for index, shard in enumerate(compute)]
     on_host = _host_share(compute, offload.ratio) if offload.enabled else [False] * len(compute)
     return [HostHome(shard, offload.pin_memory, stats, compute_tier) if host
             else DeviceHome(shard, device, stats, compute_tier) for shard, host in zip(compute, on_host)]

@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # Module names under zerokit.cli, in the order `zerokit --help` lists them.
-SUBCOMMANDS = ["demo", "plan", "translate"]
+SUBCOMMANDS = ["demo", "plan", "translate", "consolidate"]
 
 
 def build_parser() -> argparse.ArgumentParser:

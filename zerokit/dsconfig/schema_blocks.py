@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from zerokit.dsconfig.keys import Key, Kind, always, block, honoured, refused, refused_block
 
-NO_CHECKPOINTS = "zerokit has no save_checkpoint yet"
+SHARED_FILES = ("zerokit's checkpoints are read by any rank on any world size, so every rank must see every "
+                "rank's files (a shared filesystem)")
 A = "activation_checkpointing."
 
 OBSERVABILITY = (
@@ -61,14 +62,18 @@ ACTIVATION = (
 C = "checkpoint."
 CHECKPOINT = (
     block("checkpoint", "how save_checkpoint/load_checkpoint behave"),
-    refused(C + "tag_validation", "checking checkpoint tags across ranks", NO_CHECKPOINTS, Kind.CHOICE, "Warn",
-            ("Warn",), choices=("Ignore", "Warn", "Fail")),
-    refused(C + "load_universal", "loading a universal checkpoint", NO_CHECKPOINTS),
-    refused(C + "use_node_local_storage", "checkpoints on node-local storage", NO_CHECKPOINTS),
-    refused(C + "checkpoint_serialization", "turning checkpoint serialization off", NO_CHECKPOINTS, Kind.BOOL, True),
-    block(C + "parallel_write", "parallel checkpoint writing", ),
-    refused(C + "parallel_write.pipeline_stage", "writing checkpoints by pipeline stage", NO_CHECKPOINTS),
-    refused_block(C + "writer", "DeepSpeed's fast checkpoint writer", NO_CHECKPOINTS, switch=""),
+    honoured(C + "tag_validation", Kind.CHOICE, "Warn", "when ranks pass different tags to save_checkpoint: Ignore or "
+             "Warn (saved under rank 0's tag) or Fail", choices=("Ignore", "Warn", "Fail")),
+    always(C + "load_universal", "every zerokit checkpoint is universal: it loads on any world size and stage",
+           Kind.BOOL, False),
+    refused(C + "use_node_local_storage", "checkpoints on node-local storage", SHARED_FILES),
+    refused(C + "checkpoint_serialization", "turning checkpoint serialization off", "zerokit writes safetensors "
+            "files, not torch.save's zip serialization", Kind.BOOL, True),
+    block(C + "parallel_write", "parallel checkpoint writing (zerokit: every rank writes its own file)", ),
+    refused(C + "parallel_write.pipeline_stage", "writing checkpoints by pipeline stage", "zerokit has no pipeline "
+            "parallelism"),
+    refused_block(C + "writer", "DeepSpeed's fast checkpoint writer", "zerokit has its own: "
+                  "save_checkpoint(async_save=True)", switch=""),
 )
 
 AIO_NOTE = "libaio tuning for DeepSpeed's NVMe swapper; zerokit's NVMe tier does its own I/O"

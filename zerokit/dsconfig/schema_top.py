@@ -99,8 +99,8 @@ PARALLEL = (
                   "before you run instead"),
     refused_block("data_efficiency", "data sampling (curriculum learning) and data routing (random-LTD)",
                   "zerokit leaves data loading to your loader"),
-    refused_block("datastates_ckpt", "DataStates asynchronous checkpointing", "zerokit has no checkpoint "
-                  "engines", switch=""),
+    refused_block("datastates_ckpt", "DataStates asynchronous checkpointing", "zerokit saves asynchronously "
+                  "itself: save_checkpoint(async_save=True)", switch=""),
     refused("memory_breakdown", "printing memory use at every step", "zerokit reports exact bytes by category in "
             "engine.memory_stats() instead"),
     refused("dump_state", "printing DeepSpeed's engine state after initialize", "zerokit logs its start-up choices "

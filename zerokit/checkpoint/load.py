@@ -1,0 +1,143 @@
+"""engine.load_checkpoint: resume from a checkpoint saved by any world size at any stage.
+
+[Note: a load fails on every rank or on none]
+Each rank reads only what it holds (See restore.py), so a corrupted chunk or a missing file may be found
+by one rank alone. A rank that raised there would leave the others waiting in the first collective of
+the next step, so every rank catches its error, the ranks exchange them (one small collective, See
+session.py) and, if any rank failed, all raise the first error before anything is published. An engine
+whose load failed holds a mix of old and new values: load again before training.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zerokit.checkpoint.collect import optimizer_list
+from zerokit.checkpoint.files import Readers
+from zerokit.checkpoint.manifest import CLIENT_STATE, MANIFEST, Manifest, rank_file, read_manifest
+from zerokit.checkpoint.optimizer_state import restore_groups
+from zerokit.checkpoint.restore import check_model, restore_buffers, restore_frozen, restore_trainable
+from zerokit.checkpoint.rng import RNG_KEYS, restore_rng
+from zerokit.checkpoint.save import LATEST
+from zerokit.checkpoint.session import session_of
+from zerokit.runtime import logger
+
+if TYPE_CHECKING:
+    from zerokit.engine import Engine
+
+
+def checkpoint_directory(load_dir: str | os.PathLike, tag: str | None = None) -> Path:
+    """`load_dir/tag`, or the tag `load_dir/latest` names; `load_dir` itself if it is a checkpoint."""
+    load_dir = Path(load_dir)
+    if tag is None and (load_dir / MANIFEST).is_file():
+        return load_dir
+    if tag is None:
+        latest = load_dir / LATEST
+        if not latest.is_file():
+            found = sorted(p.parent.name for p in load_dir.glob(f"*/{MANIFEST}"))
+            raise ValueError(f"{latest}: missing, so no tag to load; pass tag= (checkpoints here: "
+                             f"{', '.join(found) or 'none'})")
+        tag = latest.read_text().strip()
+    return load_dir / str(tag)
+
+
+def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | None = None,
+                    load_optimizer_states: bool = True, load_module_only: bool = False,
+                    weights_only: bool = True) -> tuple[str, dict[str, Any] | None]:
+    """Resume from `load_dir/tag` (default: the tag in `load_dir/latest`), saved at any world size and
+    stage. Returns (the checkpoint's path, the client_state saved with it). load_module_only: the weights
+    only (masters, frozen parameters, buffers), as DeepSpeed's flag; load_optimizer_states=False: the
+    weights, counters and loss scale, but no optimizer state. weights_only: how client_state is unpickled
+    (torch.load's flag; False runs arbitrary code from the file)."""
+    session = session_of(engine)
+    session.writer.wait()
+    directory = checkpoint_directory(load_dir, tag)
+    error, manifest = None, None
+    try:
+        manifest = read_manifest(directory)
+        check_model(manifest, engine, directory)
+        _restore_tensors(engine, manifest, directory, load_optimizer_states and not load_module_only)
+        if not load_module_only:
+            _restore_counters(engine, manifest, directory, load_optimizer_states)
+    except ValueError as failure:
+        error = f"rank {engine.rank}: {failure}" if engine.world_size > 1 else str(failure)
+    errors = [e for e in session.group.all_gather(error) if e]
+    if errors:  # See [Note: a load fails on every rank or on none]
+        raise ValueError(errors[0])
+    _publish(engine)
+    return str(directory), _client_state(directory, manifest, weights_only)
+
+
+def _restore_tensors(engine: "Engine", manifest: Manifest, directory: Path, with_state: bool) -> None:
+    readers = Readers(directory, manifest.files)
+    try:
+        restore_trainable(engine, manifest, readers, directory, with_state)
+        restore_frozen(engine, manifest, readers)
+        restore_buffers(engine.module, manifest, readers)
+        if with_state:
+            _restore_rng(engine, manifest, readers)
+    finally:
+        readers.close()
+
+
+def _restore_counters(engine: "Engine", manifest: Manifest, directory: Path, with_state: bool) -> None:
+    """Hyperparameters (an LR scheduler's changes), the loss scale, and where training stands."""
+    if with_state:
+        optimizers = optimizer_list(engine)
+        if len(optimizers) != len(manifest.optimizers):
+            raise ValueError(f"{directory / MANIFEST}: saved with {len(manifest.optimizers)} optimizers, this engine "
+                             f"has {len(optimizers)}")
+        for optimizer, saved in zip(optimizers, manifest.optimizers):
+            restore_groups(optimizer, saved["param_groups"], str(directory / MANIFEST))
+    try:
+        engine.loss_scaler.load_state_dict(manifest.loss_scaler)
+    except ValueError as error:
+        raise ValueError(f"{directory / MANIFEST}: {error}") from None
+    progress = replace(engine.progress, **manifest.progress)
+    window, saved_window = engine.config.gradient_accumulation_steps, manifest.config["gradient_accumulation_steps"]
+    if window != saved_window:  # keep accumulation windows aligned: micro-steps = boundaries x window
+        progress.micro_step = progress.micro_step // saved_window * window
+        if engine.rank == 0:
+            logger.info(f"resumed with gradient_accumulation_steps={window} (saved with {saved_window}): "
+                        f"micro_step counted as {progress.micro_step}")
+    engine.progress = progress
+
+
+def _restore_rng(engine: "Engine", manifest: Manifest, readers: Readers) -> None:
+    """This rank's generators, if the saving run had this rank; a new rank keeps its own (and says so)."""
+    if engine.rank not in manifest.rng:
+        if engine.rank == manifest.world_size:
+            logger.info(f"ranks {manifest.world_size} and up were not in the saved run: their random generators "
+                        "are not restored")
+        return
+    reader = readers(rank_file(engine.rank))
+    tensors = {key: reader.read_tensor(key) for key in RNG_KEYS if key in reader.tensors}
+    restore_rng(tensors, manifest.rng[engine.rank])
+
+
+def _publish(engine: "Engine") -> None:
+    """Loaded masters -> compute parameters on every rank; stage 3 re-gathers frozen buckets kept gathered."""
+    stage = engine.stage
+    stage.publish_params()
+    if engine.config.stage == 3:
+        for bucket in stage.frozen.layout.buckets:
+            stage.frozen.regather(bucket, stage.shards.comm)
+
+
+def _client_state(directory: Path, manifest: Manifest | None, weights_only: bool) -> dict[str, Any] | None:
+    if manifest is None or manifest.client_state is None:
+        return None
+    path = directory / manifest.client_state
+    try:
+        return torch.load(path, weights_only=weights_only)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: missing (the manifest says the checkpoint has a client_state)") from None
+    except Exception as error:  # torch.load's unpickler errors have many types
+        hint = " (it holds types weights_only=True refuses: pass weights_only=False if you trust the file)" \
+            if weights_only else ""
+        raise ValueError(f"{path}: cannot be read{hint}: {str(error).splitlines()[0]}") from None

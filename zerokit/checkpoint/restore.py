@@ -1,0 +1,137 @@
+"""Loading a manifest's parameters into an engine of any world size and stage: each optimizer piece
+reads the element ranges it covers from whichever rank files hold them, and nothing else. See [Note: a
+checkpoint is per parameter, not per rank] in manifest.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from zerokit.checkpoint.collect import optimizer_list, persistent_buffers, slots_by_index
+from zerokit.checkpoint.files import Readers
+from zerokit.checkpoint.manifest import MANIFEST, MASTER, Manifest, ParamRecord, rank_file, state_key, values_key
+from zerokit.checkpoint.optimizer_state import decode_scalar
+from zerokit.masters import PieceRef
+
+if TYPE_CHECKING:
+    from zerokit.engine import Engine
+
+
+def read_range(readers: Readers, record: ParamRecord, key: str, begin: int, out: torch.Tensor) -> None:
+    """Elements [begin, begin + out.numel()) of a saved parameter (flattened) into `out` (any dtype and
+    device: cast and moved as needed), read from every part that overlaps them."""
+    end = begin + out.numel()
+    flat = out.view(-1)
+    for rank, part_begin, part_end in record.parts:
+        first, last = max(begin, part_begin), min(end, part_end)
+        if first >= last:
+            continue
+        target = flat[first - begin:last - begin]
+        reader = readers(rank_file(rank))
+        if target.device.type == "cpu" and target.dtype == reader.spec(key).dtype and target.is_contiguous():
+            reader.read_into(key, first - part_begin, target)
+        else:
+            target.copy_(reader.read_elements(key, first - part_begin, last - part_begin))
+
+
+def check_model(manifest: Manifest, engine: "Engine", directory: Path) -> None:
+    """The checkpoint is of this model: the same state-dict keys, each parameter and buffer of the same shape."""
+    where = directory / MANIFEST
+    module = engine.module
+    saved_keys = [key for key, _, _ in manifest.model["state_dict"]]
+    keys = [key for key, value in module.state_dict(keep_vars=True).items() if isinstance(value, torch.Tensor)]
+    missing = [key for key in keys if key not in set(saved_keys)]
+    extra = [key for key in saved_keys if key not in set(keys)]
+    if missing or extra:
+        what = f"has no {missing[0]!r}" if missing else f"has {extra[0]!r}, which this model lacks"
+        raise ValueError(f"{where}: from another model ({manifest.model['class']}): it {what}")
+    shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    shapes.update({name: tuple(b.shape) for name, b in persistent_buffers(module)})
+    for name, shape in shapes.items():
+        record = manifest.params.get(name)
+        if record is None:
+            raise ValueError(f"{where}: from another model ({manifest.model['class']}): no values for {name!r}")
+        if tuple(record.shape) != shape:
+            raise ValueError(f"{where}: from another model ({manifest.model['class']}): {name!r} has shape "
+                             f"{tuple(record.shape)} there, {shape} here")
+
+
+def restore_trainable(engine: "Engine", manifest: Manifest, readers: Readers, directory: Path,
+                      with_state: bool) -> None:
+    """Masters (and optimizer state) of every piece this rank steps."""
+    slots = slots_by_index(engine)
+    optimizers = optimizer_list(engine)
+    position = {id(o): i for i, o in enumerate(optimizers)}
+    group_of = {id(p): g for o in optimizers for g, group in enumerate(o.param_groups) for p in group["params"]}
+    for ref in engine.stage.masters.piece_refs():
+        name = slots[ref.param_index].name
+        record = manifest.params[name]
+        with torch.no_grad():
+            read_range(readers, record, values_key(name, record.role), ref.param_begin, ref.piece.data)
+        if not with_state:
+            continue
+        if record.role == MASTER:
+            _check_optimizer(manifest, record, name, ref, position[id(ref.optimizer)], group_of[id(ref.piece)],
+                             directory)
+        _restore_piece_state(ref, record, name, readers)
+
+
+def _check_optimizer(manifest: Manifest, record: ParamRecord, name: str, ref: PieceRef, optimizer: int, group: int,
+                     directory: Path) -> None:
+    saved = manifest.optimizers[record.optimizer]["class"] if record.optimizer is not None else None
+    here = type(ref.optimizer).__name__
+    if (record.optimizer, record.group, saved) != (optimizer, group, here):
+        raise ValueError(f"{directory / MANIFEST}: {name!r} was stepped by {saved} (optimizer {record.optimizer}, "
+                         f"param group {record.group}) there, by {here} (optimizer {optimizer}, group {group}) here")
+
+
+def _restore_piece_state(ref: PieceRef, record: ParamRecord, name: str, readers: Readers) -> None:
+    """The piece's optimizer state from the saved one; a parameter never stepped (or frozen when saved) has none."""
+    piece, state = ref.piece, {}
+    if record.role == MASTER and (record.state or record.scalars):
+        for key, encoded in record.scalars.items():
+            state[key] = decode_scalar(encoded, piece.device)
+        for key in record.state:
+            if record.whole_tensor:
+                rank = record.parts[0][0]
+                state[key] = readers(rank_file(rank)).read_tensor(state_key(key, name)).to(piece.device)
+            else:
+                rank = record.parts[0][0]
+                dtype = readers(rank_file(rank)).spec(state_key(key, name)).dtype
+                values = torch.empty(piece.shape, dtype=dtype, device=piece.device)
+                read_range(readers, record, state_key(key, name), ref.param_begin, values)
+                state[key] = values
+    ref.optimizer.state.pop(piece, None)
+    if state:
+        ref.optimizer.state[piece] = state
+
+
+def restore_frozen(engine: "Engine", manifest: Manifest, readers: Readers) -> None:
+    """Frozen parameters: whole where the engine holds them whole, this rank's shard of each at stage 3."""
+    stage = engine.stage
+    trainable = {id(p) for p in stage.flat.params}
+    sharded = {id(p) for p in stage.frozen.flat.params} if engine.config.stage == 3 else set()
+    with torch.no_grad():
+        for name, param in engine.module.named_parameters():
+            if id(param) not in trainable and id(param) not in sharded:
+                record = manifest.params[name]
+                read_range(readers, record, values_key(name, record.role), 0, param.data)
+        if sharded:
+            frozen = stage.frozen
+            for bucket in frozen.layout.buckets:
+                slots = {slot.param_index: slot for slot in bucket.slots}
+                shard = frozen.shard(bucket)
+                for part in bucket.param_slices(engine.rank):
+                    record = manifest.params[slots[part.param_index].name]
+                    read_range(readers, record, values_key(slots[part.param_index].name, record.role),
+                               part.param_begin, shard[part.begin:part.end])
+
+
+def restore_buffers(module: nn.Module, manifest: Manifest, readers: Readers) -> None:
+    with torch.no_grad():
+        for name, buffer in persistent_buffers(module):
+            record = manifest.params[name]
+            read_range(readers, record, values_key(name, record.role), 0, buffer)

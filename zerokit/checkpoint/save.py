@@ -1,0 +1,206 @@
+"""engine.save_checkpoint: every rank writes its file, rank 0 writes the manifest, then the checkpoint
+is moved into place and `latest` pointed at it.
+
+[Note: an atomic save]
+A save writes into a staging directory, `<save_dir>/.<tag>.partial-<id>`, each rank its file under a
+temporary name that is flushed, fsynced and renamed. Once every rank has reported its file (a collective:
+see session.py), rank 0 writes `manifest.json` the same way, renames the staging directory to
+`<save_dir>/<tag>` (an earlier checkpoint of that tag is swapped out first, then removed) and only then
+replaces `<save_dir>/latest` (written and renamed too). A rank killed at any point before that leaves
+the previous checkpoint and `latest` as they were, and the partial directory is not a checkpoint (it has
+no manifest; loading it says so). An asynchronous save copies this rank's tensors into host buffers
+and returns; writing and committing go on in a background thread (See session.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from dataclasses import asdict, fields, is_dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import zerokit
+from zerokit.checkpoint.collect import RankPayload, collect, optimizer_list
+from zerokit.checkpoint.files import fsync_dir, write_file
+from zerokit.checkpoint.manifest import (CLIENT_STATE, MANIFEST, Manifest, RankReport, dtype_name, merge_parts,
+                                         rank_file)
+from zerokit.checkpoint.optimizer_state import encode_groups
+from zerokit.checkpoint.session import CheckpointGroup, session_of
+from zerokit.masters.optimizer import optimizer_kind
+from zerokit.runtime import logger
+
+if TYPE_CHECKING:
+    from zerokit.engine import Engine
+
+LATEST = "latest"
+
+
+def save_checkpoint(engine: "Engine", save_dir: str | os.PathLike, tag: str | None = None,
+                    client_state: dict[str, Any] | None = None, save_latest: bool = True,
+                    async_save: bool = False) -> bool:
+    """Save the engine's full training state under `save_dir/tag` (default tag: global_step<N>, N the
+    accumulation boundaries so far). Every rank must call it. With async_save, returns once this rank's
+    tensors are copied to host memory; `zerokit.checkpoint.wait(engine)`, the next save or load, or the
+    end of the script waits for the rest. See [Note: an atomic save]."""
+    session = session_of(engine)
+    session.writer.wait()
+    save_dir = Path(save_dir)
+    _check_boundary(engine, save_dir)
+    tag, nonce = _agree_on_tag(engine, session.group, tag)
+    staging = save_dir / f".{tag}.partial-{nonce}"
+    staging.mkdir(parents=True, exist_ok=True)
+    payload = collect(engine)
+    description = describe(engine, tag) if engine.rank == 0 else {}
+    if engine.rank == 0 and client_state is not None:
+        _save_client_state(client_state, staging)
+        description["client_state"] = CLIENT_STATE
+    if async_save:
+        payload.entries = session.host.stage(payload.entries)
+        session.writer.submit(lambda: write_and_commit(session.group, payload, staging, save_dir, tag, description,
+                                                       save_latest))
+    else:
+        write_and_commit(session.group, payload, staging, save_dir, tag, description, save_latest)
+    return True
+
+
+def _check_boundary(engine: "Engine", save_dir: Path) -> None:
+    progress, window = engine.progress, engine.config.gradient_accumulation_steps
+    if progress.micro_step % window or progress.backward_since_step:
+        raise ValueError(f"{save_dir}: cannot save in the middle of an accumulation window (micro-step "
+                         f"{progress.micro_step}, {window} per optimizer step{', a backward not yet stepped' if progress.backward_since_step else ''}): "
+                         "gradients in flight are not saved; save right after the engine.step() that ends a window")
+
+
+def _agree_on_tag(engine: "Engine", group: CheckpointGroup, tag: str | None) -> tuple[str, str]:
+    """Rank 0's tag (and a staging id) for every rank; other tags are ignored, warned about or refused as
+    checkpoint.tag_validation says (Ignore, Warn (default), Fail)."""
+    boundaries = engine.progress.micro_step // engine.config.gradient_accumulation_steps
+    tag = str(tag) if tag is not None else f"global_step{boundaries}"
+    if not tag or tag.startswith(".") or "/" in tag or "\\" in tag:
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name (not empty, no '/', not starting "
+                         "with '.')")
+    proposals = group.all_gather((tag, uuid.uuid4().hex[:12]))
+    agreed, nonce = proposals[0]
+    differing = sorted({t for t, _ in proposals if t != agreed})
+    if differing:
+        source = engine.config.source
+        mode = source.get("checkpoint.tag_validation") if source is not None else "Warn"
+        message = f"ranks were given different checkpoint tags ({agreed!r} on rank 0, {differing[0]!r} elsewhere)"
+        if mode == "Fail":
+            raise ValueError(message + "; checkpoint.tag_validation is Fail")
+        if mode == "Warn" and engine.rank == 0:
+            logger.warning(message + f"; saving as {agreed!r} (checkpoint.tag_validation: Warn)")
+    return agreed, nonce
+
+
+def _save_client_state(client_state: dict[str, Any], staging: Path) -> None:
+    """Pickled now, on rank 0, in the training thread: the caller may change its objects after we return."""
+    if not isinstance(client_state, dict):
+        raise ValueError(f"client_state must be a dict, not {type(client_state).__name__}")
+    temporary = staging / (CLIENT_STATE + ".tmp")
+    with open(temporary, "wb") as file:
+        torch.save(client_state, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, staging / CLIENT_STATE)
+
+
+def describe(engine: "Engine", tag: str) -> dict[str, Any]:
+    """What rank 0 alone puts in the manifest: the run and the model, not any rank's tensors."""
+    config, module = engine.config, engine.module
+    first_name = {id(p): name for name, p in module.named_parameters()}  # a tied parameter: its first name
+    state_dict = module.state_dict(keep_vars=True)
+    keys = [[key, first_name.get(id(value), key), "param" if id(value) in first_name else "buffer"]
+            for key, value in state_dict.items() if isinstance(value, torch.Tensor)]
+    hf_config = getattr(module, "config", None)
+    optimizers = optimizer_list(engine)
+    return {
+        "tag": tag, "world_size": engine.world_size, "stage": config.stage,
+        "param_dtype": dtype_name(config.precision.param_dtype), "zerokit_version": zerokit.__version__,
+        "model": {"class": type(module).__name__, "state_dict": keys,
+                  "hf_config": hf_config.to_dict() if hasattr(hf_config, "to_dict") else None},
+        "optimizers": [{"class": type(o).__name__, "param_groups": encode_groups(o),
+                        "kind": optimizer_kind(o, config.optimizer_kinds, config.allow_untested_optimizer)}
+                       for o in optimizers],
+        "progress": asdict(engine.progress), "loss_scaler": engine.loss_scaler.state_dict(),
+        "config": _plain_fields(config),
+        "layout": [{"index": b.index, "owner": b.owner, "numel": b.numel,
+                    "slots": [[s.name, s.offset, s.numel] for s in b.slots]} for b in engine.stage.layout.buckets],
+    }
+
+
+def _plain_fields(config: Any) -> dict[str, Any]:
+    """The config's fields that are plain values (dtypes as names), nested dataclasses included."""
+    out: dict[str, Any] = {}
+    for item in fields(config):
+        value = getattr(config, item.name)
+        if isinstance(value, torch.dtype):
+            out[item.name] = dtype_name(value)
+        elif is_dataclass(value) and not isinstance(value, type):
+            out[item.name] = _plain_fields(value)
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            out[item.name] = value
+        elif isinstance(value, tuple) and all(isinstance(v, (bool, int, float, str)) for v in value):
+            out[item.name] = list(value)
+    return out
+
+
+def write_and_commit(group: CheckpointGroup, payload: RankPayload, staging: Path, save_dir: Path, tag: str,
+                     description: dict[str, Any], save_latest: bool) -> None:
+    """Write this rank's file; then, once every rank has, rank 0 commits (See [Note: an atomic save])."""
+    rank = group.rank
+    try:
+        path = staging / (rank_file(rank) + ".tmp")
+        record = write_file(path, [e.spec for e in payload.entries], [e.sources for e in payload.entries],
+                            {"format": "pt", "zerokit": "checkpoint rank file", "rank": str(rank)})
+        os.replace(path, staging / rank_file(rank))
+        report = RankReport(rank, record, payload.parts, payload.rng)
+    except Exception as error:  # every rank must still reach the collective below
+        report = RankReport(rank, None, [], {}, error=f"rank {rank}: {error}")
+    reports = group.all_gather(report)
+    failed = [r.error for r in reports if r.error]
+    if failed:
+        raise RuntimeError(f"checkpoint {tag!r} was not saved ({staging} left behind): {failed[0]}")
+    error = None
+    if rank == 0:
+        try:
+            _commit(reports, staging, save_dir, tag, description, save_latest)
+        except Exception as failure:
+            error = f"rank 0 could not commit checkpoint {tag!r}: {failure}"
+    error = group.all_gather(error)[0]
+    if error:
+        raise RuntimeError(error)
+
+
+def _commit(reports: list[RankReport], staging: Path, save_dir: Path, tag: str, description: dict[str, Any],
+            save_latest: bool) -> None:
+    manifest = Manifest(**description, params=merge_parts(reports),
+                        files={r.file.name: r.file for r in reports},
+                        rng={r.rank: r.rng for r in reports})
+    _write_text(staging / MANIFEST, manifest.to_json())
+    fsync_dir(staging)
+    final = save_dir / tag
+    replaced = save_dir / f".{tag}.replaced-{staging.name.rsplit('-', 1)[-1]}"
+    if final.exists():
+        os.replace(final, replaced)
+    os.replace(staging, final)
+    fsync_dir(save_dir)
+    if save_latest:
+        _write_text(save_dir / LATEST, tag)
+        fsync_dir(save_dir)
+    shutil.rmtree(replaced, ignore_errors=True)
+    for stale in save_dir.glob(f".{tag}.partial-*"):  # left by saves that were interrupted
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _write_text(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)

@@ -76,6 +76,10 @@ OFFLOAD_CASES = [
     ("offload-params-and-optimizer-cpu", {"offload_param": "cpu", "offload_optimizer": "cpu", "accumulation": 2}),
     ("offload-nvme", {"offload_optimizer": "nvme", "usage": "idle-or-rank0", "accumulation": 2}),
     ("offload-nvme-adafactor", {"offload_optimizer": "nvme", "optimizer": "adafactor", "usage": "idle-or-rank0"}),
+    ("offload-params-nvme", {"offload_param": "nvme", "freeze_norms": True, "offload_max_in_cpu": 0}),
+    # a host cache of 3000 elements: some shards in host memory, the rest read from the file
+    ("offload-params-and-optimizer-nvme", {"offload_param": "nvme", "offload_optimizer": "nvme", "accumulation": 2,
+                                           "offload_max_in_cpu": 3000}),
 ]
 
 

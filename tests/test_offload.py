@@ -50,18 +50,35 @@ def test_parameter_offload_keeps_shards_in_host_memory_and_copies_each_gather_in
             assert step["device_to_host"]["bytes"] == published + gradients
 
 
-# An offloaded run and the same run without offload: (offloaded case, its twin in the matrix).
-TWINS = [("offload-cpu", "idle-branch"), ("offload-nvme", "idle-branch-accum2"), ("offload-nvme-adafactor", "adafactor")]
+# An offloaded run and the same run on another tier: (offloaded case, its twin in the matrix, the stages).
+TWINS = [("offload-cpu", "idle-branch", (1, 2, 3)), ("offload-nvme", "idle-branch-accum2", (1, 2, 3)),
+         ("offload-nvme-adafactor", "adafactor", (1, 2, 3)), ("offload-params-nvme", "offload-params-cpu", (3,))]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_offloaded_runs_equal_the_same_run_without_offload_bit_for_bit(parity_runs, world_size) -> None:
-    """Where the masters live changes nothing in the numbers: the same steps on the same values, in another
-    memory, give the same losses and parameters to the last bit, at every stage and precision."""
+    """Where the masters and shards live changes nothing in the numbers: the same steps on the same values, in
+    another memory, give the same losses and parameters to the last bit, at every stage and precision."""
     runs = parity_runs(world_size)[0]
-    for stage in (1, 2, 3):
-        for dtype in ("fp32", "bf16"):
-            for offloaded, plain in TWINS:
+    for offloaded, plain, stages in TWINS:
+        for stage in stages:
+            for dtype in ("fp32", "bf16"):
                 a, b = runs[f"stage{stage}-{dtype}-{offloaded}"], runs[f"stage{stage}-{dtype}-{plain}"]
                 assert a["losses"] == b["losses"], (stage, dtype, offloaded)
                 assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"]), (stage, dtype, offloaded)
+
+
+NVME_PARAMS = [(n, c) for n in (2, 3) for c in cases_for(n) if c.offload_param == "nvme"]
+
+
+@pytest.mark.parametrize("world_size,case", NVME_PARAMS, ids=[f"N{n}-{c.name}" for n, c in NVME_PARAMS])
+def test_nvme_parameters_live_in_files_and_are_read_for_each_gather(parity_runs, world_size, case) -> None:
+    """With max_in_cpu elements of host cache, the rest of the shards is on NVMe, read for each gather and
+    written when the updated masters are published."""
+    for out in (runs[case.name] for runs in parity_runs(world_size)):
+        tiers = out["memory_by_tier"]
+        assert tiers["nvme"]["parameters"] > 0 and tiers["device"]["parameters"] == 0
+        assert tiers["host"]["parameters"] <= BYTES[case.dtype] * case.offload_max_in_cpu
+        for step in out["comm_per_step"][1:]:
+            assert step["nvme_read"]["calls"] > 0 and step["nvme_write"]["calls"] > 0
+            assert step["host_to_device"]["bytes"] * world_size == step["all_gather"]["bytes"]

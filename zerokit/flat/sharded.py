@@ -15,18 +15,18 @@ import torch
 
 from zerokit.comm import Communicator, Pending, wait
 from zerokit.flat.buffers import FlatParameters, own_part, tensor_bytes
-from zerokit.flat.layout import Bucket
+from zerokit.flat.layout import Bucket, RankShards
 
 
 class ShardHome(Protocol):
     """Where the shards live between gathers: zerokit/offload/params.py."""
 
     tier: str
-    offloaded: bool
 
-    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor: ...
+    def allocate(self, local: RankShards, dtype: torch.dtype) -> torch.Tensor: ...
     def fetch(self, shard: torch.Tensor, slot: torch.Tensor) -> torch.Tensor: ...
-    def store(self, shard: torch.Tensor, values: torch.Tensor) -> None: ...
+    def write(self, shard: torch.Tensor, values: torch.Tensor, source: str) -> None: ...
+    def held(self, shards: torch.Tensor) -> dict[str, int]: ...
 
 
 class ShardedFlat:
@@ -37,7 +37,7 @@ class ShardedFlat:
         self.home = home
         self.local = self.layout.shards_of(rank)
         # 1-D, param dtype: this rank's shard of every bucket, back to back (See FlatLayout.shards_of).
-        self.shards = home.allocate(self.local.numel, flat.dtype)
+        self.shards = home.allocate(self.local, flat.dtype)
         self.placeholder = torch.full((1,), float("nan"), dtype=flat.dtype, device=flat.device)
         self.full: dict[int, torch.Tensor] = {}  # bucket index -> the gathered bucket (1-D), while gathered
         self.in_flight: dict[int, Pending] = {}  # bucket index -> its gather, until waited on
@@ -49,7 +49,7 @@ class ShardedFlat:
         """Keep this rank's part of `values` (the whole bucket, 1-D, any dtype) as its shard; returns
         that part of `values` itself, so the caller can keep it at full precision."""
         own = own_part(values, bucket, self.rank)
-        self.home.store(self.shard(bucket), own)
+        self.home.write(self.shard(bucket), own, "device")
         return own
 
     # --- gather and free ----------------------------------------------------------------------------
@@ -109,7 +109,8 @@ class ShardedFlat:
     def held_by_tier(self) -> dict[str, int]:
         """Bytes by tier: the shards where their home keeps them, the gathered buckets on the device."""
         held = {"device": tensor_bytes(self.full.values())}
-        held[self.home.tier] = held.get(self.home.tier, 0) + tensor_bytes([self.shards])
+        for tier, count in self.home.held(self.shards).items():
+            held[tier] = held.get(tier, 0) + count
         return held
 
 

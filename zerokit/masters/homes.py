@@ -17,21 +17,31 @@ reduced and waited for only at the optimizer step.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from zerokit.comm import CommStats, Transfer
 
 
+class ShardIO(Protocol):
+    """The home of a compute shard (zerokit/offload/params.py): writes into it and reads from it, counting
+    what crosses between tiers."""
+
+    tier: str
+
+    def write(self, shard: torch.Tensor, values: torch.Tensor, source: str) -> None: ...
+    def read(self, shard: torch.Tensor, target: str) -> torch.Tensor: ...
+
+
 class DeviceHome:
-    """The default tier: the master on the device the model computes on. `compute_tier`: where the compute
-    shard lives ("host" for stage 3's offloaded parameters, whose publishing is then counted)."""
+    """The default tier: the master on the device the model computes on. `io`: the compute shard's home."""
 
     tier = "device"
 
-    def __init__(self, compute: torch.Tensor, device: torch.device, stats: CommStats,
-                 compute_tier: str = "device") -> None:
-        self.compute, self.stats, self.compute_tier = compute, stats, compute_tier
-        self.aliased = compute.dtype == torch.float32 and compute_tier == "device"
+    def __init__(self, compute: torch.Tensor, device: torch.device, io: ShardIO) -> None:
+        self.compute, self.io = compute, io
+        self.aliased = compute.dtype == torch.float32 and io.tier == "device"
         self.master = compute if self.aliased else torch.empty(compute.numel(), device=device)
         self._grad: torch.Tensor | None = None
         self._grad32: torch.Tensor | None = None
@@ -56,13 +66,11 @@ class DeviceHome:
 
     def publish(self) -> None:
         if not self.aliased:
-            self.compute.copy_(self.master)
-            if self.compute_tier != "device":
-                self.stats.record(Transfer.DEVICE_TO_HOST, self.compute)
+            self.io.write(self.compute, self.master, self.tier)
 
     def write_back(self) -> None:
         if not self.aliased:
-            copy_edits(self.master, self.compute)
+            copy_edits(self.master, self.io.read(self.compute, self.tier))
 
     def held(self) -> dict[str, int]:
         """Bytes it holds by category, besides the optimizer's state: the master unless it is the shard."""
@@ -75,10 +83,10 @@ class HostHome:
 
     tier = "host"
 
-    def __init__(self, compute: torch.Tensor, pin_memory: bool, stats: CommStats, compute_tier: str = "device") -> None:
+    def __init__(self, compute: torch.Tensor, pin_memory: bool, stats: CommStats, io: ShardIO) -> None:
         pin = pin_memory and torch.cuda.is_available()  # page-locking needs the CUDA driver
-        self.compute, self.stats = compute, stats
-        self.crosses = compute_tier == "device"  # publishing crosses to the device (not so for offloaded params)
+        self.compute, self.stats, self.io = compute, stats, io
+        self.crosses = io.tier == "device"  # publishing crosses to the device (not so for offloaded params)
         self.master = torch.empty(compute.numel(), pin_memory=pin)
         self.grad = torch.zeros(compute.numel(), pin_memory=pin)
         # a 16-bit copy to send, so that half the bytes cross the bus (cast on the host, as DeepSpeed does)
@@ -114,15 +122,10 @@ class HostHome:
         if self.staging is not None:
             self.staging.copy_(self.master)
             source = self.staging
-        self.compute.copy_(source, non_blocking=self.compute.is_cuda)
-        if self.crosses:
-            self.stats.record(Transfer.HOST_TO_DEVICE, self.compute)
+        self.io.write(self.compute, source, self.tier)
 
     def write_back(self) -> None:
-        compute = self.compute.to("cpu")
-        if self.crosses:
-            self.stats.record(Transfer.DEVICE_TO_HOST, compute)
-        copy_edits(self.master, compute)
+        copy_edits(self.master, self.io.read(self.compute, self.tier))
 
     def held(self) -> dict[str, int]:
         return {"optimizer_state": _bytes(self.master), "gradients": _bytes(self.grad),

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from zerokit.comm import CommStats, Transfer
-from zerokit.masters.homes import copy_edits
-from zerokit.offload.swap import SwapDirectory, aligned_bytes, round_up
+from zerokit.masters.homes import ShardIO, copy_edits
+from zerokit.offload.swap import BufferPool, SwapDirectory, aligned_bytes, round_up
 
 TENSOR_ALIGN = 64  # bytes: every state tensor starts at such a boundary (any dtype's alignment)
 
@@ -38,35 +38,6 @@ class StateEntry(NamedTuple):
     offset: int  # bytes from the record's start
 
 
-class BufferPool:
-    """At most `count` aligned host buffers, handed out and returned; a buffer grows when a record needs it."""
-
-    def __init__(self, count: int, pin_memory: bool) -> None:
-        self.count, self.pin = max(count, 2), pin_memory
-        self.free: list[torch.Tensor] = []
-        self.made = 0
-        self.waiting: list[Future] = []  # writes whose buffers come back when they finish
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        while not self.free and self.made >= self.count:
-            self.waiting.pop(0).result()  # a write in flight returns its buffer
-        if self.free:
-            buffer = self.free.pop()
-            return buffer if buffer.numel() >= nbytes else aligned_bytes(nbytes, self.pin)
-        self.made += 1
-        return aligned_bytes(nbytes, self.pin)
-
-    def give(self, buffer: torch.Tensor) -> None:
-        self.free.append(buffer)
-
-    def held_bytes(self) -> int:
-        return sum(buffer.numel() for buffer in self.free)
-
-    def drain(self) -> None:
-        while self.waiting:
-            self.waiting.pop(0).result()
-
-
 class NvmeHome:
     """See [Note: paging a master through a bounded pool]."""
 
@@ -74,9 +45,8 @@ class NvmeHome:
     paged = True
 
     def __init__(self, compute: torch.Tensor, name: str, swap: SwapDirectory, pool: BufferPool, stats: CommStats,
-                 compute_tier: str = "device") -> None:
-        self.compute, self.swap, self.pool, self.stats = compute, swap, pool, stats
-        self.crosses = compute_tier == "device"
+                 io: ShardIO) -> None:
+        self.compute, self.swap, self.pool, self.stats, self.io = compute, swap, pool, stats, io
         self.numel = compute.numel()
         self.file = swap.file(name)
         self.master = torch.zeros(1).expand(self.numel)  # a placeholder the pieces are cut from; no memory
@@ -210,9 +180,7 @@ class NvmeHome:
 
     def publish_paged(self) -> None:
         """Updated values -> the compute shard, while paged in (publish() itself has nothing left to do)."""
-        self.compute.copy_(self._values(self.buffer), non_blocking=self.compute.is_cuda)
-        if self.crosses:
-            self.stats.record(Transfer.HOST_TO_DEVICE, self.compute)
+        self.io.write(self.compute, self._values(self.buffer), "host")
 
     def publish(self) -> None:
         pass
@@ -221,7 +189,7 @@ class NvmeHome:
         """The user edited the compute shard: read the record, keep the edits, write it back."""
         buffer = self.pool.take(self.record_bytes)
         self.file.read(0, buffer[:self.record_bytes])
-        copy_edits(self._values(buffer), self.compute.to("cpu"))
+        copy_edits(self._values(buffer), self.io.read(self.compute, "host"))
         self._write(buffer, self.record_bytes)
         self.pool.give(buffer)
 

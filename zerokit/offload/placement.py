@@ -16,31 +16,36 @@ import torch
 from zerokit.comm import CommStats
 from zerokit.config import ZeroConfig
 from zerokit.masters import DeviceHome, HostHome
-from zerokit.masters.nvme import BufferPool, NvmeHome
+from zerokit.masters.homes import ShardIO
+from zerokit.masters.nvme import NvmeHome
 from zerokit.masters.shards import Home
-from zerokit.offload.swap import SwapDirectory
+from zerokit.offload.nvme_params import NvmeShards
 from zerokit.offload.params import DeviceShards, HostShards
+from zerokit.offload.swap import BufferPool, SwapDirectory
 
 
 def master_homes(compute: list[torch.Tensor], config: ZeroConfig, stats: CommStats, device: torch.device, rank: int,
-                 compute_tier: str = "device") -> list[Home]:
+                 io: ShardIO) -> list[Home]:
     """A home for each master, given the compute shard it publishes to, the device the model runs on, and
-    the tier the compute shards live on (stage 3 with offload_param: "host")."""
+    the compute shards' home (the device's flat buffer; stage 3's parameter tier)."""
     offload = config.offload_optimizer
     if offload.device == "nvme":
         swap = SwapDirectory(offload.nvme_path, rank, "optimizer")
         pool = BufferPool(offload.buffer_count, offload.pin_memory)
-        return [NvmeHome(shard, f"master{index}", swap, pool, stats, compute_tier)
-                for index, shard in enumerate(compute)]
+        return [NvmeHome(shard, f"master{index}", swap, pool, stats, io) for index, shard in enumerate(compute)]
     on_host = _host_share(compute, offload.ratio) if offload.enabled else [False] * len(compute)
-    return [HostHome(shard, offload.pin_memory, stats, compute_tier) if host
-            else DeviceHome(shard, device, stats, compute_tier) for shard, host in zip(compute, on_host)]
+    return [HostHome(shard, offload.pin_memory, stats, io) if host else DeviceHome(shard, device, io)
+            for shard, host in zip(compute, on_host)]
 
 
-def shard_home(config: ZeroConfig, stats: CommStats, device: torch.device) -> DeviceShards | HostShards:
+def shard_home(config: ZeroConfig, stats: CommStats, device: torch.device, rank: int) -> ShardIO:
     """Where stage 3's parameter shards live between gathers (offload_param)."""
     offload = config.offload_param
-    return HostShards(device, offload.pin_memory, stats) if offload.device == "cpu" else DeviceShards(device)
+    if offload.device == "nvme":
+        return NvmeShards(device, offload, stats, SwapDirectory(offload.nvme_path, rank, "params"))
+    if offload.device == "cpu":
+        return HostShards(device, offload.pin_memory, stats)
+    return DeviceShards(device, stats)
 
 
 def _host_share(compute: list[torch.Tensor], ratio: float) -> list[bool]:

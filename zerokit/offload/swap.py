@@ -74,6 +74,37 @@ class SwapFile:
         os.close(self.fd)
 
 
+class BufferPool:
+    """At most `count` aligned host buffers, handed out and returned; a buffer grows when a record needs it."""
+
+    def __init__(self, count: int, pin_memory: bool) -> None:
+        self.count, self.pin = max(count, 2), pin_memory
+        self.free: list[torch.Tensor] = []
+        self.made = 0
+        self.waiting: list[Future] = []  # writes whose buffers come back when they finish
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least `nbytes`: a free one, else a new one while fewer than `count` exist, else the
+        one the oldest write in flight gives back when it finishes."""
+        while not self.free and self.made >= self.count and self.waiting:
+            self.waiting.pop(0).result()
+        if not self.free:
+            self.made += 1
+            return aligned_bytes(nbytes, self.pin)
+        buffer = self.free.pop()
+        return buffer if buffer.numel() >= nbytes else aligned_bytes(nbytes, self.pin)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        self.free.append(buffer)
+
+    def held_bytes(self) -> int:
+        return sum(buffer.numel() for buffer in self.free)
+
+    def drain(self) -> None:
+        while self.waiting:
+            self.waiting.pop(0).result()
+
+
 class SwapDirectory:
     """This process's swap files, under <nvme_path>/zerokit-swap/<host>-<pid>-rank<r>-<kind>. Removed at exit;
     folders left by processes of this host that are no longer alive (a crashed run) are removed at start."""

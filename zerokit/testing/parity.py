@@ -63,6 +63,7 @@ class Case:
     offload_optimizer: str = "none"  # none | cpu | nvme (stages 1-3)
     offload_ratio: float = 1.0  # the share of the optimizer stepped on the CPU (DeepSpeed's Twin-Flow ratio)
     offload_param: str = "none"  # none | cpu | nvme (stage 3)
+    offload_max_in_cpu: int | None = None  # nvme parameters: elements kept in host memory (None: DeepSpeed's 1e9)
 
 
 def make_model(case: Case) -> torch.nn.Module:
@@ -191,6 +192,8 @@ def engine_config(case: Case) -> dict:
                 block["nvme_path"] = offload_dir()
             if key == "offload_optimizer" and case.offload_ratio < 1:
                 block["ratio"] = case.offload_ratio
+            if key == "offload_param" and case.offload_max_in_cpu is not None:
+                block["max_in_cpu"] = case.offload_max_in_cpu
     if case.dtype == "bf16":
         config["bf16"] = {"enabled": True}
     if case.dtype == "fp16":
@@ -264,11 +267,17 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
 def engine_step_counts(engine, model: torch.nn.Module) -> dict[str, float]:
     """How many times each parameter this rank (partly) updates has been stepped, by name: the optimizer's
     own `step` state of its pieces (0 for a piece never stepped), for the optimizers that keep one."""
-    counts = {}
+    counts, masters = {}, engine.stage.masters
     names = {i: slot.name for b in engine.stage.layout.buckets for slot in b.slots for i in [slot.param_index]}
-    for ref in engine.stage.masters.piece_refs():
-        state = ref.optimizer.state.get(ref.piece, {})
-        counts[names[ref.param_index]] = float(state["step"]) if "step" in state else (1.0 if state else 0.0)
+    refs = masters.piece_refs()
+    for index in range(len(masters)):
+        with masters.resident(index):  # an NVMe-offloaded master's state is in memory only inside this
+            for ref in refs:
+                state = ref.optimizer.state.get(ref.piece, {})
+                if state:
+                    counts[names[ref.param_index]] = float(state["step"]) if "step" in state else 1.0
+                else:
+                    counts.setdefault(names[ref.param_index], 0.0)
     return counts
 
 

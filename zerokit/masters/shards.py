@@ -74,6 +74,10 @@ class OptimizerPlan:
     optimizers: tuple[torch.optim.Optimizer, ...]
     refs: tuple[GroupRef, ...]  # by flattened group index
 
+    @property
+    def names(self) -> list[str]:
+        return [type(optimizer).__name__ for optimizer in self.optimizers]
+
 
 class Piece(NamedTuple):
     param: nn.Parameter  # what the optimizer steps: a view of the master

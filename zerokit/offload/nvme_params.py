@@ -21,6 +21,7 @@ import torch
 from zerokit.comm import CommStats, Transfer
 from zerokit.config import Offload
 from zerokit.flat.layout import RankShards
+from zerokit.offload.preflight import check_host_memory, check_nvme
 from zerokit.offload.swap import BufferPool, SwapDirectory, round_up
 
 
@@ -62,6 +63,11 @@ class NvmeShards:
         self.last_read: tuple[str, int] | None = None
 
     def allocate(self, local: RankShards, dtype: torch.dtype) -> torch.Tensor:
+        key = "zero_optimization.offload_param"
+        element = torch.empty((), dtype=dtype).element_size()
+        cached = min(self.budget, local.numel)
+        check_host_memory(key, (cached + self.pool.count * max((e - b for b, e in local.ranges), default=0)) * element)
+        check_nvme(key, str(self.swap.root.parent), round_up((local.numel - cached) * element) + len(local.ranges) * 4096)
         allocation = _Allocation(f"shards{len(self.allocations)}", local, dtype, self.budget, self.pin)
         self.budget -= allocation.cache.numel()
         shards = torch.empty(local.numel, dtype=dtype, device="meta")

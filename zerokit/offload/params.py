@@ -17,6 +17,7 @@ import torch
 
 from zerokit.comm import CommStats, Transfer
 from zerokit.flat.layout import RankShards
+from zerokit.offload.preflight import check_host_memory
 
 
 class DeviceShards:
@@ -59,6 +60,8 @@ class HostShards:
         self.pin = pin_memory and torch.cuda.is_available()  # page-locking needs the CUDA driver
 
     def allocate(self, local: RankShards, dtype: torch.dtype) -> torch.Tensor:
+        element = torch.empty((), dtype=dtype).element_size()
+        check_host_memory("zero_optimization.offload_param", local.numel * element)
         return torch.zeros(local.numel, dtype=dtype, pin_memory=self.pin)
 
     def fetch(self, shard: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:

@@ -21,28 +21,46 @@ from zerokit.masters.nvme import NvmeHome
 from zerokit.masters.shards import Home
 from zerokit.offload.nvme_params import NvmeShards
 from zerokit.offload.params import DeviceShards, HostShards
+from zerokit.offload.preflight import aligned, check_host_memory, check_nvme, state_bytes_per_element
 from zerokit.offload.swap import BufferPool, SwapDirectory
+from zerokit.runtime import logger
 
 
 def master_homes(compute: list[torch.Tensor], config: ZeroConfig, stats: CommStats, device: torch.device, rank: int,
-                 io: ShardIO) -> list[Home]:
-    """A home for each master, given the compute shard it publishes to, the device the model runs on, and
-    the compute shards' home (the device's flat buffer; stage 3's parameter tier)."""
-    offload = config.offload_optimizer
+                 io: ShardIO, optimizer_names: list[str]) -> list[Home]:
+    """A home for each master, given the compute shard it publishes to, the device the model runs on, the
+    compute shards' home (the device's flat buffer; stage 3's parameter tier), and the optimizers' class
+    names (for the pre-flight check of what their state needs)."""
+    offload, key = config.offload_optimizer, "zero_optimization.offload_optimizer"
+    per_element = 8 + state_bytes_per_element(optimizer_names)  # fp32 master and gradient, and the state
     if offload.device == "nvme":
+        largest = max((shard.numel() for shard in compute), default=0)
+        check_host_memory(key, offload.buffer_count * largest * per_element)
+        speed = check_nvme(key, offload.nvme_path, aligned(sum(shard.numel() for shard in compute) * per_element))
         swap = SwapDirectory(offload.nvme_path, rank, "optimizer")
+        _log_swap(key, swap, speed)
         pool = BufferPool(offload.buffer_count, offload.pin_memory)
         return [NvmeHome(shard, f"master{index}", swap, pool, stats, io) for index, shard in enumerate(compute)]
     on_host = _host_share(compute, offload.ratio) if offload.enabled else [False] * len(compute)
+    check_host_memory(key, sum(shard.numel() for shard, host in zip(compute, on_host) if host) * per_element)
     return [HostHome(shard, offload.pin_memory, stats, io) if host else DeviceHome(shard, device, io)
             for shard, host in zip(compute, on_host)]
+
+
+def _log_swap(key: str, swap: SwapDirectory, speed: float) -> None:
+    if swap.rank == 0:
+        logger.info("%s: swap files in %s (direct I/O: %s); a 4 MiB write and read went at %.2f GB/s", key, swap.path,
+                    "yes" if swap.direct_io else "no, the file system refused it", speed)
 
 
 def shard_home(config: ZeroConfig, stats: CommStats, device: torch.device, rank: int) -> ShardIO:
     """Where stage 3's parameter shards live between gathers (offload_param)."""
     offload = config.offload_param
     if offload.device == "nvme":
-        return NvmeShards(device, offload, stats, SwapDirectory(offload.nvme_path, rank, "params"))
+        speed = check_nvme("zero_optimization.offload_param", offload.nvme_path, 0)  # what the shards need: at allocate
+        swap = SwapDirectory(offload.nvme_path, rank, "params")
+        _log_swap("zero_optimization.offload_param", swap, speed)
+        return NvmeShards(device, offload, stats, swap)
     if offload.device == "cpu":
         return HostShards(device, offload.pin_memory, stats)
     return DeviceShards(device, stats)

@@ -111,8 +111,9 @@ class SwapDirectory:
 
     def __init__(self, nvme_path: str, rank: int, kind: str, threads: int = 4) -> None:
         self.root = Path(nvme_path) / SWAP_FOLDER
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(exist_ok=True)  # nvme_path itself must exist (See preflight.check_nvme)
         remove_leftovers(self.root)
+        self.rank = rank
         self.path = self.root / f"{socket.gethostname()}-{os.getpid()}-rank{rank}-{kind}"
         shutil.rmtree(self.path, ignore_errors=True)
         self.path.mkdir()
@@ -129,8 +130,9 @@ class SwapDirectory:
         return self.pool.submit(fn, *args)
 
     @property
-    def direct(self) -> bool:
-        return all(f.direct for f in self.files.values())
+    def direct_io(self) -> bool:
+        """Whether this file system takes direct I/O (tried on a file of the folder)."""
+        return self.file(".direct").direct
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

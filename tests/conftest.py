@@ -80,6 +80,8 @@ OFFLOAD_CASES = [
     # a host cache of 3000 elements: some shards in host memory, the rest read from the file
     ("offload-params-and-optimizer-nvme", {"offload_param": "nvme", "offload_optimizer": "nvme", "accumulation": 2,
                                            "offload_max_in_cpu": 3000}),
+    ("offload-activations-units-checkpointed", {"offload_param": "cpu", "checkpoint_units": True,
+                                                "cpu_checkpointing": True}),
 ]
 
 

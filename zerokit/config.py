@@ -109,7 +109,14 @@ class Stage3Policy:
     root's, only the root can be (stage3_param_persistence_threshold; See [Note: small parameters stay
     with the root] in zerokit/stages/units.py)."""
 
+    skipped_units: str = "raise"
+    """When the ranks ask for different units at one gather (a module that runs on some ranks only): "raise"
+    names the module each rank asked for, at that gather, on every rank; "gather" makes every rank gather it,
+    for a cost (See [Note: stage-3 units every rank agrees on] in zerokit/reliability/divergence.py)."""
+
     def __post_init__(self) -> None:
+        if self.skipped_units not in ("raise", "gather"):
+            raise ValueError(f"stage3 skipped_units={self.skipped_units!r} is not a policy; use \"raise\" or \"gather\"")
         # A bare string would otherwise be read as the tuple of its letters, a bare class as an error.
         object.__setattr__(self, "unit_classes", self._entries(self.unit_classes, (str,)))
         object.__setattr__(self, "units", self._entries(self.units, (type, torch.nn.Module)))
@@ -249,13 +256,10 @@ class ZeroConfig:
             raise ValueError(f"zero_optimization.offload_param.device={self.offload_param.device} needs stage 3 "
                              f"(only stage 3 shards parameters); zero_optimization.stage={self.stage}")
         optimizer = self.offload_optimizer
+        # DeepSpeed offers NVMe and Twin-Flow (ratio) at stage 3 only; zerokit's tiers serve stages 1-3 alike
         if optimizer.enabled and self.stage == 0:
             raise ValueError(f"zero_optimization.offload_optimizer.device={optimizer.device} needs stage 1, 2 or 3, "
                              "which shard the optimizer state it moves")
-        if self.stage != 3 and (optimizer.device == "nvme" or optimizer.ratio < 1):
-            what = "device=nvme" if optimizer.device == "nvme" else f"ratio={optimizer.ratio}"
-            raise ValueError(f"zero_optimization.offload_optimizer.{what} needs stage 3, as in DeepSpeed; "
-                             f"zero_optimization.stage={self.stage}")
 
     def _check_new_fields(self) -> None:
         if not self.allgather_partitions:

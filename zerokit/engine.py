@@ -11,15 +11,19 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 import torch
 from torch import nn
 
 from zerokit.comm import Communicator
 from zerokit.config import ZeroConfig, hidden_size_of, load_config
+from zerokit.engine_blocks import grad_accum_dtype_lines, learning_rates, lr_schedules_for, optimizers_for
 from zerokit.masters import OptimizerPlan, optimizer_kind, trainable_groups
+from zerokit.offload import activations
+from zerokit.observe import EngineMonitor, collective_stats
 from zerokit.precision import StepResult, clip_coefficient, global_norm, make_loss_scaler
+from zerokit.reliability import Safeguards, check_at_start
 from zerokit.runtime import default_device, ensure_process_group, log_startup
 from zerokit.stages import STAGES, BucketReducer, install_hooks
 from zerokit.stages.construction import (Construction, ParamInit, has_meta_parameters, init_buffer_owners,
@@ -45,20 +49,25 @@ class Progress:
 
 
 class Engine:
-    def __init__(self, model: nn.Module, optimizer: Optimizers, config: ZeroConfig,
-                 device: torch.device | None = None, param_init: ParamInit | None = None) -> None:
+    def __init__(self, model: nn.Module, optimizer: Optimizers | None, config: ZeroConfig,
+                 device: torch.device | None = None, param_init: ParamInit | None = None,
+                 model_parameters: Iterable[Any] | None = None) -> None:
         """Built in the order a step's data flows: the process group, the model on its device, the stage
         (layout, flat buffers, masters; See ZeroStage.build), the reducer, then the hooks that drive them.
         `optimizer`: one torch optimizer, or a list of them, each over its own parameters (Muon for the
-        hidden matrices beside AdamW for the rest, say)."""
+        hidden matrices beside AdamW for the rest, say); None: the config's `optimizer` block's, built over
+        `model_parameters` (default: the model's trainable parameters)."""
         ensure_process_group()
-        self.comm = Communicator()
+        # a logging one for comms_logger.verbose; a group of its own, whose waits have the config's deadline
+        self.comm = Communicator.create(config.comm_timeout_seconds, stats=collective_stats(config.comms_logger))
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         config = self.config = config.resolve(world_size=self.world_size, hidden_size=hidden_size_of(model))
         refuse_unimplemented(config)
+        setup_lines = grad_accum_dtype_lines(config)
         self.device = device or default_device()
-        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        optimizers = optimizers_for(model, optimizer, config, model_parameters)
         kinds = [optimizer_kind(o, config.optimizer_kinds, config.allow_untested_optimizer) for o in optimizers]
+        check_at_start(model, optimizers, config, self.comm, self.device)  # before any collective on the model
         construction = self._place_model(model, optimizers, param_init)
         self.module = model
         groups, refs = trainable_groups(model, optimizers, kinds)
@@ -70,11 +79,15 @@ class Engine:
         # trainable ones are cast.
         model.to(dtype=config.precision.param_dtype)
         self.optimizer = self.stage.optimizer
+        self.lr_schedules = lr_schedules_for(config, self.stage.masters.optimizers)  # See zerokit/engine_blocks.py
         self.reducer = BucketReducer(self.stage)
         self._hooks = install_hooks(self.stage, self.reducer)
+        self.safeguards = Safeguards(model, self.comm, config)  # zerokit/reliability: requires_grad, buffers
         self.loss_scaler = make_loss_scaler(config.loss_scaling)
         self.progress = Progress()
-        log_startup(self.stage, config.startup_log_lines())
+        self.monitor = EngineMonitor(config, self)  # the observability keys; all off unless the config asks
+        setup_lines += activations.configure(config.activation_checkpointing, self.comm.stats, self.device)
+        log_startup(self.stage, config.startup_log_lines() + setup_lines)
 
     def _place_model(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
                      param_init: ParamInit | None) -> Construction | None:
@@ -93,13 +106,14 @@ class Engine:
             raise ValueError("param_init is for models built on the meta device; this model has real parameters")
         model.to(device=self.device)
         with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                self.comm.broadcast(tensor.data, src=0)
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                self.comm.broadcast(tensor.data, src=0, purpose=f"rank 0's {name}")
         return None
 
     # --- the training loop ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        with self.monitor.forward():  # observability (zerokit/observe): forward time, FLOPs
+            return self.module(*args, **kwargs)
 
     @property
     def at_boundary(self) -> bool:
@@ -109,24 +123,35 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss / gradient_accumulation_steps` (times the fp16 loss scale), with the
         gradient reductions this micro-step needs overlapped with it."""
+        self.safeguards.before_backward(self.progress.backward_since_step, self.progress.micro_step)
         must_reduce = self.at_boundary or self.stage.reduces_every_micro_step
-        self.stage.prepare_backward()
-        scaled = loss * (self.loss_scaler.scale / self.config.gradient_accumulation_steps)
-        if must_reduce:
-            self.reducer.arm(scaled, final=self.at_boundary)
-        scaled.backward()
-        self.reducer.flush()
-        self.stage.finish_backward()
+        with self.monitor.backward(loss) as lap:  # observability (zerokit/observe): the loss, phase times, FLOPs
+            self.stage.prepare_backward()
+            scaled = loss * (self.loss_scaler.scale / self.config.gradient_accumulation_steps)
+            if must_reduce:
+                self.reducer.arm(scaled, final=self.at_boundary)
+            scaled.backward()
+            if self.stage.unit_hooks is not None:  # stage 3: agree that every rank is done gathering
+                self.stage.unit_hooks.end_of_autograd()
+            lap("backward_inner")
+            self.reducer.flush()
+            lap("backward_reduce")
+            self.stage.finish_backward()
         self.progress.micro_step += 1
         self.progress.backward_since_step = True
 
     def step(self) -> StepResult:
         """Step the optimizer if this micro-step ended an accumulation window; report either way."""
+        with self.monitor.step() as done:  # observability (zerokit/observe): step time, logs, monitors
+            return done(self._step())
+
+    def _step(self) -> StepResult:
         progress = self.progress
         if not progress.backward_since_step:
             raise RuntimeError("engine.step() was called without an engine.backward() since the last step; "
                                "call engine.backward(loss) once before each engine.step()")
         progress.backward_since_step = False
+        self.safeguards.at_step()  # broadcast_buffers: equal on every rank between steps too
         if progress.micro_step % self.config.gradient_accumulation_steps != 0:
             return self._result(boundary=False, stepped=False, norm=None, clipped=False)
         stage, masters = self.stage, self.stage.masters
@@ -141,6 +166,8 @@ class Engine:
         masters.step(coefficient)
         self.stage.release_grads()
         self.stage.publish_params()
+        for schedule in self.lr_schedules:  # only on steps not skipped, as DeepSpeed steps its schedules
+            schedule.step()
         progress.optimizer_step += 1
         progress.consecutive_skips = 0
         return self._result(boundary=True, stepped=True, norm=norm, clipped=coefficient < 1.0)
@@ -175,6 +202,18 @@ class Engine:
                           grad_norm=norm, clipped=clipped, consecutive_skips=progress.consecutive_skips,
                           total_skips=progress.total_skips)
 
+    def get_lr(self) -> list[float]:
+        """The learning rate of every param group, optimizer by optimizer, as the next step will use it."""
+        return learning_rates(self.stage.masters.optimizers)
+
+    @property
+    def lr_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | list[torch.optim.lr_scheduler.LRScheduler] | None:
+        """The `scheduler` block's schedule (a list, one per optimizer, when there are several), stepped by
+        the engine; None without a block."""
+        if not self.lr_schedules:
+            return None
+        return self.lr_schedules[0] if len(self.lr_schedules) == 1 else self.lr_schedules
+
     # --- what it holds and sends -----------------------------------------------------------------
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Per collective kind: calls, elements and bytes of the logical tensors, since start."""
@@ -182,10 +221,18 @@ class Engine:
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes this rank holds, by category: parameters (trainable and frozen), gradients,
-        optimizer_state (fp32 masters, when separate, and the optimizer's own state)."""
-        stats = self.stage.memory_by_category()
-        stats["parameters"] += self.stage.frozen_bytes(self.module)  # whole at stages 0-2, sharded at stage 3
-        return stats
+        optimizer_state (fp32 masters, when separate, and the optimizer's own state); on every tier
+        together (See memory_by_tier)."""
+        totals = {"parameters": 0, "gradients": 0, "optimizer_state": 0}
+        for categories in self.memory_by_tier().values():
+            for category, count in categories.items():
+                totals[category] += count
+        return totals
+
+    def memory_by_tier(self) -> dict[str, dict[str, int]]:
+        """memory_stats() by tier: what this rank holds on the device, in host memory (offload tiers) and in
+        NVMe files."""
+        return self.stage.memory_by_tier(self.module)
 
     def unsharded(self, params: list[nn.Parameter] | None = None, write_back: bool = False):
         """Context: the given parameters (default: all) hold their full values until exit, as
@@ -215,15 +262,41 @@ class Engine:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this rank holds that a resumed run needs: its shard of the model states (masters,
-        optimizer, and at stage 3 the frozen shards), the loss scaler and the step counters."""
-        return {"stage": self.stage.state_dict(), "loss_scaler": self.loss_scaler.state_dict(),
-                "progress": asdict(self.progress)}
+        optimizer, and at stage 3 the frozen shards), the loss scaler, the step counters, and the LR
+        schedules the engine steps (when the config has a `scheduler` block)."""
+        state = {"stage": self.stage.state_dict(), "loss_scaler": self.loss_scaler.state_dict(),
+                 "progress": asdict(self.progress)}
+        if self.lr_schedules:
+            state["lr_schedules"] = [schedule.state_dict() for schedule in self.lr_schedules]
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """The inverse of state_dict(), on the same world size, stage and layout."""
         self.stage.load_state_dict(state["stage"])
         self.loss_scaler.load_state_dict(state["loss_scaler"])
         self.progress = Progress(**state["progress"])
+        saved_schedules = state.get("lr_schedules", [])
+        if saved_schedules and len(saved_schedules) != len(self.lr_schedules):
+            raise ValueError(f"the saved state has {len(saved_schedules)} LR schedules, this engine "
+                             f"{len(self.lr_schedules)}; resume with the same `scheduler` block")
+        for schedule, saved in zip(self.lr_schedules, saved_schedules):
+            schedule.load_state_dict(saved)
+
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True, async_save: bool = False) -> bool:
+        """Save the whole training state under save_dir/tag (default global_step<N>), atomically, every rank its
+        own shards; loadable at any world size and stage. async_save: return once a host copy is taken.
+        See zerokit/checkpoint and docs/checkpoints.md."""
+        from zerokit.checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest, async_save=async_save)
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str, dict[str, Any] | None]:
+        """Resume from load_dir/tag (default: the tag in load_dir/latest), saved at any world size and stage;
+        returns (load_path, client_state). See zerokit/checkpoint."""
+        from zerokit.checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                               load_module_only=load_module_only)
 
     def trainable_numel(self) -> int:
         """Ψ: trainable parameters, without padding."""
@@ -249,17 +322,6 @@ def refuse_unimplemented(config: ZeroConfig) -> None:
     """Keys the config reader accepts with DeepSpeed's meaning but this engine does not act on yet: a knob
     that is read and then ignored would train differently from what the user asked, without a word."""
     unimplemented = {
-        "zero_optimization.offload_optimizer": config.offload_optimizer.enabled,
-        "zero_optimization.offload_param": config.offload_param.enabled,
-        "optimizer": config.optimizer is not None, "scheduler": config.scheduler is not None,
-        "activation_checkpointing.cpu_checkpointing": config.activation_checkpointing.cpu_checkpointing,
-        "activation_checkpointing.partition_activations": config.activation_checkpointing.partition_activations,
-        "wall_clock_breakdown": config.wall_clock_breakdown, "comms_logger": config.comms_logger.enabled,
-        "flops_profiler": config.flops_profiler.enabled, "csv_monitor": config.csv_monitor.enabled,
-        "tensorboard": config.tensorboard.enabled, "wandb": config.wandb.enabled,
-        "prescale_gradients": config.prescale_gradients,
-        "gradient_predivide_factor": config.gradient_predivide_factor != 1.0,
-        "data_types.grad_accum_dtype": config.grad_accum_dtype is not None,
     }
     asked = [key for key, on in unimplemented.items() if on]
     if asked:
@@ -267,12 +329,16 @@ def refuse_unimplemented(config: ZeroConfig) -> None:
                          "(or turn it off) for now")
 
 
-def initialize(model: nn.Module, optimizer: Optimizers,
+def initialize(model: nn.Module, optimizer: Optimizers | None = None,
                config: ZeroConfig | Mapping[str, Any] | str | Path | None = None,
-               device: torch.device | None = None, param_init: ParamInit | None = None) -> Engine:
+               device: torch.device | None = None, param_init: ParamInit | None = None,
+               model_parameters: Iterable[Any] | None = None) -> Engine:
     """Wrap `model` and `optimizer` (one, or a list each over its own parameters; `engine.optimizer` is
     then the list, rebuilt in the same order) for ZeRO training. `config` is a ZeroConfig, a DeepSpeed-style
     dict, or the path of a JSON file holding one. Joins torchrun's process group if there is one.
+    With no optimizer, the config's `optimizer` block names one, built over `model_parameters` (param groups,
+    tensors or (name, tensor) pairs; default: the model's trainable parameters); its `scheduler` block's LR
+    schedule is stepped by the engine at every optimizer step it does not skip (engine.get_lr() reports it).
     A model built on the meta device is materialised shard by shard at stage 3, with `param_init(module)`
     filling each module's parameters (default: its reset_parameters()); see zerokit/stages/construction.py."""
-    return Engine(model, optimizer, load_config(config), device, param_init)
+    return Engine(model, optimizer, load_config(config), device, param_init, model_parameters)

@@ -113,7 +113,7 @@ def global_norm(squares: float, comm: Communicator | None, flags: torch.Tensor |
         packed = torch.tensor([squares], dtype=torch.float64, device=comm.device)
         if flags is not None:
             packed = torch.cat([packed, flags.to(packed)])
-        comm.all_reduce(packed, op=dist.ReduceOp.SUM)
+        comm.all_reduce(packed, op=dist.ReduceOp.SUM, purpose="the boundary norm (and which parameters each rank used)")
         squares = packed[0].item()
         if flags is not None:
             flags.copy_(packed[1:])

@@ -1,5 +1,6 @@
 from zerokit.comm.collectives import Collective, CommStats, Communicator, Pending, Transfer, wait
+from zerokit.comm.deadline import CollectiveError
 from zerokit.comm.groups import ProcessGroups
 from zerokit.comm.reduction import Reduction
 
-__all__ = ["Collective", "CommStats", "Communicator", "Pending", "ProcessGroups", "Reduction", "Transfer", "wait"]
+__all__ = ["Collective", "CollectiveError", "CommStats", "Communicator", "Pending", "ProcessGroups", "Reduction", "Transfer", "wait"]

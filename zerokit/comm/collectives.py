@@ -1,4 +1,5 @@
-"""The only place tensors cross ranks. Every collective is counted, by kind, in calls and bytes.
+"""The only place tensors cross ranks. Every collective is counted, by kind, in calls and bytes, recorded with
+what it is for (flight.py), and waited on with a deadline (deadline.py).
 
 Counting convention (shared with the planner): `elements`/`bytes` are the size of the whole logical
 tensor of a call: the tensor for all-reduce and broadcast, the (full) input for reduce-scatter, the
@@ -16,12 +17,16 @@ instead: N broadcasts of 1/N each, in which every rank sends its own slice to th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from enum import Enum
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
+
+from zerokit.comm.deadline import TrackedWork, Watcher
+from zerokit.comm.flight import FlightRecorder
 
 
 class Collective(str, Enum):
@@ -79,29 +84,23 @@ class CommStats:
         return {kind.value: vars(count).copy() for kind, count in self.counts.items()}
 
 
-class AllWorks:
-    """Several asynchronous calls that make up one collective, waited on together."""
-
-    def __init__(self, works: list[dist.Work]) -> None:
-        self.works = works
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-
-
 class Pending(NamedTuple):
     """An asynchronous collective: wait on `work`, then `output` holds the result."""
 
     output: torch.Tensor
-    work: dist.Work | AllWorks | None
+    work: TrackedWork | None
 
 
 class Communicator:
-    """Collectives over one process group, counted. A rename in torch touches only this class."""
+    """Collectives over one process group, counted, recorded and waited on with a deadline. A rename in torch
+    touches only this class. See [Note: deadlines on collectives] in deadline.py and [Note: the flight recorder]
+    in flight.py."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None) -> None:
-        """Pass the `stats` of another Communicator to count two process groups as one."""
+    def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None, *,
+                 name: str = "shard", timeout_seconds: float | None = None, recorder: FlightRecorder | None = None,
+                 incident: str | None = None) -> None:
+        """Pass the `stats` of another Communicator to count two process groups as one. `timeout_seconds`:
+        every wait's deadline (None: wait as long as the group does). `name` labels this group in reports."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -109,25 +108,70 @@ class Communicator:
         # where this group's tensors must be: NCCL reduces device tensors only
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.stats = stats or CommStats(self.world_size)
+        self.name, self.timeout_seconds = name, timeout_seconds
+        self.blocking_waits = self.backend == "gloo"  # a gloo wait blocks the CPU anyway: give it the deadline
+        self.incident = incident or _group_name(group)  # where this job's failure reports meet in the store
+        self.recorder = recorder or FlightRecorder(self.rank, self.incident)
+        self.sequence = 0  # collectives issued on this group so far
+        self._control: Communicator | None = None
+        self._watcher = Watcher(self, min(1.0, timeout_seconds / 4)) if timeout_seconds and not self.blocking_waits \
+            else None
 
-    def twin(self) -> "Communicator":
+    @classmethod
+    def create(cls, timeout_seconds: float, stats: CommStats | None = None) -> "Communicator":
+        """The engine's: a new group over every rank whose own timeout is the deadline (See [Note: deadlines
+        on collectives]); the job's default group is left as the application set it."""
+        backend = dist.get_backend()
+        if backend == "fake":  # torch's fake back-end (shard arithmetic at sizes CI cannot spawn): nothing waits
+            return cls(None, stats)
+        return cls(dist.new_group(timeout=_group_timeout(timeout_seconds, backend)), stats,
+                   timeout_seconds=timeout_seconds)
+
+    def twin(self, name: str = "gather") -> "Communicator":
         """A Communicator over a new group with the same ranks, counted in the same stats. Collectives on
         one group are matched by issue order; two groups let two streams of collectives (parameter
         gathers from forward/backward hooks, gradient reductions from grad hooks) interleave differently
-        on different ranks without pairing the wrong calls."""
-        return Communicator(dist.new_group(dist.get_process_group_ranks(self.group or dist.group.WORLD)),
-                            self.stats)
+        on different ranks without pairing the wrong calls. It shares this one's control group, if that is a
+        group of its own (See `control`)."""
+        twin = self._sibling(name, backend=None, stats=self.stats)
+        if self._control is not None and self._control.group is not self.group:
+            twin._control = self._control
+        return twin
 
+    @property
+    def control(self) -> "Communicator":
+        """For small agreements (the start-up fingerprint, stage 3's unit agreement): CPU tensors whatever the
+        back-end, so that they never wait on a GPU stream, counted apart from the model's traffic (in their own
+        CommStats, not in comm_stats()) and numbered apart in reports. On gloo they go on this very group, in
+        the order this group's other collectives are issued; on another back-end on a gloo group over the same
+        ranks, made on first use (every rank must first use it at the same point)."""
+        if self._control is None:
+            cpu = self.backend in ("gloo", "fake")
+            self._control = Communicator(
+                self.group if cpu else self._sibling("control", backend="gloo", stats=self.stats).group,
+                CommStats(self.world_size), name="control", timeout_seconds=self.timeout_seconds,
+                recorder=self.recorder, incident=self.incident)
+        return self._control
+
+    def _sibling(self, name: str, backend: str | None, stats: CommStats) -> "Communicator":
+        ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        timeout = _group_timeout(self.timeout_seconds, backend or self.backend) if self.timeout_seconds else None
+        group = dist.new_group(ranks, backend=backend, **({"timeout": timeout} if timeout else {}))
+        return Communicator(group, stats, name=name, timeout_seconds=self.timeout_seconds, recorder=self.recorder,
+                            incident=self.incident)
+
+    # --- collectives ----------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.AVG,
-                   async_op: bool = False) -> Pending:
-        """In place; AVG by default, which is what data-parallel gradients need."""
+                   async_op: bool = False, purpose: str = "") -> Pending:
+        """In place; AVG by default, which is what data-parallel gradients need. `purpose`, here and in every
+        collective: what it is for, named in reports ("gradients: bucket 3 of param group 0")."""
         self.stats.record(Collective.ALL_REDUCE, tensor)
         with record_function("zerokit::all_reduce"):
-            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
-        return Pending(tensor, work)
+            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
+        return self._issued(Collective.ALL_REDUCE, tensor, [work], purpose, async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
-                       op: dist.ReduceOp = dist.ReduceOp.AVG, async_op: bool = False) -> Pending:
+                       op: dist.ReduceOp = dist.ReduceOp.AVG, async_op: bool = False, purpose: str = "") -> Pending:
         """`output` (1D, numel/N) receives this rank's slice of the reduced `input` (1D).
 
         `output` must not alias `input`: gloo returns wrong values for the in-place form.
@@ -135,10 +179,11 @@ class Communicator:
         self._check_sizes("reduce_scatter", big=input, small=output)
         self.stats.record(Collective.REDUCE_SCATTER, input)
         with record_function("zerokit::reduce_scatter"):
-            work = dist.reduce_scatter_single(output, input, op=op, group=self.group, async_op=async_op)
-        return Pending(output, work)
+            work = dist.reduce_scatter_single(output, input, op=op, group=self.group, async_op=True)
+        return self._issued(Collective.REDUCE_SCATTER, input, [work], purpose, async_op, output)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Pending:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
+                   purpose: str = "") -> Pending:
         """`output` (1D) becomes the concatenation of every rank's `input` (1D, numel/N).
 
         `input` may be this rank's own slice of `output` (the in-place form).
@@ -148,31 +193,43 @@ class Communicator:
         self.stats.record(Collective.ALL_GATHER, output)
         with record_function("zerokit::all_gather"):
             if self.backend != "gloo":
-                return Pending(output, dist.all_gather_single(output, input, group=self.group, async_op=async_op))
-            slots = output.chunk(self.world_size)
-            if slots[self.rank].data_ptr() != input.data_ptr():
-                slots[self.rank].copy_(input)
-            works = AllWorks([dist.broadcast(slot, src=self._global(rank), group=self.group, async_op=True)
-                              for rank, slot in enumerate(slots)])
-        if not async_op:
-            works.wait()
-            return Pending(output, None)
-        return Pending(output, works)
+                works = [dist.all_gather_single(output, input, group=self.group, async_op=True)]
+            else:
+                slots = output.chunk(self.world_size)
+                if slots[self.rank].data_ptr() != input.data_ptr():
+                    slots[self.rank].copy_(input)
+                works = [dist.broadcast(slot, src=self._global(rank), group=self.group, async_op=True)
+                         for rank, slot in enumerate(slots)]
+        return self._issued(Collective.ALL_GATHER, output, works, purpose, async_op)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Pending:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False, purpose: str = "") -> Pending:
         """In place: every rank's `tensor` becomes `src`'s."""
         self.stats.record(Collective.BROADCAST, tensor)
         with record_function("zerokit::broadcast"):
-            work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=async_op)
-        return Pending(tensor, work)
+            work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)
+        return self._issued(Collective.BROADCAST, tensor, [work], purpose, async_op)
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: dist.ReduceOp = dist.ReduceOp.AVG,
-               async_op: bool = False) -> Pending:
+               async_op: bool = False, purpose: str = "") -> Pending:
         """In place on `dst`, which receives the reduction (AVG by default); the others' `tensor` is scratch."""
         self.stats.record(Collective.REDUCE, tensor)
         with record_function("zerokit::reduce"):
-            work = dist.reduce(tensor, dst=self._global(dst), op=op, group=self.group, async_op=async_op)
-        return Pending(tensor, work)
+            work = dist.reduce(tensor, dst=self._global(dst), op=op, group=self.group, async_op=True)
+        return self._issued(Collective.REDUCE, tensor, [work], purpose, async_op)
+
+    def _issued(self, kind: Collective, tensor: torch.Tensor, works: list[dist.Work], purpose: str, async_op: bool,
+                output: torch.Tensor | None = None) -> Pending:
+        """Record the collective just issued; wait on it now (its deadline applies) unless `async_op`."""
+        self.sequence += 1
+        entry = self.recorder.begin(self.name, self.sequence, kind.value, tensor.numel(),
+                                    tensor.numel() * tensor.element_size(), purpose)
+        work = TrackedWork(works, entry, self)
+        if self._watcher is not None:
+            self._watcher.watch(work)
+        if not async_op:
+            work.wait()
+            return Pending(tensor if output is None else output, None)
+        return Pending(tensor if output is None else output, work)
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group else rank
@@ -181,6 +238,19 @@ class Communicator:
         if big.numel() != small.numel() * self.world_size:
             raise RuntimeError(f"rank {self.rank}: {name} needs {self.world_size} x {small.numel()} elements, "
                                f"got {big.numel()} (an internal sharding bug)")
+
+
+def _group_timeout(timeout_seconds: float, backend: str) -> timedelta:
+    """gloo: the deadline itself; NCCL: a margin more, so that zerokit's report comes before the watchdog's abort.
+    See [Note: deadlines on collectives] in deadline.py."""
+    return timedelta(seconds=timeout_seconds if backend == "gloo" else timeout_seconds + max(10.0, timeout_seconds / 10))
+
+
+def _group_name(group: dist.ProcessGroup | None) -> str:
+    try:
+        return str((group or dist.group.WORLD).group_name)
+    except (AttributeError, RuntimeError):
+        return "world"
 
 
 def wait(pending: Pending) -> torch.Tensor:

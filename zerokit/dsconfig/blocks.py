@@ -157,6 +157,8 @@ class ActivationCheckpointing:
     """Synchronise the device at each checkpoint boundary."""
     profile: bool = False
     """Log forward/backward time of each checkpointed function."""
+    checkpoint_units: bool = False
+    """zerokit's own, stage 3: checkpoint every unit's forward (See zerokit/offload/activations.py)."""
 
     def __post_init__(self) -> None:
         if self.number_checkpoints is not None and self.number_checkpoints < 1:

@@ -258,6 +258,5 @@ def _check_stage3(state: _State) -> None:
             state.notes.append(f"{state.spelled[path]}='auto': not used at stage {stage}")
             del state.values[path]
             continue
-        name = state.spelled[path].removeprefix("zero_optimization.")
-        raise ValueError(f"zero_optimization.{name} is a stage-3 key but zero_optimization.stage={stage}; remove "
+        raise ValueError(f"{state.spelled[path]} is a stage-3 key but zero_optimization.stage={stage}; remove "
                          "it or use stage 3")

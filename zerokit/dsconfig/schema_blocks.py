@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zerokit.dsconfig.keys import Key, Kind, always, block, honoured, refused, refused_block
+from zerokit.dsconfig.keys import zerokit_key, Key, Kind, always, block, honoured, refused, refused_block
 
 SHARED_FILES = ("zerokit's checkpoints are read by any rank on any world size, so every rank must see every "
                 "rank's files (a shared filesystem)")
@@ -57,6 +57,8 @@ ACTIVATION = (
     honoured(A + "number_checkpoints", Kind.INT, None, "checkpoints per step, to size that buffer", nullable=True),
     honoured(A + "synchronize_checkpoint_boundary", Kind.BOOL, False, "synchronise the device at each checkpoint"),
     honoured(A + "profile", Kind.BOOL, False, "log forward/backward time of each checkpointed function"),
+    zerokit_key(A + "checkpoint_units", Kind.BOOL, False, "stage 3: checkpoint every unit's forward (recomputed in "
+                "backward), without wrapping modules by hand", stage3=True),
 )
 
 C = "checkpoint."

@@ -22,7 +22,7 @@ DeepSpeed offers to divide first: `prescale_gradients` divides by N before the s
 f divides by f before it and multiplies the sum by f/N after. zerokit does the same arithmetic, in the
 reduce dtype, with a SUM collective: (sum of g/f) x f/N. Dividing and multiplying by a power of two is exact
 (short of underflow), so with f and N powers of two the result is bit-identical to the plain average
-(tests/test_observe_engine.py checks it); otherwise it differs by rounding only.
+(tests/test_deepspeed_engine_blocks.py checks it); otherwise it differs by rounding only.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from zerokit.flat import (Bucket, FlatParameters, ParamEntry, assign_owners, buc
                           shard_view, tensor_bytes)
 from zerokit.masters import OptimizerPlan, ShardMasters
 from zerokit.masters.shards import TIERS
-from zerokit.offload import master_homes
+from zerokit.offload import DeviceShards, master_homes
 from zerokit.stages.usage import GradientUsage
 
 if TYPE_CHECKING:
@@ -82,7 +82,8 @@ class ZeroStage:
         flat.adopt(full_precision)
         rank = comm.rank if cls.shards_optimizer else 0
         owned = [bucket.shard_range(rank) for bucket in layout.buckets]
-        homes = master_homes([flat.buffer[begin:end] for begin, end in owned], config, comm.stats, flat.device)
+        homes = master_homes([flat.buffer[begin:end] for begin, end in owned], config, comm.stats, flat.device,
+                             comm.rank, DeviceShards(flat.device, comm.stats), plan.names)
         masters = ShardMasters(homes, [bucket.param_slices(rank) for bucket in layout.buckets],
                                [groups[b.slots[0].param_index] for b in layout.buckets], plan, config.sub_group_size)
         for index, (begin, end) in enumerate(owned):
@@ -130,12 +131,14 @@ class ZeroStage:
         begin, end = bucket.shard_in_bucket(self.rank)
         op, after = self.predivide_(full)
         if not self.reduce_scatter:
-            pending = Pending(full[begin:end], self.comm.all_reduce(full, op=op, async_op=True).work)
+            pending = Pending(full[begin:end], self.comm.all_reduce(full, op=op, async_op=True,
+                                                                 purpose=self.bucket_purpose(bucket)).work)
         elif bucket.owner is not None:  # See [Note: buckets owned by one rank]
-            pending = Pending(full[begin:end], self.comm.reduce(full, dst=bucket.owner, op=op, async_op=True).work)
+            pending = Pending(full[begin:end], self.comm.reduce(full, dst=bucket.owner, op=op, async_op=True,
+                                                             purpose=self.bucket_purpose(bucket)).work)
         else:
             shard = torch.empty(end - begin, dtype=full.dtype, device=full.device)
-            pending = self.comm.reduce_scatter(shard, full, op=op, async_op=True)
+            pending = self.comm.reduce_scatter(shard, full, op=op, async_op=True, purpose=self.bucket_purpose(bucket))
 
         def store(shard: torch.Tensor) -> None:  # the last link of the chain (`then` may return a tensor)
             if after != 1.0:
@@ -167,7 +170,8 @@ class ZeroStage:
         self.masters.publish()
         if self.shards_optimizer:
             buffer = self.flat.buffer
-            pending = [gather_bucket(self.comm, b, bucket_view(buffer, b), shard_view(buffer, b, self.rank), True)
+            pending = [gather_bucket(self.comm, b, bucket_view(buffer, b), shard_view(buffer, b, self.rank), True,
+                                     purpose=f"updated parameters: bucket {b.index}")
                        for b in self.layout.buckets]
             for item in pending:
                 wait(item)
@@ -214,6 +218,10 @@ class ZeroStage:
             for category, count in categories.items():
                 held[tier][category] += count
         return held
+
+    def bucket_purpose(self, bucket: Bucket) -> str:
+        """What a bucket's reduction is for, as failure reports name it (See [Note: the flight recorder])."""
+        return f"gradients: bucket {bucket.index} of param group {bucket.group}"
 
     def describe(self) -> list[str]:
         """One line each for the start-up log."""

@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from zerokit.flat import Bucket
+from zerokit.reliability.divergence import GATHER
 from zerokit.stages.unit_shards import UnitShards
 from zerokit.stages.units import Unit
 
@@ -63,6 +64,10 @@ def install_hooks(stage: "ZeroStage", reducer: "BucketReducer") -> list[Removabl
                for index, param in enumerate(stage.flat.params)]
     if stage.unit_hooks is not None:
         handles += stage.unit_hooks.install()
+        agreement = stage.unit_hooks.shards.agreement
+        if agreement is not None and agreement.mode == GATHER:
+            # See [Note: stage-3 units every rank agrees on] in reliability/divergence.py: no cap's wait in backward
+            reducer.max_in_flight = len(reducer.buckets)
     return handles
 
 
@@ -95,14 +100,17 @@ class UnitHooks:
     def install(self) -> list[RemovableHandle]:
         handles = []
         for unit in self.units:
-            handles.append(unit.module.register_forward_pre_hook(partial(self._pre_forward, unit), with_kwargs=True))
-            handles.append(unit.module.register_forward_hook(partial(self._post_forward, unit)))
+            # eager even inside torch.compile'd code: See [Note: torch.compile and zerokit's hooks] in reliability/compiled.py
+            pre, post = partial(self._pre_forward, unit), partial(self._post_forward, unit)
+            handles.append(unit.module.register_forward_pre_hook(torch.compiler.disable(pre), with_kwargs=True))
+            handles.append(unit.module.register_forward_hook(torch.compiler.disable(post)))
         return handles
 
     # --- forward ------------------------------------------------------------------------------------
     def _pre_forward(self, unit: Unit, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if unit.index == 0 and self.state in (TrainingState.IDLE, TrainingState.FORWARD):
             self.state = TrainingState.FORWARD
+            self.shards.set_phase("forward")
             self.forward_order, self.output_order = [], []
             self.awaiting_inputs.clear()
         if self.state == TrainingState.FORWARD:
@@ -120,9 +128,11 @@ class UnitHooks:
                 self.shards.reshard(unit)  # only what it owns: a unit around it stays until its own post-forward
             else:
                 self.last_forward_order = self.forward_order
+                self.shards.end_phase()  # See [Note: stage-3 units every rank agrees on] in reliability/divergence.py
                 if not torch.is_grad_enabled():  # no backward will follow (eval, generation)
                     self.shards.reshard(unit)
                     self.state = TrainingState.IDLE
+                    self.shards.set_phase("between steps")
         if torch.is_grad_enabled():
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
@@ -141,6 +151,7 @@ class UnitHooks:
         if self.state == TrainingState.PINNED:
             return
         self.state = TrainingState.BACKWARD
+        self.shards.set_phase("backward")
         if not self.shards.is_gathered(unit):
             self.shards.unshard(unit)
         # See [Note: hooks around nested units]
@@ -166,7 +177,17 @@ class UnitHooks:
                 b.index in self.reduced for b in self.shards.buckets_of[unit.index]):
             self.shards.reshard(unit)
 
+    def end_of_autograd(self) -> None:
+        """The engine's backward is done computing: this rank gathers nothing more in it. Before any wait on a
+        gradient reduction, which another rank may still be computing towards (its gathers need this rank)."""
+        if self.state != TrainingState.PINNED:
+            self.shards.set_phase("backward")
+            self.shards.end_phase()
+
     def finish_backward(self) -> None:
+        if self.shards.agreement is not None:
+            self.shards.agreement.micro_step += 1
+            self.shards.set_phase("between steps")
         self.reduced.clear()
         self.awaiting_inputs.clear()
         if self.state != TrainingState.PINNED:

@@ -38,8 +38,14 @@ class DataParallel(ZeroStage):
         if grads.dtype != self.reduce_dtype:
             grads = grads.to(self.reduce_dtype)
             self.reduced[bucket.index] = grads[:bucket.numel]
-        agree = (lambda reduced: self.usage.agree(reduced[bucket.numel:])) if carries_flags else None
-        return Reduction(self.comm.all_reduce(grads, async_op=True), agree)
+        op, after = self.predivide_(grads[:bucket.numel])  # See [Note: gradient pre-division]
+
+        def then(reduced: torch.Tensor) -> None:  # usage flags are summed or averaged alike: only > 0 matters
+            if after != 1.0:
+                reduced[:bucket.numel].mul_(after)
+            if carries_flags:
+                self.usage.agree(reduced[bucket.numel:])
+        return Reduction(self.comm.all_reduce(grads, op=op, async_op=True, purpose=self.bucket_purpose(bucket)), then)
 
     def owned_grad(self, bucket: Bucket) -> torch.Tensor:
         return self.reduced.get(bucket.index, bucket_view(self.grad_buffer, bucket))

@@ -42,6 +42,7 @@ from zerokit.config import ZeroConfig
 from zerokit.flat import Bucket, FlatParameters, ParamEntry, ShardedFlat, build_layout, tensor_bytes
 from zerokit.masters import OptimizerPlan, ShardMasters
 from zerokit.offload import master_homes, shard_home
+from zerokit.offload.activations import checkpoint_modules
 from zerokit.stages.base import param_entries, whole_tensor_owners
 from zerokit.stages.construction import Construction, materialise
 from zerokit.stages.hooks import TrainingState, UnitHooks
@@ -66,19 +67,22 @@ class ShardedParameters(ShardedGradients):
         """Units, then their layouts (one bucket per unit and param group; frozen: one per unit), then the
         shards and the masters, then each unit's values placed, unit by unit (See `_place`)."""
         units = find_units(model, config.stage3)
+        if config.activation_checkpointing.checkpoint_units:  # every unit but the root, which is the whole model
+            checkpoint_modules([unit.module for unit in units[1:]])
         unit_of = {param_id: unit.index for unit in units for param_id in unit.param_ids}
         per_unit = max(groups, default=0) + 1
         keys = [unit_of[id(p)] * per_unit + g for p, g in zip(params, groups)]
         owners = whole_tensor_owners(params, groups, plan, comm.world_size)
         layout = build_layout(param_entries(model, params, keys, owners), comm.world_size, bucket_numel=sys.maxsize)
         dtype, device = config.precision.param_dtype, _device_of(model)
-        home = shard_home(config, comm.stats, device)
+        home = shard_home(config, comm.stats, device, comm.rank)
         trainable = ShardedFlat(FlatParameters(params, layout, dtype), comm.rank, home)
         frozen = ShardedFlat(_frozen_flat(model, params, unit_of, comm.world_size, dtype), comm.rank, home)
         process_groups = ProcessGroups.for_stage(comm, 3)
         shards = UnitShards(units, trainable, frozen, [b.group // per_unit for b in layout.buckets],
                             process_groups.gather, config.stage3)
-        homes = master_homes([trainable.shard(b) for b in layout.buckets], config, comm.stats, device, home.tier)
+        homes = master_homes([trainable.shard(b) for b in layout.buckets], config, comm.stats, device, comm.rank, home,
+                             plan.names)
         masters = ShardMasters(homes, [b.param_slices(comm.rank) for b in layout.buckets],
                                [groups[b.slots[0].param_index] for b in layout.buckets], plan, config.sub_group_size)
         _place(model, shards, masters, comm, construction or Construction())
@@ -126,6 +130,9 @@ class ShardedParameters(ShardedGradients):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.frozen.shards.copy_(state["frozen"])
         super().load_state_dict(state)
+
+    def bucket_purpose(self, bucket: Bucket) -> str:
+        return f"gradients of unit {self.units[self.shards.unit_of_bucket[bucket.index]].name!r}: bucket {bucket.index}"
 
     def describe(self) -> list[str]:
         sizes = self.shards.gathered_numel
@@ -202,7 +209,7 @@ def _place(model: nn.Module, shards: UnitShards, masters: ShardMasters, comm: Co
 def _check_identical_across_ranks(comm: Communicator, unit: Unit, values: torch.Tensor) -> None:
     checksum = values.double().sum()
     extremes = torch.stack([checksum, -checksum])
-    comm.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    comm.all_reduce(extremes, op=dist.ReduceOp.MAX, purpose=f"initialisation check of unit {unit.name!r}")
     if extremes[0] != -extremes[1]:
         raise ValueError(f"rank {comm.rank}: unit {unit.name!r} was initialised differently on different ranks; "
                          "seed every rank identically or load the same weights in param_init")

@@ -9,6 +9,7 @@ import torch
 from zerokit.comm import Communicator
 from zerokit.config import Stage3Policy
 from zerokit.flat import Bucket, ShardedFlat
+from zerokit.reliability.divergence import RAISE, UnitAgreement
 from zerokit.stages.units import Unit, ancestry
 
 
@@ -31,6 +32,10 @@ class UnitShards:
         self.persistent = {u.index for u in units if 0 < self.gathered_numel[u.index] < policy.persistence_threshold}
         self.live_numel = self.peak_live_numel = 0
         self._check_live_limit()
+        # Every gather carries its unit (See [Note: stage-3 units every rank agrees on] in reliability/divergence.py)
+        # (not on torch's fake back-end, whose collectives move nothing: the planner's exact engine runs there)
+        agree = comm.world_size > 1 and comm.backend != "fake"
+        self.agreement = UnitAgreement(comm.control, units, policy.skipped_units) if agree else None
 
     def parts(self, unit: Unit) -> list[tuple[ShardedFlat, Bucket]]:
         """The unit's buckets: its trainable ones, then its frozen one."""
@@ -48,11 +53,15 @@ class UnitShards:
 
     def unshard(self, unit: Unit, async_op: bool = False) -> None:
         parts = self.parts(unit)
-        for flat, bucket in parts:
-            if not flat.has(bucket):
-                self._count_live(unit, bucket.numel, async_op)
-                flat.gather(bucket, self.comm)
+        missing = [(flat, bucket) for flat, bucket in parts if not flat.has(bucket)]
+        if missing and not self._agreed(unit, async_op):
+            return  # a prefetch that another rank's request displaced (skipped_units="gather")
+        for flat, bucket in missing:
+            self._count_live(unit, bucket.numel, async_op)
+            flat.gather(bucket, self.comm, purpose=f"unit {unit.name!r}{' (prefetch)' if async_op else ''}")
         if not async_op:
+            if self.agreement is not None:
+                self.agreement.confirm(unit.index)  # every rank asked for this unit, before its data is used
             for flat, bucket in parts:
                 flat.wait(bucket)
             for flat, bucket in parts:
@@ -62,6 +71,8 @@ class UnitShards:
         """Free what the unit owns (a unit around it stays gathered); persistent units stay."""
         if unit.index in self.persistent:
             return
+        if self.agreement is not None:
+            self.agreement.confirm(unit.index)  # a prefetch never used: its gather still had to be the right one
         for flat, bucket in self.parts(unit):
             self.live_numel -= flat.free(bucket)
         for flat, bucket in self.parts(unit):
@@ -76,6 +87,38 @@ class UnitShards:
         fits = self.live_numel + numel <= self.policy.max_live_parameters
         if fits and numel <= self.policy.prefetch_numel and not self.any_gathered(unit):
             self.unshard(unit, async_op=True)
+
+    # --- agreement between ranks (See [Note: stage-3 units every rank agrees on]) --------------------------------
+    def _agreed(self, unit: Unit, prefetch: bool) -> bool:
+        """Announce the unit's gather ("raise"), or agree on it first ("gather"): False if it was displaced."""
+        if self.agreement is None:
+            return True
+        if self.agreement.mode == RAISE:
+            self.agreement.announce(unit.index, prefetch)
+            return True
+        return self.agreement.agree(unit.index, prefetch, self._serve)
+
+    def _serve(self, unit_index: int) -> None:
+        """Gather a unit only because another rank asks for it now, and free it at once (one already here is
+        gathered again in place, with the same values): every rank issues the same gathers."""
+        unit = self.units[unit_index]
+        for flat, bucket in self.parts(unit):
+            purpose = f"unit {unit.name!r} (for another rank)"
+            if flat.has(bucket):
+                flat.regather(bucket, self.comm, purpose=purpose)
+            else:
+                self._count_live(unit, bucket.numel, async_op=False)
+                flat.gather(bucket, self.comm, purpose=purpose)
+                self.live_numel -= flat.free(bucket)
+
+    def set_phase(self, phase: str) -> None:
+        if self.agreement is not None:
+            self.agreement.phase = phase
+
+    def end_phase(self) -> None:
+        """This rank gathers nothing more in this forward or backward: say so to the others (and serve them)."""
+        if self.agreement is not None:
+            self.agreement.end_phase(self._serve)
 
     def release_all(self) -> None:
         for unit in self.units:

@@ -64,6 +64,8 @@ class Case:
     offload_ratio: float = 1.0  # the share of the optimizer stepped on the CPU (DeepSpeed's Twin-Flow ratio)
     offload_param: str = "none"  # none | cpu | nvme (stage 3)
     offload_max_in_cpu: int | None = None  # nvme parameters: elements kept in host memory (None: DeepSpeed's 1e9)
+    checkpoint_units: bool = False  # stage 3: zerokit checkpoints every unit (activation_checkpointing block)
+    cpu_checkpointing: bool = False  # checkpointed activations in host memory
 
 
 def make_model(case: Case) -> torch.nn.Module:
@@ -194,6 +196,10 @@ def engine_config(case: Case) -> dict:
                 block["ratio"] = case.offload_ratio
             if key == "offload_param" and case.offload_max_in_cpu is not None:
                 block["max_in_cpu"] = case.offload_max_in_cpu
+    if case.checkpoint_units or case.cpu_checkpointing:
+        config["activation_checkpointing"] = {"cpu_checkpointing": case.cpu_checkpointing}
+        if case.checkpoint_units:
+            config["activation_checkpointing"]["checkpoint_units"] = True
     if case.dtype == "bf16":
         config["bf16"] = {"enabled": True}
     if case.dtype == "fp16":
@@ -255,6 +261,7 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
         "stepped_numel": sum(ref.piece.numel() for ref in engine.stage.masters.piece_refs()),
         "trainable_numel": engine.trainable_numel(), "launched_in_backward": overlapped,
         "trainable_tensors": len(engine.stage.flat.params),
+        "buffer_dtypes": len(engine.safeguards.buffers.groups),  # broadcast_buffers: one broadcast each per step
         "unit_numel": engine.stage.shards.unit_numel if engine.config.stage == 3 else None,
         "frozen_numel": sum(p.numel() for p in model.parameters() if not p.requires_grad),
         **stage3_frozen_layout(engine.stage),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -28,14 +29,28 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, ar
         dist.destroy_process_group()  # gloo can abort at exit without it
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None) -> list[Any]:
     """`fn(rank, world_size, *args)` on `world_size` processes; returns each rank's result, in rank order.
-    `fn` must be a module-level function (it is pickled to the children)."""
+    `fn` must be a module-level function (it is pickled to the children). `timeout` (seconds): ranks still
+    running after it are killed and this raises, so that a hung rank cannot hang a test run."""
     with tempfile.TemporaryDirectory(prefix="zerokit-spawn-") as workdir:
         try:
-            mp.spawn(_worker, args=(fn, world_size, workdir, args), nprocs=world_size, join=True)
+            context = mp.start_processes(_worker, args=(fn, world_size, workdir, args), nprocs=world_size,
+                                         join=False)
+            _join(context, timeout)
         except Exception as error:
             errors = sorted(Path(workdir).glob("error_*.txt"))
             detail = errors[0].read_text() if errors else ""
             raise RuntimeError(f"a rank failed:\n{detail}") from error
         return [torch.load(Path(workdir) / f"result_{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def _join(context: mp.ProcessContext, timeout: float | None) -> None:
+    """Wait for every rank; a rank's failure raises (the others are terminated), as does the timeout."""
+    give_up = None if timeout is None else time.monotonic() + timeout
+    while not context.join(timeout=1.0):
+        if give_up is not None and time.monotonic() > give_up:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"the ranks were still running after {timeout:g} s and were killed")

@@ -1,0 +1,46 @@
+"""DeepSpeed's training API on zerokit: a DeepSpeed script switches by changing its import lines only.
+
+    import zerokit.deepspeed as deepspeed                  # was: import deepspeed
+    import zerokit.deepspeed.comm as dist                  # was: import deepspeed.comm as dist
+    from zerokit.deepspeed.accelerator import get_accelerator
+
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    engine, optimizer, loader, scheduler = deepspeed.initialize(args=parser.parse_args(), model=model,
+                                                                model_parameters=model.parameters(),
+                                                                training_data=dataset)
+
+Launch with torchrun (the deepspeed launcher is out of scope). What each module covers: start.py (initialize,
+add_config_arguments), distributed.py (init_distributed), engine.py (the engine's DeepSpeed methods), comm.py,
+accelerator.py, zero.py (Init, GatheredParameters), utils.py, ops/adam.py. Pipeline parallelism, MoE layers,
+the inference engine and DeepSpeed's kernels are refused in one line naming them.
+"""
+
+from zerokit.deepspeed import comm, zero
+from zerokit.deepspeed.accelerator import get_accelerator
+from zerokit.deepspeed.distributed import init_distributed
+from zerokit.deepspeed.engine import DeepSpeedEngine
+from zerokit.deepspeed.start import add_config_arguments, initialize
+from zerokit.deepspeed.utils import log_dist, logger
+
+OUT_OF_SCOPE = {
+    "PipelineModule": "pipeline parallelism", "PipelineEngine": "pipeline parallelism",
+    "pipe": "pipeline parallelism", "moe": "MoE layers with expert parallelism",
+    "init_inference": "DeepSpeed's inference engine (generate inside engine.unsharded() instead)",
+    "InferenceEngine": "DeepSpeed's inference engine", "tp_model_init": "tensor parallelism",
+    "DeepSpeedHybridEngine": "DeepSpeed's RLHF hybrid engine",
+    "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernels",
+    "DeepSpeedTransformerConfig": "DeepSpeed's fused transformer kernels",
+    "checkpointing": "DeepSpeed's activation checkpointing API (use torch.utils.checkpoint.checkpoint(..., "
+                     "use_reentrant=False), which zerokit supports)",
+    "launcher": "the deepspeed launcher (launch with torchrun)",
+}
+
+
+def __getattr__(name: str):
+    if name in OUT_OF_SCOPE:
+        raise ImportError(f"deepspeed.{name} is not offered by zerokit: {OUT_OF_SCOPE[name]} is out of scope")
+    raise AttributeError(f"module 'zerokit.deepspeed' has no attribute {name!r}")
+
+
+__all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "comm", "zero",
+           "get_accelerator", "log_dist", "logger"]

@@ -1,0 +1,31 @@
+"""The loader initialize(training_data=...) returns: this rank's share of the dataset, micro-batch by
+micro-batch, in the order DeepSpeed's loader gives it.
+
+DeepSpeed's DeepSpeedDataLoader draws from a DistributedSampler over the data-parallel ranks (shuffled with
+its default seed 0, and the same order every epoch, since it never calls set_epoch) at
+train_micro_batch_size_per_gpu, dropping the last incomplete batch with dataloader_drop_last. This loader
+does the same with a plain torch DataLoader, so a script sees the same batches under either. Where DeepSpeed
+starts two worker processes per rank, zerokit loads in the training process (num_local_io_workers sets
+workers), since small scripts on a few cores lose more to worker start-up than they gain.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+
+def training_loader(dataset: Any, batch_size: int, rank: int, world_size: int, drop_last: bool = False,
+                    collate_fn: Callable | None = None, sampler: Any = None, shuffle: bool = True,
+                    workers: int = 0) -> DataLoader:
+    if not isinstance(dataset, (Dataset, IterableDataset)):
+        raise ValueError(f"training_data must be a torch Dataset, not {type(dataset).__name__}")
+    if sampler is None and not isinstance(dataset, IterableDataset):
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
+                      num_workers=workers, pin_memory=torch.cuda.is_available())
+
+
+__all__ = ["training_loader"]

@@ -1,0 +1,296 @@
+"""DeepSpeed's engine API on zerokit's Engine: what `deepspeed.initialize` returns, so that a script's
+`model_engine.backward(loss)`, `model_engine.step()`, `model_engine.local_rank`, ... run unchanged.
+
+DeepSpeedEngine is zerokit's Engine (every zerokit method works on it: memory_stats(), comm_stats(),
+unsharded(), ...) plus DeepSpeed's names, counters and conventions:
+- step() is called after every micro-step and steps the optimizer at accumulation boundaries (zerokit's
+  Engine already does); micro_steps counts step() calls, and is_gradient_accumulation_boundary() answers from
+  it as DeepSpeed does, so it is True between the last micro-step's backward and its step().
+- global_steps counts accumulation boundaries, skipped ones included; skipped_steps the skipped ones.
+- An lr_scheduler passed to initialize() is stepped by the engine at every optimizer step it does not skip,
+  as DeepSpeed steps it (See [Note: a scheduler passed to initialize]).
+
+[Note: a scheduler passed to initialize]
+zerokit rebuilds the user's optimizer over this rank's master pieces, so a scheduler built over the user's
+optimizer before initialize() sets learning rates in an optimizer nothing steps. The engine steps that
+scheduler where DeepSpeed would and then copies every param group's hyperparameters (lr, betas, momentum,
+...) from the user's optimizer to its rebuilt twin, group by group (rebuilding keeps the groups in order):
+any scheduler (chained, sequential, one that cycles momentum) then drives the optimizer that trains. A
+callable lr_scheduler is called with the rebuilt optimizer, as DeepSpeed calls it with its basic optimizer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import warnings
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from zerokit.config import ZeroConfig
+from zerokit.deepspeed.data import training_loader
+from zerokit.engine import Engine
+from zerokit.precision import StepResult
+from zerokit.reliability.compiled import compile_model
+from zerokit.stages.construction import ParamInit
+
+_ENGINES: "weakref.WeakSet[DeepSpeedEngine]" = weakref.WeakSet()
+_CREATED = itertools.count()
+SCHEDULES_KEY = "zerokit.lr_schedules"  # where save_checkpoint keeps the engine's LR schedules (client state)
+
+
+def live_engines() -> list["DeepSpeedEngine"]:
+    """Engines made by initialize() and not destroyed, oldest first."""
+    return sorted(_ENGINES, key=lambda engine: engine.created)
+
+
+class ClientSchedule:
+    """A scheduler passed to initialize(), stepped by the engine like the `scheduler` block's schedule. See
+    [Note: a scheduler passed to initialize]."""
+
+    def __init__(self, scheduler: Any, pairs: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer]],
+                 train_batch_size: int) -> None:
+        self.scheduler, self.pairs, self.train_batch_size = scheduler, pairs, train_batch_size
+        self.kwargs: dict[str, Any] = {}  # engine.step(lr_kwargs=...) for the next step
+        self.mirror()
+
+    def step(self) -> None:
+        with warnings.catch_warnings():  # the user's optimizer is stepped through its rebuilt twin, never itself
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+            try:
+                self.scheduler.step(**self.kwargs)
+            except TypeError:  # DeepSpeed's fallback, for schedulers that want the batch size
+                self.scheduler.step(self.train_batch_size)
+        self.mirror()
+
+    def mirror(self) -> None:
+        for source, target in self.pairs:
+            for given, rebuilt in zip(source.param_groups, target.param_groups, strict=True):
+                rebuilt.update({key: value for key, value in given.items() if key != "params"})
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
+        self.mirror()
+
+
+class DeepSpeedEngine(Engine):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None,
+                 config: ZeroConfig, model_parameters: Iterable[Any] | None = None, lr_scheduler: Any = None,
+                 collate_fn: Callable | None = None, param_init: ParamInit | None = None) -> None:
+        super().__init__(model, optimizer, config, param_init=param_init, model_parameters=model_parameters)
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.global_rank = self.rank
+        self.micro_steps = 0
+        self.collate_fn = collate_fn
+        self.training_dataloader: torch.utils.data.DataLoader | None = None
+        self._last_boundary: StepResult | None = None
+        self._step_applied = False
+        self._is_compiled = False
+        self._client_schedule = self._attach(lr_scheduler, optimizer)
+        self.created = next(_CREATED)
+        _ENGINES.add(self)
+
+    def _attach(self, scheduler: Any, given: Any) -> ClientSchedule | None:
+        if scheduler is None:
+            return None
+        if callable(scheduler) and (isinstance(scheduler, type) or not hasattr(scheduler, "step")):
+            scheduler = scheduler(self.optimizer)  # DeepSpeedSchedulerCallable: over the optimizer that trains
+        users = list(given) if isinstance(given, (list, tuple)) else [given]
+        rebuilt = self.stage.masters.optimizers
+        driven = getattr(scheduler, "optimizer", None)
+        pairs = [(user, twin) for user, twin in zip(users, rebuilt) if user is driven and user is not twin]
+        schedule = ClientSchedule(scheduler, pairs, self.train_batch_size())
+        self.lr_schedules.append(schedule)
+        return schedule
+
+    # --- DeepSpeed's training calls --------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self(*inputs, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of `loss`, divided by gradient_accumulation_steps; returns that divided loss, as DeepSpeed."""
+        if retain_graph:
+            raise ValueError("engine.backward(loss, retain_graph=True) is not offered: zerokit frees the graph as it "
+                             "reduces each micro-step's gradients; run a second forward instead")
+        if not scale_wrt_gas:
+            raise ValueError("engine.backward(loss, scale_wrt_gas=False) is not offered: zerokit always divides the "
+                             "loss by gradient_accumulation_steps")
+        if loss.numel() != 1:
+            raise ValueError(f"engine.backward(loss) needs a scalar loss, not one of shape {tuple(loss.shape)}")
+        super().backward(loss)
+        return loss.detach() / self.config.gradient_accumulation_steps
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> StepResult:
+        """Call after every micro-step's backward; the optimizer steps at accumulation boundaries."""
+        if self._client_schedule is not None:
+            self._client_schedule.kwargs = dict(lr_kwargs or {})
+        result = super().step()
+        self.micro_steps += 1
+        self._step_applied = result.stepped
+        if result.boundary:
+            self._last_boundary = result
+        return result
+
+    def zero_grad(self) -> None:
+        """Nothing to zero between optimizer steps: zerokit releases gradients after each one. Inside an
+        accumulation window it would drop gradients already accumulated (or reduced), so it refuses."""
+        if self.progress.micro_step % self.config.gradient_accumulation_steps:
+            raise RuntimeError("engine.zero_grad() inside an accumulation window would drop the gradients of its "
+                               "micro-steps so far; zerokit clears gradients itself after each optimizer step")
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm (before clipping) of the last accumulation boundary."""
+        return self._last_boundary.grad_norm if self._last_boundary else None
+
+    def get_mom(self) -> list[Any]:
+        """Each param group's momentum: betas for Adam-like optimizers, momentum otherwise."""
+        return [group.get("betas", group.get("momentum", 0.0))
+                for optimizer in self.stage.masters.optimizers for group in optimizer.param_groups]
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The scheduler passed to initialize(), else the `scheduler` block's (None without either)."""
+        return self._client_schedule.scheduler if self._client_schedule is not None else super().lr_scheduler
+
+    # --- counters and settings -----------------------------------------------------------------------
+    @property
+    def global_steps(self) -> int:
+        return self.progress.optimizer_step + self.progress.total_skips
+
+    @property
+    def global_samples(self) -> int:
+        return self.global_steps * self.train_batch_size()
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.progress.total_skips
+
+    def train_batch_size(self) -> int:
+        return int(self.config.train_batch_size)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self.config.train_micro_batch_size_per_gpu)
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.stage
+
+    def zero_optimization(self) -> bool:
+        return self.config.stage > 0
+
+    def fp16_enabled(self) -> bool:
+        return self.config.precision.param_dtype == torch.float16
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.precision.param_dtype == torch.bfloat16
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def steps_per_print(self) -> int | None:
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown
+
+    def get_wall_clock_timers(self) -> dict[str, float]:
+        """The last optimizer step's phase times in ms (with wall_clock_breakdown)."""
+        return self.monitor.wall_clock_times
+
+    def dataloader_drop_last(self) -> bool:
+        return self.config.dataloader_drop_last
+
+    # --- data, compilation, checkpoints, teardown -------------------------------------------------------
+    def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,
+                     data_sampler: Any = None, collate_fn: Callable | None = None,
+                     num_local_io_workers: int | None = None) -> torch.utils.data.DataLoader:
+        """A loader over this rank's share of `dataset` (a DistributedSampler, as DeepSpeed's) at
+        train_micro_batch_size_per_gpu; evaluation routes are not shuffled."""
+        return training_loader(dataset, batch_size or self.train_micro_batch_size_per_gpu(), self.rank,
+                               self.world_size, drop_last=self.config.dataloader_drop_last,
+                               collate_fn=collate_fn or self.collate_fn, sampler=data_sampler,
+                               shuffle=route == "train", workers=num_local_io_workers or 0)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._is_compiled
+
+    def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None, schedule: Any = None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """torch.compile the wrapped module in place (nn.Module.compile), as DeepSpeed's engine.compile() does, at
+        every stage: zerokit's hooks stay eager (See [Note: torch.compile and zerokit's hooks] in
+        zerokit/reliability/compiled.py, which also refuses fullgraph=True around a stage-3 unit). DeepSpeed
+        ignores a `backend` inside compile_kwargs in favour of the argument; so does this."""
+        if schedule is not None:
+            raise ValueError("engine.compile(schedule=...) asks for DeepCompile, which zerokit does not offer; call "
+                             "engine.compile() without a schedule for torch.compile")
+        if compiled_autograd_enabled:
+            raise ValueError("engine.compile(compiled_autograd_enabled=True) is not offered: zerokit's gradient "
+                             "hooks drive its reductions and need eager autograd")
+        if self._is_compiled:
+            return
+        compile_model(self, backend, **{key: value for key, value in (compile_kwargs or {}).items() if key != "backend"})
+        self._is_compiled = True
+
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False, **zerokit: Any) -> bool:
+        """DeepSpeed's save_checkpoint on zerokit's (every rank calls it); the LR schedules the engine steps
+        travel in the client state."""
+        if exclude_frozen_parameters:
+            raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not offered: a zerokit checkpoint "
+                             "holds every parameter, so that it resumes at any world size and stage")
+        state = dict(client_state or {})
+        if self.lr_schedules:
+            state[SCHEDULES_KEY] = [schedule.state_dict() for schedule in self.lr_schedules]
+        return super().save_checkpoint(save_dir, tag, state or None, save_latest=save_latest, **zerokit)
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Callable | None = None,
+                        **zerokit: Any) -> tuple[str | None, dict[str, Any] | None]:
+        """DeepSpeed's load_checkpoint on zerokit's: returns (load_path, client_state)."""
+        if not load_module_strict or custom_load_fn is not None:
+            raise ValueError("load_checkpoint(load_module_strict=False / custom_load_fn=...) is not offered: zerokit "
+                             "loads every parameter of the model by name")
+        path, client_state = super().load_checkpoint(load_dir, tag, load_optimizer_states=load_optimizer_states,
+                                                     load_module_only=load_module_only, **zerokit)
+        client_state = dict(client_state or {})
+        saved = client_state.pop(SCHEDULES_KEY, None)
+        if saved is not None and load_lr_scheduler_states and not load_module_only:
+            for schedule, state in zip(self.lr_schedules, saved, strict=True):
+                schedule.load_state_dict(state)
+        return path, client_state
+
+    def offload_states(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("engine.offload_states() is out of scope for zerokit: it keeps model states where "
+                                  "zero_optimization.offload_optimizer/offload_param put them for the whole run")
+
+    def reload_states(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("engine.reload_states() is out of scope for zerokit: there are no offloaded "
+                                  "states to bring back (see offload_states)")
+
+    def destroy(self) -> None:
+        """Release what the engine holds outside itself: its hooks on the model and its monitors' files."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.monitor.close()
+        _ENGINES.discard(self)
+
+
+__all__ = ["DeepSpeedEngine", "ClientSchedule", "live_engines"]

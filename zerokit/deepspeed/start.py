@@ -1,0 +1,115 @@
+"""`deepspeed.initialize` and `deepspeed.add_config_arguments` for zerokit, with DeepSpeed's arguments, checks
+and messages.
+
+    engine, optimizer, loader, lr_scheduler = deepspeed.initialize(args=args, model=model,
+        model_parameters=model.parameters(), training_data=dataset, config="ds_config.json")
+
+The config comes from `config` (a dict or a JSON path; `config_params` is its old name) or from
+`args.deepspeed_config` (`--deepspeed_config`, or set in code), not both, as in DeepSpeed. The optimizer is
+the one passed (an optimizer, or a callable taking model_parameters), or the config's `optimizer` block's over
+model_parameters (default: the model's trainable parameters); the schedule is lr_scheduler (a scheduler, or a
+callable taking the optimizer) or the `scheduler` block's. Passing an optimizer (or lr_scheduler) and having
+a block for it too is an error: DeepSpeed 0.19.8 silently prefers the object, zerokit will not guess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from zerokit.config import ZeroConfig, load_config
+from zerokit.deepspeed.distributed import init_distributed
+from zerokit.deepspeed.engine import DeepSpeedEngine
+from zerokit.schedules import both_given_error
+from zerokit.stages.construction import ParamInit
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DeepSpeed's argument group: --deepspeed, --deepspeed_config and their deprecated --deepscale forms."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed json configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true",
+                       help="Deprecated enable DeepSpeed (helper flag for user code, no impact on DeepSpeed backend)")
+    group.add_argument("--deepscale_config", default=None, type=str, help="Deprecated DeepSpeed json configuration "
+                       "file.")
+    return parser
+
+
+def config_source(args: Any, config: Any, config_params: Any) -> dict[str, Any] | str | Path | ZeroConfig:
+    """The config as DeepSpeed finds it: `config`, else `config_params`, else args.deepspeed_config (or the
+    deprecated args.deepscale_config); two of them is an error."""
+    if config is None and config_params is not None:
+        config = config_params
+    if getattr(args, "deepscale_config", None) is not None:
+        if getattr(args, "deepspeed_config", None) is not None:
+            raise ValueError("Not sure how to proceed, we were given both a deepscale_config and deepspeed_config")
+        args.deepspeed_config, args.deepscale_config = args.deepscale_config, None
+    if getattr(args, "deepspeed_config", None) is not None:
+        if config is not None:
+            raise ValueError("Not sure how to proceed, we were given deepspeed configs in the deepspeed arguments "
+                             "and deepspeed.initialize() function call")
+        config = args.deepspeed_config
+    if config is None:
+        raise ValueError("DeepSpeed requires --deepspeed_config to specify configuration file")
+    return config
+
+
+def check_local_rank(args: Any) -> int:
+    """DeepSpeed's check that args.local_rank, when a script sets it, agrees with LOCAL_RANK; then
+    args.local_rank is set to it, as DeepSpeed does. Returns the local rank."""
+    if "LOCAL_RANK" not in os.environ:
+        raise RuntimeError("DeepSpeed requires the LOCAL_RANK environment variable, it is set by the deepspeed "
+                           "launcher, deepspeed.init_distributed, or the torch's launcher. If using a different "
+                           "launcher please ensure LOCAL_RANK is set prior to initializing deepspeed.")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    given = getattr(args, "local_rank", None)
+    if given is not None:
+        if not isinstance(given, int):
+            raise ValueError(f"args.local_rank of {given} is an unknown type {type(given)}")
+        if given >= 0 and given != local_rank:
+            raise ValueError(f"Mismatch in local rank setting, args.local_rank={given} but "
+                             f"env['LOCAL_RANK']={local_rank}.")
+    if args is not None and hasattr(args, "local_rank"):
+        args.local_rank = local_rank
+    return local_rank
+
+
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Iterable[Any] | None = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Callable | None = None, config: Any = None, mesh_param: Any = None,
+               config_params: Any = None, param_init: ParamInit | None = None,
+               ) -> tuple[DeepSpeedEngine, Any, torch.utils.data.DataLoader | None, Any]:
+    """DeepSpeed's initialize on zerokit: returns (engine, optimizer, training_dataloader, lr_scheduler).
+    `param_init` (zerokit's own): how a model built under zero.Init is initialised (See zerokit.deepspeed.zero)."""
+    if model is None:
+        raise ValueError("deepspeed.initialize requires a model")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError("deepspeed.initialize(mpu=/mesh_param=) asks for model or sequence parallelism, which "
+                         "zerokit does not offer: it is data parallel over all ranks")
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
+    typed = load_config(config_source(args, config, config_params))
+    check_local_rank(args)
+    if optimizer is not None and typed.optimizer is not None:
+        raise both_given_error("optimizer")
+    if lr_scheduler is not None and typed.scheduler is not None:
+        raise both_given_error("scheduler")
+    if model_parameters is not None:
+        model_parameters = list(model_parameters)  # a generator is read once; the optimizer may need it again
+    if optimizer is not None and not isinstance(optimizer, (torch.optim.Optimizer, list, tuple)):
+        optimizer = optimizer(model_parameters if model_parameters is not None else model.parameters())
+    engine = DeepSpeedEngine(model, optimizer, typed, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+                             collate_fn=collate_fn, param_init=param_init)
+    if training_data is not None:
+        engine.training_dataloader = engine.deepspeed_io(training_data)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+__all__ = ["initialize", "add_config_arguments", "config_source", "check_local_rank"]

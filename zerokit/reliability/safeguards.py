@@ -1,0 +1,55 @@
+"""What the engine calls: the checks at initialize, in one order, and the guards of the training loop."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from zerokit.comm import Communicator
+from zerokit.config import ZeroConfig
+from zerokit.reliability.buffers import BufferSync
+from zerokit.reliability.compiled import refuse_fullgraph_around_units
+from zerokit.reliability.fingerprint import check_ranks_agree, fingerprint
+from zerokit.reliability.mistakes import (TrainableGuard, check_backward_order, refuse_nothing_to_train,
+                                          refuse_wrapped)
+
+
+def check_at_start(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
+                   comm: Communicator, device: torch.device) -> None:
+    """Before the engine's first collective on the model: this rank's own checks (a wrapped model, nothing to
+    train), then the start-up fingerprint (See [Note: the start-up fingerprint] in fingerprint.py). A rank's own
+    problem goes into its fingerprint first, so that a problem on some ranks only is named on every rank at
+    once instead of leaving the others waiting for it."""
+    problem: ValueError | None = None
+    try:
+        refuse_wrapped(model)
+        refuse_nothing_to_train(model)
+        refuse_fullgraph_around_units(model, config)
+    except ValueError as error:
+        problem = error
+    fields = {"start-up checks": str(problem) if problem else "passed"}
+    if problem is None:
+        fields.update(fingerprint(model, optimizers, config, device))
+    try:
+        check_ranks_agree(fields, comm.control)
+    finally:
+        if problem is not None:  # this rank's own problem, whether or not the others share it
+            raise problem
+
+
+class Safeguards:
+    """The training loop's guards: requires_grad as at start, backward/step order, buffers kept equal."""
+
+    def __init__(self, model: nn.Module, comm: Communicator, config: ZeroConfig) -> None:
+        self.trainable = TrainableGuard(model)
+        self.buffers = BufferSync(model, comm, config.broadcast_buffers)
+        self.accumulation = config.gradient_accumulation_steps
+
+    def before_backward(self, backward_since_step: bool, micro_step: int) -> None:
+        check_backward_order(backward_since_step, micro_step, self.accumulation)
+        self.trainable.check()
+
+    def at_step(self) -> None:
+        self.buffers.sync()

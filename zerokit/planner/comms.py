@@ -22,7 +22,10 @@ Stages 0-2 move 2 Psi per step and stage 3 3 Psi less the root (ZeRO paper Secti
 the ring factor. HSDP adds an all-reduce of each gradient shard (Psi_t / N_d) across replicas. Sharded stages also
 all-reduce one float64 scalar per step, the sum of squared gradients. The engine pads each bucket to a
 multiple of N_d, so its counts exceed these by at most N_d - 1 elements per bucket, and it buckets each
-optimizer param group apart, so its calls are these times the number of param groups.
+optimizer param group apart, so its calls are these times the number of param groups. A whole-tensor
+optimizer's parameters (Muon's, Adafactor's: See [Note: whole-tensor optimizers] in memory.py) move the same
+elements by other kinds: reduced to their owner (a reduce; on gloo the usual all-reduce) and broadcast from it
+instead of all-gathered; a broadcast or reduce moves 1 x bytes per link (nccl-tests' bus factor 1).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import math
 from dataclasses import dataclass
 
 from zerokit.planner.catalogue import Cluster, Link
-from zerokit.planner.memory import RankParams
+from zerokit.planner.memory import RankParams, whole_tensor_fraction
 from zerokit.planner.models import ModelSpec
 from zerokit.planner.spec import Layout, Training
 
@@ -44,7 +47,8 @@ parallel), exposed; init: once before training."""
 
 
 def wire_factor(kind: str, n: int) -> float:
-    return {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(kind, (n - 1) / n)
+    # nccl-tests: broadcast and reduce move the whole tensor through every link of the chain (bus = algorithm bandwidth)
+    return {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0, "broadcast": 1.0, "reduce": 1.0}.get(kind, (n - 1) / n)
 
 
 def ring_steps(kind: str, n: int) -> int:
@@ -146,14 +150,38 @@ def stage3_blocks(model: ModelSpec, layout: Layout, bucket_elements: int, total:
 
 def _stage3(rank: RankParams, training: Training, group: Group, blocks: int) -> list[Collective]:
     """Per micro-step: the root once and every block before its forward; every block again before its
-    backward; one reduce-scatter per unit (zerokit/stages/stage3.py)."""
+    backward; one reduce-scatter per unit (zerokit/stages/stage3.py). A whole-tensor optimizer's parameters
+    are broadcast from their owner instead of gathered, and their gradients reduced to it."""
     m, p, r = training.grad_accum, training.param_bytes, training.reduce_bytes
     root = 1 if rank.root else 0
     in_blocks = rank.total - rank.root
-    return [_collective("all_gather", group, "forward", m * (root + blocks), m * rank.total, p),
-            _collective("all_gather", group, "backward", m * blocks, m * in_blocks, p),
-            _collective("reduce_scatter" if training.reduces_by_scatter else "all_reduce", group, "backward",
-                        m * (root + blocks), m * rank.trainable, r)]
+    whole = whole_tensor_fraction(rank, training)
+    # Muon's part is the blocks' (the root stays AdamW's); Adafactor's is everything
+    forward_whole = in_blocks if training.optimizer == "muon" and whole < 1 else round(whole * rank.total)
+    backward_whole = in_blocks if forward_whole == in_blocks else round(whole * in_blocks)
+    trainable_whole = round(whole * rank.trainable)
+    reduce = "reduce_scatter" if training.reduces_by_scatter else "all_reduce"
+    return [*_split("all_gather", "broadcast", group, "forward", m * (root + blocks), m * rank.total, m * forward_whole, p),
+            *_split("all_gather", "broadcast", group, "backward", m * blocks, m * in_blocks, m * backward_whole, p),
+            *_split(reduce, _whole_reduce(training), group, "backward", m * (root + blocks), m * rank.trainable,
+                    m * trainable_whole, r)]
+
+
+def _whole_reduce(training: Training) -> str:
+    """How a whole-tensor parameter's gradient reaches its owner: a reduce, or on gloo the all-reduce every
+    bucket gets there (See [Note: reducing a bucket to a shard])."""
+    return "reduce" if training.reduces_by_scatter else "all_reduce"
+
+
+def _split(kind: str, whole_kind: str, group: Group, phase: str, calls: int, elements: int, whole: int,
+           element_bytes: int) -> list[Collective]:
+    """`elements` moved by `kind`, of which `whole` (a whole-tensor optimizer's parameters) by `whole_kind`."""
+    if whole <= 0:
+        return [_collective(kind, group, phase, calls, elements, element_bytes)]
+    if whole >= elements:
+        return [_collective(whole_kind, group, phase, calls, elements, element_bytes)]
+    return [_collective(kind, group, phase, calls, elements - whole, element_bytes),
+            _collective(whole_kind, group, phase, calls, whole, element_bytes)]
 
 
 def data_parallel(rank: RankParams, training: Training, stage: int, groups: dict[str, Group],
@@ -169,14 +197,15 @@ def data_parallel(rank: RankParams, training: Training, stage: int, groups: dict
             out.append(_collective("all_reduce", g["dp"], "boundary", buckets, trainable, r))
         return out
     if g["dp_shard"].size > 1:
+        whole, shard = round(whole_tensor_fraction(rank, training) * trainable), g["dp_shard"]
         if stage == 3:
-            out += _stage3(rank, training, g["dp_shard"], blocks)
+            out += _stage3(rank, training, shard, blocks)
         elif stage == 2 and training.reduce_every_micro_step:
-            out.append(_collective(reduce, g["dp_shard"], "backward", m * buckets, m * trainable, r))
+            out += _split(reduce, _whole_reduce(training), shard, "backward", m * buckets, m * trainable, m * whole, r)
         else:
-            out.append(_collective(reduce, g["dp_shard"], "boundary", buckets, trainable, r))
+            out += _split(reduce, _whole_reduce(training), shard, "boundary", buckets, trainable, whole, r)
         if stage < 3:
-            out.append(_collective("all_gather", g["dp_shard"], "after_step", buckets, trainable, p))
+            out += _split("all_gather", "broadcast", shard, "after_step", buckets, trainable, whole, p)
         # the global gradient norm over shards: one float64 sum of squares (zerokit/precision.py sums in
         # float64 so the norm does not depend on the shard layout; the engine reports it every step)
         out.append(_collective("all_reduce", g["dp_shard"], "after_step", 1, 1, 8))

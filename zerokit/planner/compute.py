@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 
 from zerokit.planner.catalogue import Cluster
-from zerokit.planner.memory import RankParams, optimizer_state_bytes
+from zerokit.planner.memory import RankParams, optimizer_state_bytes, optimizer_state_total
 from zerokit.planner.models import ModelSpec, ParamCounts
 from zerokit.planner.spec import Layout, Offload, Training
 
@@ -131,7 +131,7 @@ def offload_estimate(rank: RankParams, training: Training, stage: int, offload: 
     up = shard * training.param_bytes
     nvme_read = nvme_write = 0
     if offload.optimizer == "nvme":
-        state = optimizer_state_bytes(training) * shard * node
+        state = optimizer_state_total(rank, training, shard) * node
         nvme_read, nvme_write = state, state
     fetch = 0
     if offload.params != "none":

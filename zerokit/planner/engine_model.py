@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 
 from zerokit.defaults import CPU_OPTIMIZER_PIECE_NUMEL, DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
-from zerokit.planner.spec import BYTES_PER_ELEMENT, OPTIMIZERS, PRECISIONS, _choice, _positive_int
+from zerokit.planner.spec import BYTES_PER_ELEMENT, PRECISIONS, _choice, _positive_int
 
 BACKENDS = ("gloo", "nccl")
 DEVICES = ("cpu", "cuda")
@@ -115,7 +115,7 @@ class EngineSetup:
         _positive_int("grad accum", self.grad_accum)
         _choice("precision", self.precision, PRECISIONS)
         _choice("reduce dtype", self.reduce_dtype, PRECISIONS)
-        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("optimizer", self.optimizer, tuple(STATE_BYTES))  # element-wise ones: every rank steps a flat shard
         _choice("backend", self.backend, BACKENDS)
         _choice("device", self.device, DEVICES)
 

@@ -8,14 +8,18 @@ from zerokit.planner.advice import Plan, gb, micro_batch_limit
 from zerokit.planner.emit import emit_zerokit
 from zerokit.planner.estimate import Estimate
 from zerokit.planner.memory import (
+    MUON_COMPANION,
+    OPTIMIZER_STATE_BYTES,
+    RankParams,
     block_activation_bytes,
     gradients_on_host,
     gradients_sharded,
     optimizer_state_bytes,
     output_activation_bytes,
+    whole_tensor_fraction,
 )
 from zerokit.planner.peers import deepspeed_largest_layer, peer_estimates
-from zerokit.planner.spec import GB
+from zerokit.planner.spec import GB, Training
 
 STAGE_COLUMNS = ("stage", "fits", "parameters", "gradients", "optimizer state", "activations", "buffers",
                  "overhead", "total GB", "comm s", "exposed s", "compute s", "step s")
@@ -62,11 +66,20 @@ def answer(p: Plan) -> str:
             f"{pick.tokens_per_second:,.0f} tokens/s.")
 
 
+def _state_arithmetic(rank: RankParams, t: Training) -> str:
+    """K x trainable; Muon's blocks and AdamW's rest apart (See [Note: whole-tensor optimizers])."""
+    k = optimizer_state_bytes(t)
+    if t.optimizer != "muon":
+        return f"K={k} B x {rank.trainable:,}"
+    muon = round(rank.trainable * whole_tensor_fraction(rank, t))
+    companion = OPTIMIZER_STATE_BYTES[(MUON_COMPANION, t.mixed)]
+    return f"(K={k} B (Muon) x {muon:,} + K={companion} B (AdamW) x {rank.trainable - muon:,})"
+
+
 def category_rows(result: Estimate) -> list[list[str]]:
     """Each category with the arithmetic that produced it."""
     s, t, m = result.scenario, result.training, result.memory
     rank, stage, n = s.rank, result.stage, s.shard
-    k = optimizer_state_bytes(t)
     by = f" / {n} ranks"
     params = ("0 (on the host)" if result.offload.params != "none"
               else f"{t.param_bytes} B x {rank.total:,}" + (by if stage == 3 else ""))
@@ -76,7 +89,7 @@ def category_rows(result: Estimate) -> list[list[str]]:
              else f"{t.grad_bytes} B x {rank.trainable:,}" + (f" + reduced shards {t.reduce_bytes} B x "
                                                               f"{rank.trainable:,}{by}" if stage == 2 else ""))
     optim = ("0 (on the host)" if result.offload.optimizer != "none"
-             else f"K={k} B x {rank.trainable:,}" + (by if stage >= 1 else ""))
+             else _state_arithmetic(rank, t) + (by if stage >= 1 else ""))
     return [["parameters", _g(m.parameters), params], ["gradients", _g(m.gradients), grads],
             ["optimizer_state", _g(m.optimizer_state), optim],
             ["activations", _g(m.activations), activation_how(result)],

@@ -10,7 +10,21 @@ Section 3.1: "2Psi + 2Psi + K Psi" with K = 12 for mixed-precision Adam). Per tr
     adam / adamw   12 = 4 master + 4 m + 4 v        8 = 4 m + 4 v (the parameter is the master)
     sgd-momentum    8 = 4 master + 4 momentum       4 = 4 momentum
     sgd             4 = 4 master                    0
+    muon            8 = 4 master + 4 momentum       4 = 4 momentum  (the blocks' matrices; AdamW's 12 or 8
+                                                                     for the rest: See below)
+    adafactor       4 = 4 master                    0               (+ 4 (rows + columns) per matrix)
 
+[Note: whole-tensor optimizers]
+torch.optim.Muon orthogonalises each matrix's update and torch.optim.Adafactor factors each matrix's second
+moment into a row and a column vector, so neither can step a flat shard: the engine gives each rank whole
+parameters, balanced by size, reduces their gradients to the owner and broadcasts the updated tensors from it
+(zerokit/flat/layout.py, [Note: buckets owned by one rank]). Memory per rank is the same K x Psi / N on
+average (a rank may hold up to one largest matrix more); traffic is the same bytes, in reduce and broadcast
+calls instead of reduce-scatter and all-gather (and, at stage 3, broadcasts instead of the gathers of those
+parameters). Muon is used on the 2-D hidden matrices only, with AdamW on the embeddings, the head and the
+norms: the planner counts the blocks' parameters under Muon and the rest (the root unit's) under AdamW.
+Adafactor keeps no first moment by default and its factored second moment, (rows + columns) x 4 bytes a
+matrix, is under 1% of the matrix for any hidden size over 800: K counts the master alone.
 Frozen parameters (LoRA base, a trainable fraction < 1) cost only their 16-bit (or fp32) copy.
 Stage s shards, over the N_d ranks of the ZeRO group: s >= 1 optimizer state, s >= 2 gradients,
 s = 3 parameters (frozen ones too). Sharded gradients are the reduced shards, which zerokit keeps in
@@ -42,7 +56,7 @@ from dataclasses import dataclass
 from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT, STAGE3_PARAM_PERSISTENCE_THRESHOLD
 from zerokit.planner.calibration import Calibration
 from zerokit.planner.models import Architecture, ModelSpec, ParamCounts
-from zerokit.planner.spec import Assumptions, Layout, Offload, Training
+from zerokit.planner.spec import WHOLE_TENSOR_OPTIMIZERS, Assumptions, Layout, Offload, Training
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "buffers", "overhead")
 ENGINE_CATEGORIES = CATEGORIES[:3]
@@ -51,7 +65,9 @@ ENGINE_CATEGORIES = CATEGORIES[:3]
 OPTIMIZER_STATE_BYTES = {
     ("adamw", True): 12, ("adam", True): 12, ("sgd-momentum", True): 8, ("sgd", True): 4,
     ("adamw", False): 8, ("adam", False): 8, ("sgd-momentum", False): 4, ("sgd", False): 0,
+    ("muon", True): 8, ("muon", False): 4, ("adafactor", True): 4, ("adafactor", False): 0,
 }
+MUON_COMPANION = "adamw"  # steps what Muon does not: embeddings, head, norms (the root unit's parameters)
 IN_FLIGHT_BUCKETS = MAX_BUCKETS_IN_FLIGHT + 1  # the engine's BucketReducer: see zerokit/defaults.py
 
 
@@ -114,6 +130,27 @@ def optimizer_state_bytes(training: Training) -> int:
     return OPTIMIZER_STATE_BYTES[(training.optimizer, training.mixed)]
 
 
+def whole_tensor_fraction(rank: RankParams, training: Training) -> float:
+    """The part of the trainable parameters a whole-tensor optimizer steps (See [Note: whole-tensor
+    optimizers]): all of them for Adafactor, the blocks' for Muon (all when the architecture is unknown)."""
+    if training.optimizer not in WHOLE_TENSOR_OPTIMIZERS:
+        return 0.0
+    if training.optimizer == "muon" and rank.total and (rank.root or rank.unit):
+        return (rank.total - rank.root) / rank.total
+    return 1.0
+
+
+def optimizer_state_total(rank: RankParams, training: Training, elements: int) -> int:
+    """Optimizer-state bytes of `elements` trainable parameters (a shard, or all): K each, and for Muon the
+    root's part at AdamW's K."""
+    k = optimizer_state_bytes(training)
+    if training.optimizer != "muon":
+        return k * elements
+    companion = OPTIMIZER_STATE_BYTES[(MUON_COMPANION, training.mixed)]
+    muon = whole_tensor_fraction(rank, training)
+    return math.ceil(elements * (muon * k + (1 - muon) * companion))
+
+
 def gradients_sharded(stage: int, training: Training) -> bool:
     return stage == 3 or (stage == 2 and training.reduce_every_micro_step)
 
@@ -141,7 +178,7 @@ def model_states(rank: RankParams, training: Training, stage: int, offload: Offl
             gradients += training.reduce_bytes * (rank.trainable if stage == 0 else math.ceil(rank.trainable / n))
     if gradients_on_host(stage, training, offload):
         gradients = 0
-    optimizer = optimizer_state_bytes(training) * (math.ceil(rank.trainable / n) if stage >= 1 else rank.trainable)
+    optimizer = optimizer_state_total(rank, training, math.ceil(rank.trainable / n) if stage >= 1 else rank.trainable)
     if offload.optimizer != "none":
         optimizer = 0
     return parameters, gradients, optimizer
@@ -259,15 +296,14 @@ def host_usage(rank: RankParams, training: Training, offload: Offload, gpus_per_
     moves to disk and one sub-group stays staged in RAM. Parameter offload keeps the 16-bit shard."""
     shard = math.ceil(rank.trainable / rank.shard)
     param_shard = math.ceil(rank.total / rank.shard)
-    k = optimizer_state_bytes(training)
     ram = nvme = 0
     if offload.optimizer != "none":
         ram += (4 + training.param_bytes) * shard
         if offload.optimizer == "cpu":
-            ram += k * shard
+            ram += optimizer_state_total(rank, training, shard)
         else:
-            nvme += k * shard
-            ram += k * min(shard, assumptions.nvme_sub_group_elements)
+            nvme += optimizer_state_total(rank, training, shard)
+            ram += optimizer_state_total(rank, training, min(shard, assumptions.nvme_sub_group_elements))
     if offload.params == "cpu":
         ram += training.param_bytes * param_shard
     elif offload.params == "nvme":

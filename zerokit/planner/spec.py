@@ -12,7 +12,10 @@ from dataclasses import dataclass, field
 from zerokit.defaults import DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
 
 PRECISIONS = ("bf16", "fp16", "fp32")
-OPTIMIZERS = ("adamw", "adam", "sgd-momentum", "sgd")
+OPTIMIZERS = ("adamw", "adam", "sgd-momentum", "sgd", "muon", "adafactor")
+# Optimizers that read a whole tensor: each rank owns whole parameters (See [Note: whole-tensor optimizers] in
+# memory.py). "muon": torch.optim.Muon on the blocks' matrices beside AdamW on the rest, as Muon is used.
+WHOLE_TENSOR_OPTIMIZERS = ("muon", "adafactor")
 CHECKPOINTING = ("none", "full")
 ATTENTION = ("flash", "eager")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")

@@ -1,0 +1,107 @@
+"""What zerokit's agreement checks cost (issue 13): the start-up fingerprint, and at stage 3 the unit table that
+rides beside every gather (See [Note: stage-3 units every rank agrees on] in zerokit/reliability/divergence.py).
+
+    python benchmarks/bench_reliability.py                 # 2 gloo ranks, benchmarks/workload.py's GPT
+    python benchmarks/bench_reliability.py --world-size 3 --rounds 4
+
+On the same ranks and engine, rounds alternate between the checks on (as zerokit runs) and off (the
+agreement removed from the engine's unit shards, which nothing else reads); each round times `--steps`
+optimizer steps after a barrier, the slowest rank's. The fingerprint is timed as `initialize` runs it
+(check_at_start: this rank's checks, the fingerprint, one all-gather), the median of --rounds calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.workload import BenchSettings, make_batch, make_model, make_optimizer  # noqa: E402
+from zerokit.testing.models import lm_loss  # noqa: E402
+from zerokit.testing.spawn import spawn  # noqa: E402
+
+
+def _slowest(seconds: float) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
+
+
+def _steps(engine, settings: BenchSettings, rank: int, first: int, count: int) -> list[float]:
+    times = []
+    for step in range(first, first + count):
+        tokens = make_batch(settings, rank, step)
+        dist.barrier()
+        started = time.perf_counter()
+        engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))
+        engine.step()
+        times.append(_slowest(time.perf_counter() - started))
+    return times
+
+
+def _fingerprint_seconds(engine, rounds: int) -> list[float]:
+    from zerokit.reliability import check_at_start
+
+    times = []
+    for _ in range(rounds):
+        dist.barrier()
+        started = time.perf_counter()
+        check_at_start(engine.module, engine.stage.masters.optimizers, engine.config, engine.comm, engine.device)
+        times.append(_slowest(time.perf_counter() - started))
+    return times
+
+
+def run_rank(rank: int, world_size: int, settings: BenchSettings, rounds: int) -> dict:
+    import zerokit
+
+    model = make_model(settings)
+    config = {"zero_optimization": {"stage": 3, "reduce_bucket_bytes": settings.bucket_bytes},
+              "bf16": {"enabled": settings.dtype == "bf16"}}
+    engine = zerokit.initialize(model, make_optimizer(model, settings), config)
+    shards = engine.stage.shards
+    agreement = shards.agreement
+    _steps(engine, settings, rank, 0, settings.warmup)
+    timed: dict[str, list[float]] = {"checked": [], "unchecked": []}
+    step = settings.warmup
+    for round_ in range(2 * rounds):  # on, off, off, on, ...: neither always runs first
+        checked = round_ % 4 in (0, 3)
+        shards.agreement = agreement if checked else None
+        timed["checked" if checked else "unchecked"] += _steps(engine, settings, rank, step, settings.steps)
+        step += settings.steps
+    shards.agreement = agreement
+    return {"steps": timed, "fingerprint": _fingerprint_seconds(engine, rounds), "units": len(engine.stage.units)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds with the checks on (and as many off)")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--out", default="bench_results/bench_reliability.json")
+    args = parser.parse_args()
+    settings = BenchSettings(world_size=args.world_size, steps=args.steps, warmup=2, dtype=args.dtype)
+    result = spawn(run_rank, args.world_size, settings, args.rounds)[0]
+    checked, unchecked = (statistics.median(result["steps"][k]) for k in ("checked", "unchecked"))
+    spread = statistics.pstdev(result["steps"]["unchecked"])
+    fingerprint = statistics.median(result["fingerprint"])
+    print(f"stage 3, {args.world_size} gloo ranks, {result['units']} units, {args.dtype}, "
+          f"{len(result['steps']['checked'])} steps each way")
+    print(f"step with unit checks {checked:.4f} s, without {unchecked:.4f} s: ratio {checked / unchecked:.3f} "
+          f"(step-to-step spread without: {spread:.4f} s)")
+    print(f"start-up fingerprint (once, at initialize): {fingerprint * 1e3:.1f} ms, "
+          f"{fingerprint / unchecked * 100:.1f}% of one step")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"settings": vars(args), **result}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import statistics
 import subprocess
 import sys

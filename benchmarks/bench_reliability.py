@@ -47,14 +47,19 @@ def _steps(engine, settings: BenchSettings, rank: int, first: int, count: int) -
     return times
 
 
-def _fingerprint_seconds(engine, rounds: int) -> list[float]:
+def _fingerprint_seconds(engine, settings: BenchSettings, rounds: int) -> list[float]:
+    """check_at_start on a model and optimizer as the user hands them over (the engine's own optimizers hold
+    this rank's shards, which differ by rank)."""
     from zerokit.reliability import check_at_start
 
+    model = make_model(settings)
+    optimizer = make_optimizer(model, settings)
+    optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
     times = []
     for _ in range(rounds):
         dist.barrier()
         started = time.perf_counter()
-        check_at_start(engine.module, engine.stage.masters.optimizers, engine.config, engine.comm, engine.device)
+        check_at_start(model, optimizers, engine.config, engine.comm, engine.device)
         times.append(_slowest(time.perf_counter() - started))
     return times
 
@@ -77,7 +82,7 @@ def run_rank(rank: int, world_size: int, settings: BenchSettings, rounds: int) -
         timed["checked" if checked else "unchecked"] += _steps(engine, settings, rank, step, settings.steps)
         step += settings.steps
     shards.agreement = agreement
-    return {"steps": timed, "fingerprint": _fingerprint_seconds(engine, rounds), "units": len(engine.stage.units)}
+    return {"steps": timed, "fingerprint": _fingerprint_seconds(engine, settings, rounds), "units": len(engine.stage.units)}
 
 
 def main() -> None:

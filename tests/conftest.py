@@ -6,11 +6,22 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch.distributed as dist
 
 from zerokit.testing.parity import Case, run_cases
 from zerokit.testing.spawn import spawn
 
 WORLD_SIZES = (1, 2, 3, 5)
+
+
+@pytest.fixture
+def one_process():
+    """A test that initializes in this process (world size 1) gets a fresh process group, and leaves none."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def cases_for(world_size: int) -> list[Case]:

@@ -22,15 +22,6 @@ from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups
 from zerokit.testing.spawn import spawn
 
 
-@pytest.fixture
-def one_process():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def make_engine(stage: int = 1, accumulation: int = 1, lr: float = 1e-2, n_layer: int = 2, **config) -> zerokit.Engine:
     torch.manual_seed(0)
     model = TinyGPT(TinyGPTConfig(n_layer=n_layer))

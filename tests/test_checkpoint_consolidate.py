@@ -11,22 +11,12 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
 import zerokit
 
 LARGEST_BYTES = 32 * 2**20  # each of six 2048 x 4096 fp32 matrices
-
-
-@pytest.fixture
-def one_process():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 MEASURE = """

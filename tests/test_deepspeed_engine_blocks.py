@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zerokit
@@ -24,15 +23,6 @@ from zerokit.testing.spawn import spawn
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ds_configs"
 TOKENS = torch.randint(0, 67, (4, 17), generator=torch.Generator().manual_seed(3))
-
-
-@pytest.fixture
-def one_process():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def tiny(seed: int = 0) -> TinyGPT:

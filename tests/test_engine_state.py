@@ -14,15 +14,6 @@ from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups
 CONFIGS = [(stage, dtype) for stage in (0, 1, 2, 3) for dtype in ("fp32", "bf16", "fp16")]
 
 
-@pytest.fixture
-def one_process():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def make_engine(stage: int, dtype: str) -> tuple[zerokit.Engine, TinyGPT]:
     torch.manual_seed(0)
     model = TinyGPT(TinyGPTConfig())

@@ -5,20 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zerokit
 from zerokit.config import ZeroConfig
-from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups
-
-
-@pytest.fixture
-def one_process():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss
 
 
 class Lion(torch.optim.SGD):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ import torch.distributed as dist
 from torch import nn
 
 import zerokit
-from zerokit.config import load_config
 from zerokit.reliability.compiled import compile_model
 from zerokit.reliability.mistakes import refuse_wrapped
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups

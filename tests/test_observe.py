@@ -13,7 +13,6 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 import zerokit
@@ -21,15 +20,6 @@ from zerokit.config import load_config
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss
 
 TOKENS = torch.randint(0, 67, (4, 17), generator=torch.Generator().manual_seed(3))
-
-
-@pytest.fixture
-def one_process():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def engine_with(**keys) -> zerokit.Engine:

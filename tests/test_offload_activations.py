@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zerokit
 from zerokit.config import ActivationCheckpointing
@@ -14,12 +13,9 @@ from zerokit.testing.models import Block, TinyGPT, TinyGPTConfig, lm_loss, param
 
 
 @pytest.fixture
-def one_process():
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def one_process(one_process):
+    """conftest's, and the activation-checkpointing settings put back (they are module-wide)."""
     yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
     activations.configure(ActivationCheckpointing())
 
 

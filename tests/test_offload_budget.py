@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import zerokit
 import zerokit.offload.preflight as preflight
@@ -57,15 +56,6 @@ def test_nvme_offload_keeps_the_training_loop_within_its_buffers(tmp_path) -> No
     assert offloaded["growth"] <= pool + 24 * 2**20, (offloaded["growth"], pool)
     assert plain["growth"] >= plain["state_bytes"]  # the test can fail: without offload the state is resident
     assert not list((tmp_path / "zerokit-swap").iterdir())  # swap files removed at exit
-
-
-@pytest.fixture
-def one_process():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def initialize(offload: dict, stage: int = 3):

@@ -19,7 +19,7 @@ import torch
 
 from zerokit.checkpoint.collect import optimizer_list
 from zerokit.checkpoint.files import Readers
-from zerokit.checkpoint.manifest import CLIENT_STATE, MANIFEST, Manifest, rank_file, read_manifest
+from zerokit.checkpoint.manifest import MANIFEST, Manifest, rank_file, read_manifest
 from zerokit.checkpoint.optimizer_state import restore_groups
 from zerokit.checkpoint.restore import check_model, restore_buffers, restore_frozen, restore_trainable
 from zerokit.checkpoint.rng import RNG_KEYS, restore_rng

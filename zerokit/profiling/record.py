@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from zerokit.planner.engine_model import EngineSetup
 from zerokit.profiling.inventory import blocks_of, param_inventory
-from zerokit.profiling.measure import AllocationTimeline, SavedTensorCounter, backward_phases, resident_bytes, resident_peak
+from zerokit.profiling.measure import AllocationTimeline, SavedTensorCounter, backward_phases, resident_peak
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

@@ -181,7 +181,8 @@ class ZeroConfig:
     offload_param: Offload = field(default_factory=lambda: Offload(buffer_count=5))
     """Where sharded parameters live between uses (stage 3 only)."""
     allgather_bucket_size: int = 500_000_000
-    """Stages 1-2: elements per bucket when the updated parameter shards are all-gathered."""
+    """DeepSpeed's all-gather staging size, read and checked only: zerokit gathers each bucket's updated
+    parameters in place into the flat buffer, so there is no staging buffer for it to bound."""
     allgather_partitions: bool = True
     """Gather updated parameters with collectives (the only way zerokit offers; False is refused)."""
     allow_untested_optimizer: bool = False

@@ -16,8 +16,9 @@ CORE = (
              "parameters", auto=False),
     honoured(Z + "reduce_bucket_size", Kind.INT, 500_000_000, "elements per gradient bucket (\"auto\": hidden^2); "
              "zerokit's default when absent is 25 MiB of reduce dtype"),
-    honoured(Z + "allgather_bucket_size", Kind.INT, 500_000_000, "elements per parameter all-gather bucket at "
-             "stages 1-2"),
+    always(Z + "allgather_bucket_size", "zerokit all-gathers each gradient bucket's updated parameters in place, "
+           "into the flat parameter buffer: there is no staging buffer for this size to bound (a gather is "
+           "reduce_bucket_size elements)", Kind.INT, 500_000_000),
     honoured(Z + "overlap_comm", Kind.BOOL, True, "reduce each bucket during backward as soon as it is full"),
     honoured(Z + "reduce_scatter", Kind.BOOL, None, "stages 1-3: reduce-scatter each bucket (true) or all-reduce "
              "it and keep this rank's shard (false); absent: true on NCCL, false on gloo"),

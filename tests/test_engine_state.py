@@ -94,3 +94,11 @@ def test_start_up_log_names_the_stage_buckets_and_units(one_process, capsys) -> 
     assert "[zerokit rank 0] ZeRO stage 3 (ShardedParameters) on 1 rank(s), gloo" in log
     assert "all-reduced, this rank keeping its shard" in log  # gloo's reduction path
     assert "stage 3: 3 units (2 besides the root)" in log
+
+
+def test_plan_report_asks_for_a_recorded_run_first(one_process) -> None:
+    """engine.plan_report() is zerokit.profiling.report.plan_report for this engine (tested on a recorded run in
+    tests/planner/test_planner_engine_exact.py); without a recorded run it says what to call."""
+    engine, _ = make_engine(1, "fp32")
+    with pytest.raises(ValueError, match=r"no run recorded for this engine; call zerokit.profiling.record_run"):
+        engine.plan_report()

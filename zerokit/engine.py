@@ -298,6 +298,13 @@ class Engine:
         return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                load_module_only=load_module_only)
 
+    def plan_report(self, **options: Any) -> list[dict]:
+        """The planner's prediction for this run beside what the run measured, row by row (category, predicted,
+        measured, error); record the run first with zerokit.profiling.record_run(engine, ...). `options`:
+        those of zerokit.profiling.report.plan_report (record, calibration, device, mfu)."""
+        from zerokit.profiling.report import plan_report
+        return plan_report(self, **options)
+
     def trainable_numel(self) -> int:
         """Ψ: trainable parameters, without padding."""
         return self.stage.layout.data_numel

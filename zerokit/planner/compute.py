@@ -11,12 +11,28 @@ With only a parameter count, N is all parameters and attention FLOPs are left ou
 
 [Note: offload model]
 ZeRO-Offload (Ren et al. 2021, Section 4): per step the gradient shard goes down PCIe (overlapping
-backward), the optimizer runs on the CPU, and the updated 16-bit shard comes back up. The CPU step
-is memory-bound, so we price it at the bytes an Adam-type update touches per parameter, 2K + 4
-(read and write the K bytes of state, read the fp32 gradient) + 2 (write the 16-bit copy) in mixed
-precision, against the node's RAM bandwidth; this is the roofline of a vectorised CPU Adam
-(DeepSpeedCPUAdam, which DeepSpeed's tutorial puts at 5-7x torch's CPU Adam). NVMe offload reads
-and writes the optimizer state once per step; NVMe parameters are read twice per micro-step.
+backward), the optimizer runs on the CPU, and the updated 16-bit shard comes back up. Per rank and step,
+with shard = Psi_t / N_d trainable elements, m micro-steps, p / r bytes of the compute / reduce dtype, as
+zerokit's engine moves them (exact per bucket, padding included: engine_offload.engine_transfers):
+    down    shard x r once per step: the engine accumulates the reduced shard on the device over the
+            micro-steps and hands it to the host at the accumulation boundary (x 4 with the optimizer on
+            NVMe, whose shard is widened to fp32 on the device first)
+    up      shard x p, only while the parameter shards live on the device: offloaded parameters take the
+            update where they live (NVMe: written, shard x p)
+    fetch   stage 3 with offloaded parameters: every gather copies the rank's shard to the device, each
+            block before its forward and again before its backward, the root once per micro-step:
+            m x (2 Psi - Psi_root) / N_d x p (NVMe: read from disk too)
+    NVMe    the optimizer's record is read and written once per step: the fp32 master (a separate one
+            even in fp32 training, where K leaves it out) and the optimizer's state, K (+ 4 in fp32)
+            bytes per element
+This architecture-level form leaves out bucket padding, the 64-byte alignment and 4 KiB rounding of NVMe
+records, Adam's per-piece step counts, a persistent root's once-per-step gather, the host cache of NVMe
+parameters (max_in_cpu: assumed to hold none) and the NVMe read-ahead the step's writes overtake.
+The CPU step is memory-bound, so we price it at the bytes an update touches per element against the
+node's RAM bandwidth: read and write the fp32 master and the optimizer's state, 2 (K + 4 in fp32, where
+K has no master), read the fp32 gradient, 4, and write the compute copy, p: 30 for mixed Adam, 32 for
+fp32 Adam. This is the roofline of a fused CPU Adam (DeepSpeedCPUAdam, which DeepSpeed's tutorial puts
+at 5-7x torch's CPU Adam), which writes the copy while the master is in registers.
 """
 
 from __future__ import annotations
@@ -100,7 +116,8 @@ class OffloadEstimate:
     pcie_down: int
     """GPU -> host: gradient shards (and nothing else)."""
     pcie_up: int
-    """Host -> GPU: updated 16-bit parameters, and offloaded parameters fetched for each pass."""
+    """Host -> GPU: updated 16-bit parameters (unless they are offloaded), and offloaded parameters fetched
+    for each pass."""
     pcie_seconds: float
     nvme_read: int
     nvme_write: int
@@ -114,9 +131,15 @@ class OffloadEstimate:
         return OffloadEstimate(0, 0, 0.0, 0, 0, 0.0, 0.0, 0.0)
 
 
+def host_master_state_bytes(training: Training) -> int:
+    """Bytes per element an offloaded master keeps: K, plus the fp32 master that K leaves out in fp32
+    training (offloaded, the master is never the device's parameter)."""
+    return optimizer_state_bytes(training) + (0 if training.mixed else 4)
+
+
 def cpu_update_bytes(training: Training) -> int:
     """Bytes of host memory one CPU optimizer update touches per parameter. See [Note: offload model]."""
-    return 2 * optimizer_state_bytes(training) + 4 + (training.param_bytes if training.mixed else 8)
+    return 2 * host_master_state_bytes(training) + 4 + training.param_bytes
 
 
 def offload_estimate(rank: RankParams, training: Training, stage: int, offload: Offload, cluster: Cluster,
@@ -126,19 +149,22 @@ def offload_estimate(rank: RankParams, training: Training, stage: int, offload: 
     m, node = training.grad_accum, cluster.gpus_per_node
     shard = math.ceil(rank.trainable / rank.shard)
     param_shard = math.ceil(rank.total / rank.shard)
-    reductions = m if stage >= 2 and (stage == 3 or training.reduce_every_micro_step) else 1
-    down = reductions * shard * training.reduce_bytes  # the reduced shard, in the reduce dtype
-    up = shard * training.param_bytes
+    root_shard = math.ceil(rank.root / rank.shard)
+    # See [Note: offload model]: the reduced shard goes down once per step, in fp32 to an NVMe optimizer
+    down = shard * (4 if offload.optimizer == "nvme" else training.reduce_bytes)
+    updated = shard * training.param_bytes
+    up = updated if offload.params == "none" else 0  # offloaded parameters are updated where they live
     nvme_read = nvme_write = 0
     if offload.optimizer == "nvme":
-        state = optimizer_state_total(rank, training, shard) * node
+        state = (optimizer_state_total(rank, training, shard) + (0 if training.mixed else 4 * shard)) * node
         nvme_read, nvme_write = state, state
     fetch = 0
     if offload.params != "none":
-        fetch = 2 * m * param_shard * training.param_bytes  # forward and backward fetch per micro-step
+        # blocks before their forward and their backward, the root once, every micro-step
+        fetch = m * (2 * param_shard - root_shard) * training.param_bytes
         if offload.params == "nvme":
             nvme_read += fetch * node
-            nvme_write += up * node
+            nvme_write += updated * node
     pcie = cluster.pcie.bandwidth * efficiency
     down_s, up_s, fetch_s = down / pcie, up / pcie, fetch / pcie
     cpu_s = shard * node * cpu_update_bytes(training) / (cluster.host.ram_bandwidth * efficiency)

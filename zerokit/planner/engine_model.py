@@ -26,6 +26,7 @@ zerokit.profiling.inventory). From it, as the engine does (zerokit/flat/layout.p
     persistent unit only when published after the step) and, at stages 1-3, one float64 all-reduce of
     the sum of squares behind the global norm with one usage flag per trainable parameter behind it (at
     stage 0 the flags ride behind the last gradient bucket: See [Note: parameters no rank used]).
+  - offload transfers: See [Note: offload traffic, copy by copy] in engine_offload.py.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import math
 from dataclasses import dataclass
 
 from zerokit.defaults import CPU_OPTIMIZER_PIECE_NUMEL, DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
-from zerokit.planner.spec import BYTES_PER_ELEMENT, PRECISIONS, _choice, _positive_int
+from zerokit.planner.spec import BYTES_PER_ELEMENT, OFFLOAD_DEVICES, PRECISIONS, _choice, _positive_int
 
 BACKENDS = ("gloo", "nccl")
 DEVICES = ("cpu", "cuda")
@@ -106,6 +107,12 @@ class EngineSetup:
     reduce_every_micro_step: bool = True
     grad_accum: int = 1
     persistence_threshold: int = STAGE3_PARAM_PERSISTENCE_THRESHOLD
+    offload_optimizer: str = "none"
+    """none | cpu | nvme: where the fp32 masters and their optimizer state live (stages 1-3)."""
+    offload_param: str = "none"
+    """none | cpu | nvme: where stage 3's parameter shards live between gathers."""
+    max_in_cpu: int = 1_000_000_000
+    """offload_param=nvme: shard elements kept in host memory (the engine's default, DeepSpeed's 1e9)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -118,6 +125,14 @@ class EngineSetup:
         _choice("optimizer", self.optimizer, tuple(STATE_BYTES))  # element-wise ones: every rank steps a flat shard
         _choice("backend", self.backend, BACKENDS)
         _choice("device", self.device, DEVICES)
+        _choice("optimizer offload", self.offload_optimizer, OFFLOAD_DEVICES)
+        _choice("parameter offload", self.offload_param, OFFLOAD_DEVICES)
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ValueError("optimizer offload needs stage 1, 2 or 3 (the engine refuses it at stage 0)")
+        if self.offload_param != "none" and self.stage != 3:
+            raise ValueError("parameter offload needs stage 3, the only stage that shards parameters")
+        if isinstance(self.max_in_cpu, bool) or not isinstance(self.max_in_cpu, int) or self.max_in_cpu < 0:
+            raise ValueError(f"max_in_cpu={self.max_in_cpu!r} must be an integer >= 0")
 
     @property
     def reduces_by_scatter(self) -> bool:
@@ -127,7 +142,9 @@ class EngineSetup:
     def piece_numel(self) -> int:
         if self.sub_group_size:
             return self.sub_group_size
-        return CPU_OPTIMIZER_PIECE_NUMEL if self.device == "cpu" else 2**63
+        # the piece size follows where the master lives: an offloaded one is in host memory
+        on_host = self.device == "cpu" or self.offload_optimizer != "none"
+        return CPU_OPTIMIZER_PIECE_NUMEL if on_host else 2**63
 
     @property
     def reduce_every_step(self) -> bool:
@@ -276,7 +293,7 @@ def engine_states(inventory: ParamInventory, setup: EngineSetup, rank: int = 0) 
     return EngineStates(after_backward, after_backward | {"gradients": kept})
 
 
-def _add(stats: dict[str, dict[str, int]], kind: str, calls: int, elements: int, element_bytes: int) -> None:
+def add_count(stats: dict[str, dict[str, int]], kind: str, calls: int, elements: int, element_bytes: int) -> None:
     entry = stats.setdefault(kind, {"calls": 0, "elements": 0, "bytes": 0})
     entry["calls"] += calls
     entry["elements"] += elements
@@ -294,16 +311,16 @@ def engine_comm(inventory: ParamInventory, setup: EngineSetup) -> dict[str, dict
     kind = "all_reduce" if setup.stage == 0 or not setup.reduces_by_scatter else "reduce_scatter"
     flags = len([e for e in inventory.entries if e.trainable])  # one usage flag per trainable parameter
     for bucket in buckets:
-        _add(stats, kind, reductions, reductions * bucket.numel, r)
+        add_count(stats, kind, reductions, reductions * bucket.numel, r)
     if setup.stage == 0:  # the flags ride behind the last bucket, in its dtype
-        _add(stats, kind, 0, flags, r if setup.precision != setup.reduce_dtype else BYTES_PER_ELEMENT[setup.precision])
+        add_count(stats, kind, 0, flags, r if setup.precision != setup.reduce_dtype else BYTES_PER_ELEMENT[setup.precision])
     if setup.stage in (1, 2):
         for bucket in buckets:
-            _add(stats, "all_gather", 1, bucket.numel, p)
+            add_count(stats, "all_gather", 1, bucket.numel, p)
     if setup.stage == 3:
         _stage3_gathers(stats, inventory, setup, buckets)
     if setup.stage >= 1:  # the float64 sum of squares behind the global norm, and the usage flags
-        _add(stats, "all_reduce", 1, 1 + flags, 8)
+        add_count(stats, "all_reduce", 1, 1 + flags, 8)
     return stats
 
 
@@ -317,15 +334,14 @@ def _stage3_gathers(stats: dict, inventory: ParamInventory, setup: EngineSetup, 
         own = [b.numel for b in buckets if b.unit == unit.index]
         if unit.index in kept:  # publish_params re-gathers its trainable buckets once per step
             for numel in own:
-                _add(stats, "all_gather", 1, numel, p)
+                add_count(stats, "all_gather", 1, numel, p)
             continue
         times = m * (1 if unit.index == 0 else 2)
         for numel in own + ([unit.frozen_numel] if unit.frozen_numel else []):
-            _add(stats, "all_gather", times, times * numel, p)
+            add_count(stats, "all_gather", times, times * numel, p)
 
 
 def wire_bytes(stats: dict[str, dict[str, int]], world: int) -> dict[str, float]:
     """Bytes each rank sends per kind on a ring (all-reduce 2(N-1)/N, the others (N-1)/N of the logical size)."""
     factor = {"all_reduce": 2 * (world - 1) / world}
     return {kind: entry["bytes"] * factor.get(kind, (world - 1) / world) for kind, entry in stats.items()}
-

@@ -47,6 +47,12 @@ def _steps(engine, settings: BenchSettings, rank: int, first: int, count: int) -
     return times
 
 
+def _settle(agreement) -> None:
+    """Check the tables still pending (a prefetch's, announced in the last step), so that none is left un-waited."""
+    for unit in list(agreement.pending):
+        agreement.confirm(unit)
+
+
 def _fingerprint_seconds(engine, settings: BenchSettings, rounds: int) -> list[float]:
     """check_at_start on a model and optimizer as the user hands them over (the engine's own optimizers hold
     this rank's shards, which differ by rank)."""
@@ -76,13 +82,17 @@ def run_rank(rank: int, world_size: int, settings: BenchSettings, rounds: int) -
     _steps(engine, settings, rank, 0, settings.warmup)
     timed: dict[str, list[float]] = {"checked": [], "unchecked": []}
     step = settings.warmup
+    pending_at_boundaries = []
     for round_ in range(2 * rounds):  # on, off, off, on, ...: neither always runs first
         checked = round_ % 4 in (0, 3)
+        pending_at_boundaries.append(len(agreement.pending))
+        _settle(agreement)  # a table issued for a prefetch is waited on before the agreement is switched
         shards.agreement = agreement if checked else None
         timed["checked" if checked else "unchecked"] += _steps(engine, settings, rank, step, settings.steps)
         step += settings.steps
+    _settle(agreement)
     shards.agreement = agreement
-    return {"steps": timed, "fingerprint": _fingerprint_seconds(engine, settings, rounds), "units": len(engine.stage.units)}
+    return {"pending_at_boundaries": pending_at_boundaries, "steps": timed, "fingerprint": _fingerprint_seconds(engine, settings, rounds), "units": len(engine.stage.units)}
 
 
 def main() -> None:
@@ -102,6 +112,7 @@ def main() -> None:
           f"{len(result['steps']['checked'])} steps each way")
     print(f"step with unit checks {checked:.4f} s, without {unchecked:.4f} s: ratio {checked / unchecked:.3f} "
           f"(step-to-step spread without: {spread:.4f} s)")
+    print(f"agreement tables pending between steps: {result['pending_at_boundaries']}")
     print(f"start-up fingerprint (once, at initialize): {fingerprint * 1e3:.1f} ms, "
           f"{fingerprint / unchecked * 100:.1f}% of one step")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

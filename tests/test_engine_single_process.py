@@ -12,21 +12,12 @@ import zerokit
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups
 
 
-@pytest.fixture
-def no_process_group():
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def tiny() -> TinyGPT:
     torch.manual_seed(0)
     return TinyGPT(TinyGPTConfig())
 
 
-def test_plain_process_trains_with_world_size_one(no_process_group) -> None:
+def test_plain_process_trains_with_world_size_one(one_process) -> None:
     model = tiny()
     engine = zerokit.initialize(model, torch.optim.AdamW(param_groups(model), lr=1e-2),
                                 {"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 2})
@@ -46,7 +37,7 @@ def test_plain_process_trains_with_world_size_one(no_process_group) -> None:
     ("orphan", "requires grad but is in no optimizer param group"),
     ("stateful", "already has state"),
 ])
-def test_optimizer_mistakes_are_named(no_process_group, mistake, message) -> None:
+def test_optimizer_mistakes_are_named(one_process, mistake, message) -> None:
     model = tiny()
     groups = param_groups(model)
     if mistake == "foreign":
@@ -61,7 +52,7 @@ def test_optimizer_mistakes_are_named(no_process_group, mistake, message) -> Non
     assert message in str(error.value)
 
 
-def test_fake_1024_ranks_shard_as_the_formula_says(no_process_group) -> None:
+def test_fake_1024_ranks_shard_as_the_formula_says(one_process) -> None:
     """Construction and accounting at N=1024 with torch's fake backend (collectives do nothing)."""
     dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=1024)
     for stage in (0, 1, 2):
@@ -79,7 +70,7 @@ def test_fake_1024_ranks_shard_as_the_formula_says(no_process_group) -> None:
         assert sum(m.numel() for m in engine.stage.masters) == padded // shards
 
 
-def test_step_without_backward_is_refused(no_process_group) -> None:
+def test_step_without_backward_is_refused(one_process) -> None:
     """A second step() after one backward() would step the optimizer again on stale gradients."""
     model = tiny()
     engine = zerokit.initialize(model, torch.optim.AdamW(param_groups(model)), {"zero_optimization": {"stage": 1}})
@@ -93,7 +84,7 @@ def test_step_without_backward_is_refused(no_process_group) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_write_back_keeps_only_edits_and_leaves_other_masters_in_fp32(no_process_group, stage) -> None:
+def test_write_back_keeps_only_edits_and_leaves_other_masters_in_fp32(one_process, stage) -> None:
     model = tiny()
     engine = zerokit.initialize(model, torch.optim.AdamW(param_groups(model)),
                                 {"zero_optimization": {"stage": stage}, "bf16": {"enabled": True}})
@@ -128,7 +119,7 @@ class WithRotary(torch.nn.Module):
         return self.linear(x) * self.rotary.inv_freq.repeat(2)
 
 
-def test_meta_buffers_of_parameterless_modules_are_initialised_or_refused(no_process_group) -> None:
+def test_meta_buffers_of_parameterless_modules_are_initialised_or_refused(one_process) -> None:
     expected = Rotary().inv_freq
 
     def param_init(module: torch.nn.Module) -> None:
@@ -148,7 +139,7 @@ def test_meta_buffers_of_parameterless_modules_are_initialised_or_refused(no_pro
         zerokit.initialize(model, torch.optim.AdamW(model.parameters()), config)
 
 
-def test_stage2_counts_full_gradients_held_while_accumulating_locally(no_process_group) -> None:
+def test_stage2_counts_full_gradients_held_while_accumulating_locally(one_process) -> None:
     model = tiny()
     engine = zerokit.initialize(model, torch.optim.AdamW(param_groups(model)),
                                 {"zero_optimization": {"stage": 2, "reduce_every_micro_step": False},

@@ -15,7 +15,7 @@ from torch import nn
 import zerokit
 from zerokit.reliability.compiled import compile_model
 from zerokit.reliability.mistakes import refuse_wrapped
-from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups
+from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups, rank_batch, small_zero_config
 from zerokit.testing.spawn import spawn
 
 SPAWN_TIMEOUT = 300
@@ -27,19 +27,8 @@ def tiny(**options) -> TinyGPT:
     return TinyGPT(TinyGPTConfig(**options))
 
 
-def config(stage: int, **top) -> dict:
-    zero = {"stage": stage, "reduce_bucket_bytes": 8192}
-    if stage == 3:
-        zero.update(stage3_min_unit_params=1000, stage3_param_persistence_threshold=0)
-    return {"zero_optimization": zero, "comm_timeout_seconds": 30, **top}
-
-
-def batch(rank: int, step: int) -> torch.Tensor:
-    return torch.randint(0, 67, (2, 17), generator=torch.Generator().manual_seed(100 * step + rank))
-
-
 def train_step(engine: zerokit.Engine, rank: int, step: int) -> float:
-    tokens = batch(rank, step)
+    tokens = rank_batch(rank, step)
     loss = lm_loss(engine(tokens[:, :-1]), tokens)
     engine.backward(loss)
     engine.step()
@@ -66,12 +55,12 @@ def _wrapped_models(rank: int) -> dict[str, str | None]:
         for stage in (0, 2):
             model = make()
             outcomes[f"{name}-stage{stage}"] = error_of(
-                lambda: zerokit.initialize(model, torch.optim.AdamW(model.parameters()), config(stage)))
+                lambda: zerokit.initialize(model, torch.optim.AdamW(model.parameters()), small_zero_config(stage)))
     # DDP on rank 0 only: rank 0 names it, rank 1 names rank 0's problem (not a timeout)
     alone = dist.new_group([0])  # DDP's construction is a collective of its group: rank 0's own
     model = nn.parallel.DistributedDataParallel(tiny(), process_group=alone) if rank == 0 else tiny()
     outcomes["DDP-rank0-only"] = error_of(lambda: zerokit.initialize(model, torch.optim.AdamW(model.parameters()),
-                                                                     config(0)))
+                                                                     small_zero_config(0)))
     return outcomes
 
 
@@ -79,7 +68,7 @@ def _requires_grad_changes(rank: int) -> dict[str, str | None]:
     outcomes = {}
     for stage in STAGES:
         model = tiny()
-        engine = zerokit.initialize(model, torch.optim.AdamW(param_groups(model), lr=1e-3), config(stage))
+        engine = zerokit.initialize(model, torch.optim.AdamW(param_groups(model), lr=1e-3), small_zero_config(stage))
         train_step(engine, rank, 0)
         weight = model.blocks[0].attn.qkv.weight
         weight.requires_grad_(False)
@@ -98,11 +87,11 @@ def _backward_twice(rank: int) -> dict[str, str | None]:
         for accumulation in (1, 2):
             model = tiny()
             engine = zerokit.initialize(model, torch.optim.AdamW(param_groups(model), lr=1e-3),
-                                        config(stage, gradient_accumulation_steps=accumulation))
+                                        small_zero_config(stage, gradient_accumulation_steps=accumulation))
             backwards = []
 
             def backward(step: int) -> None:
-                tokens = batch(rank, step)
+                tokens = rank_batch(rank, step)
                 engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))
                 backwards.append(step)
 
@@ -117,9 +106,9 @@ def _at_initialize(rank: int) -> dict[str, str | None]:
     model = tiny()
     return {
         "nothing to train": error_of(lambda: zerokit.initialize(frozen, torch.optim.AdamW(frozen.parameters()),
-                                                                config(2))),
+                                                                small_zero_config(2))),
         "train_batch_size": error_of(lambda: zerokit.initialize(model, torch.optim.AdamW(model.parameters()),
-                                                                config(2, train_batch_size=3))),
+                                                                small_zero_config(2, train_batch_size=3))),
     }
 
 
@@ -218,9 +207,9 @@ def test_accumulating_backwards_then_one_step_is_what_the_config_asks() -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = tiny()
-        engine = zerokit.initialize(model, torch.optim.AdamW(param_groups(model)), config(2, gradient_accumulation_steps=2))
+        engine = zerokit.initialize(model, torch.optim.AdamW(param_groups(model)), small_zero_config(2, gradient_accumulation_steps=2))
         for step in range(2):
-            tokens = batch(0, step)
+            tokens = rank_batch(0, step)
             engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))
         assert engine.step().stepped
     finally:
@@ -270,7 +259,7 @@ def _buffers(rank: int, world_size: int) -> dict:
         for broadcast in (True, False):
             model = Normed()
             engine = zerokit.initialize(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                        config(stage, broadcast_buffers=broadcast))
+                                        small_zero_config(stage, broadcast_buffers=broadcast))
             before = engine.comm_stats()["broadcast"]["calls"]
 
             def zerokit_step(loss: torch.Tensor) -> None:
@@ -320,7 +309,7 @@ def _compiled(rank: int, world_size: int) -> dict:
             if how == "blocks":
                 for block in model.blocks:
                     block.compile(backend="aot_eager")
-            engine = zerokit.initialize(module, torch.optim.AdamW(param_groups(model), lr=1e-3), config(stage))
+            engine = zerokit.initialize(module, torch.optim.AdamW(param_groups(model), lr=1e-3), small_zero_config(stage))
             if how == "in place":
                 compile_model(engine, backend="aot_eager")
             losses = [train_step(engine, rank, step) for step in range(3)]
@@ -329,8 +318,8 @@ def _compiled(rank: int, world_size: int) -> dict:
     model = tiny()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     outcomes["fullgraph"] = error_of(lambda: zerokit.initialize(compiled, torch.optim.AdamW(model.parameters()),
-                                                                config(3)))
-    engine = zerokit.initialize(model, torch.optim.AdamW(model.parameters()), config(3))
+                                                                small_zero_config(3)))
+    engine = zerokit.initialize(model, torch.optim.AdamW(model.parameters()), small_zero_config(3))
     outcomes["engine.compile fullgraph"] = error_of(lambda: compile_model(engine, backend="aot_eager", fullgraph=True))
     return outcomes
 

@@ -23,7 +23,7 @@ from zerokit.comm import CollectiveError
 from zerokit.config import load_config
 from zerokit.reliability.divergence import SkippedUnitError
 from zerokit.reliability.fingerprint import RanksDisagreeError
-from zerokit.testing.models import Block, TinyGPT, TinyGPTConfig, lm_loss, param_groups
+from zerokit.testing.models import Block, TinyGPT, TinyGPTConfig, lm_loss, param_groups, rank_batch, small_zero_config
 from zerokit.testing.spawn import spawn
 
 STALL_TIMEOUT = 1.5  # comm_timeout_seconds where a rank stalls
@@ -36,17 +36,6 @@ SPAWN_TIMEOUT = 240  # seconds: a spawn still running after this is killed and f
 def tiny(n_layer: int = 2) -> TinyGPT:
     torch.manual_seed(0)
     return TinyGPT(TinyGPTConfig(n_layer=n_layer))
-
-
-def config(stage: int, **top) -> dict:
-    zero = {"stage": stage, "reduce_bucket_bytes": 8192}
-    if stage == 3:
-        zero.update(stage3_min_unit_params=1000, stage3_param_persistence_threshold=0)
-    return {"zero_optimization": zero, "comm_timeout_seconds": 30, **top}
-
-
-def batch(rank: int, step: int) -> torch.Tensor:
-    return torch.randint(0, 67, (2, 17), generator=torch.Generator().manual_seed(100 * step + rank))
 
 
 # --- agreement at start ----------------------------------------------------------------------------------
@@ -67,7 +56,7 @@ DISAGREEMENTS = [
 def _disagreeing_setup(case: str, stage: int, odd: bool) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
     model = tiny(3 if case == "architecture" and odd else 2)
     optimizer = torch.optim.AdamW(param_groups(model), lr=2e-3 if case == "learning rate" and odd else 1e-3)
-    settings = config(3 if case == "stage" and odd else stage)
+    settings = small_zero_config(3 if case == "stage" and odd else stage)
     if odd and case == "accumulation":
         settings["gradient_accumulation_steps"] = 2
     if odd and case == "precision":
@@ -125,8 +114,8 @@ def _stall(rank: int, world_size: int, flight_dir: str) -> list[dict]:
     for stage in (0, 1, 2, 3):
         model = tiny()
         engine = zerokit.initialize(model, torch.optim.AdamW(param_groups(model), lr=1e-3),
-                                    config(stage, comm_timeout_seconds=STALL_TIMEOUT))
-        tokens = batch(rank, 0)
+                                    small_zero_config(stage, comm_timeout_seconds=STALL_TIMEOUT))
+        tokens = rank_batch(rank, 0)
         engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))
         engine.step()
         loss = lm_loss(engine(tokens[:, :-1]), tokens)
@@ -207,7 +196,7 @@ SKIPS = [(3, 3), (3, 1), (2, 0)]  # per step: the block rank 0 and rank 1 skip
 
 
 def skippy_batch(rank: int, step: int) -> torch.Tensor:
-    tokens = batch(rank, step)
+    tokens = rank_batch(rank, step)
     tokens[0, 0] = SKIPS[step][rank]
     return tokens
 
@@ -215,7 +204,7 @@ def skippy_batch(rank: int, step: int) -> torch.Tensor:
 def skippy_engine(mode: str) -> tuple[Skippy, zerokit.Engine]:
     torch.manual_seed(0)
     model = Skippy()
-    settings = load_config(config(3))
+    settings = load_config(small_zero_config(3))
     settings = replace(settings, stage3=replace(settings.stage3, skipped_units=mode))
     return model, zerokit.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), settings)
 

@@ -157,3 +157,17 @@ def seeded_init(model: nn.Module):
                 param.data.copy_(torch.randn(param.shape, generator=generator) * 0.02)
 
     return init
+
+
+def small_zero_config(stage: int, **top) -> dict:
+    """A config for TinyGPT tests on several ranks: small buckets (several per model), at stage 3 one unit per
+    block and no persistent parameters, and a 30 s collective deadline so that a failing test fails fast."""
+    zero = {"stage": stage, "reduce_bucket_bytes": 8192}
+    if stage == 3:
+        zero.update(stage3_min_unit_params=1000, stage3_param_persistence_threshold=0)
+    return {"zero_optimization": zero, "comm_timeout_seconds": 30, **top}
+
+
+def rank_batch(rank: int, step: int) -> torch.Tensor:
+    """TinyGPT tokens (2 x 17) of `rank` at `step`, different on every rank and step."""
+    return torch.randint(0, 67, (2, 17), generator=torch.Generator().manual_seed(100 * step + rank))

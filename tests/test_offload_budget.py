@@ -4,6 +4,10 @@ refused at initialize in one line."""
 from __future__ import annotations
 
 import gc
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,7 @@ import torch
 
 import zerokit
 import zerokit.offload.preflight as preflight
+from zerokit.offload.swap import SWAP_FOLDER, remove_leftovers
 from zerokit.testing.spawn import spawn
 
 WIDTH, DEPTH = 512, 32  # 8.4M parameters: AdamW's state alone is 8 bytes each, 67 MiB
@@ -88,3 +93,35 @@ def test_not_enough_host_memory_is_refused(one_process, key, monkeypatch) -> Non
 def test_parameter_offload_below_stage_3_is_refused(one_process) -> None:
     with pytest.raises(ValueError, match="offload_param.device=cpu needs stage 3"):
         initialize({"offload_param": {"device": "cpu"}}, stage=2)
+
+
+EXIT_CLEANLY = """
+import sys
+from pathlib import Path
+import torch, zerokit
+model = torch.nn.Linear(64, 64)
+engine = zerokit.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_optimization": {
+    "stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": sys.argv[1]}}})
+engine.backward(engine(torch.randn(2, 64)).square().mean())
+engine.step()
+print(len(list((Path(sys.argv[1]) / "zerokit-swap").iterdir())))
+"""
+
+
+def test_swap_files_are_removed_at_exit_and_a_crashed_runs_at_the_next_start(tmp_path) -> None:
+    """A run's swap folder exists while it trains and is gone after it exits; a folder left by a process of this
+    host that is no longer alive (a crashed run) is removed when the next run starts; a live one's is kept."""
+    run = subprocess.run([sys.executable, "-c", EXIT_CLEANLY, str(tmp_path)], capture_output=True, text=True,
+                         check=True)
+    assert run.stdout.strip().splitlines()[-1] == "1"  # its own folder, while it ran
+    root = tmp_path / SWAP_FOLDER
+    assert list(root.iterdir()) == []
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()  # a pid that has exited
+    crashed = root / f"{socket.gethostname()}-{dead}-rank0-optimizer"
+    alive = root / f"{socket.gethostname()}-{os.getpid()}-rank0-optimizer"
+    for folder in (crashed, alive):
+        folder.mkdir()
+        (folder / "master0.swap").write_bytes(b"\0" * 4096)
+    assert remove_leftovers(root) == [crashed]
+    assert not crashed.exists() and alive.exists()

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     report(engine, losses, args.steps)
     if engine.rank == 0:
         print("\nsample: " + sample(engine, tokenizer, "The ").replace("\n", "\n        "))
+    del engine, model, optimizer  # the engine goes while its process groups exist (See zerokit/testing/spawn.py)
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

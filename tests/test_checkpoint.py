@@ -17,8 +17,9 @@ from safetensors import safe_open
 
 import zerokit
 import zerokit.checkpoint as checkpoint
+from test_engine_state import train  # the same few steps on the same batches
 from zerokit.cli import main as cli_main
-from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups
+from zerokit.testing.models import TinyGPT, TinyGPTConfig, param_groups
 from zerokit.testing.spawn import spawn
 
 
@@ -30,17 +31,6 @@ def make_engine(stage: int = 1, accumulation: int = 1, lr: float = 1e-2, n_layer
     if stage != 3:
         del ds["zero_optimization"]["stage3_min_unit_params"]
     return zerokit.initialize(model, torch.optim.AdamW(param_groups(model), lr=lr), ds)
-
-
-def train(engine: zerokit.Engine, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        tokens = torch.randint(0, 67, (2, 17), generator=torch.Generator().manual_seed(step))
-        loss = lm_loss(engine(tokens[:, :-1]), tokens)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 def one_line_error(call, *fragments: str) -> str:

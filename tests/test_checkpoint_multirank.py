@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from test_parity import allowed_update_error, update_error
 from zerokit.checkpoint import checkpoint_directory, consolidate, read_manifest
 from zerokit.config import DTYPES_BY_NAME, LossScaling
 from zerokit.precision import make_loss_scaler
-from zerokit.testing.parity import (Case, engine_config, forward_loss, fp32_state, make_batch, make_model,
+from zerokit.testing.parity import (Case, clip_and_step, engine_config, forward_loss, fp32_state, make_batch, make_model,
                                     make_optimizer, optimizer_list)
 from zerokit.testing.spawn import spawn
 
@@ -210,16 +209,7 @@ def _reference_run(case: Case, ranks_per_step: list[int]) -> dict:
                         c.grad = None
         for grad, (m, _) in zip(grads, pairs):
             m.grad = None if grad is None else grad / ranks / scaler.scale
-        present = [m.grad for m, _ in pairs if m.grad is not None]
-        norm = math.sqrt(sum(g.double().square().sum().item() for g in present))
-        overflow = not math.isfinite(norm)
-        if case.clip > 0 and not overflow and case.clip / (norm + 1e-6) < 1:
-            torch._foreach_mul_(present, case.clip / (norm + 1e-6))
-        scaler.update(overflow)
-        skipped.append(overflow)
-        if not overflow:
-            for optimizer in optimizers:
-                optimizer.step()
+        skipped.append(clip_and_step(pairs, case, scaler, optimizers))
         for m, _ in pairs:
             m.grad = None
         if compute is not master:

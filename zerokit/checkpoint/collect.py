@@ -10,7 +10,7 @@ that keeps the masters elsewhere (host memory, NVMe) is saved by the same code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -130,16 +130,23 @@ def _param_part(payload: RankPayload, slot: Slot, refs: list[PieceRef], rank: in
                                     whole, keys, scalars))
 
 
-def _frozen(engine: "Engine", payload: RankPayload) -> None:
-    """Frozen parameters: at stage 3 this rank's shard of each (See [Note: frozen parameters at stage 3]);
-    whole ones (stages 0-2, or not floating point) are spread over the ranks to write."""
-    module, stage = engine.module, engine.stage
-    trainable = {id(p) for p in stage.flat.params}
+class FrozenPart(NamedTuple):
+    """This rank's part of a frozen parameter sharded at stage 3."""
+
+    name: str
+    shape: tuple[int, ...]
+    begin: int  # its first element within the parameter
+    values: torch.Tensor  # the part, a view of the frozen shard
+
+
+def frozen_parameters(engine: "Engine") -> tuple[list[tuple[str, nn.Parameter]], list[FrozenPart]]:
+    """Frozen parameters as the engine holds them: the ones it keeps whole (stages 0-2, or not floating point),
+    and at stage 3 this rank's parts of the sharded ones (See [Note: frozen parameters at stage 3])."""
+    stage = engine.stage
     sharded = {id(p) for p in stage.frozen.flat.params} if engine.config.stage == 3 else set()
-    whole = [(name, p) for name, p in module.named_parameters() if id(p) not in trainable and id(p) not in sharded]
-    for (name, param), writer in zip(whole, _writers([p.numel() for _, p in whole], engine.world_size)):
-        if writer == engine.rank:
-            _whole(payload, name, FROZEN, param.detach(), engine.rank)
+    held = {id(p) for p in stage.flat.params} | sharded
+    whole = [(name, p) for name, p in engine.module.named_parameters() if id(p) not in held]
+    parts = []
     if sharded:
         frozen = stage.frozen
         for bucket in frozen.layout.buckets:
@@ -147,12 +154,22 @@ def _frozen(engine: "Engine", payload: RankPayload) -> None:
             shard = frozen.shard(bucket)
             for part in bucket.param_slices(engine.rank):
                 slot = slots[part.param_index]
-                values = shard[part.begin:part.end]
-                begin = part.param_begin
-                payload.entries.append(SaveEntry(TensorSpec(values_key(slot.name, FROZEN), values.dtype,
-                                                            (values.numel(),)), [values]))
-                payload.parts.append(PartRecord(slot.name, FROZEN, dtype_name(values.dtype), slot.shape, engine.rank,
-                                                begin, begin + values.numel()))
+                parts.append(FrozenPart(slot.name, slot.shape, part.param_begin, shard[part.begin:part.end]))
+    return whole, parts
+
+
+def _frozen(engine: "Engine", payload: RankPayload) -> None:
+    """Frozen parameters: at stage 3 this rank's shard of each; whole ones are spread over the ranks to write."""
+    whole, parts = frozen_parameters(engine)
+    for (name, param), writer in zip(whole, _writers([p.numel() for _, p in whole], engine.world_size)):
+        if writer == engine.rank:
+            _whole(payload, name, FROZEN, param.detach(), engine.rank)
+    for part in parts:
+        values = part.values
+        payload.entries.append(SaveEntry(TensorSpec(values_key(part.name, FROZEN), values.dtype, (values.numel(),)),
+                                         [values]))
+        payload.parts.append(PartRecord(part.name, FROZEN, dtype_name(values.dtype), part.shape, engine.rank,
+                                        part.begin, part.begin + values.numel()))
 
 
 def _whole(payload: RankPayload, name: str, role: str, tensor: torch.Tensor, rank: int) -> None:

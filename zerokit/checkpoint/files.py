@@ -16,6 +16,7 @@ or a flipped byte is then an error naming the file and the bytes, never wrong we
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import zlib
@@ -51,10 +52,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

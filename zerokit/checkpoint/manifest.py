@@ -15,6 +15,7 @@ ranges its own pieces need and nothing else. (The saving layout is recorded too,
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,10 +88,7 @@ class ParamRecord:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from zerokit.checkpoint.collect import optimizer_list, persistent_buffers, slots_by_index
+from zerokit.checkpoint.collect import frozen_parameters, optimizer_list, persistent_buffers, slots_by_index
 from zerokit.checkpoint.files import Readers
 from zerokit.checkpoint.manifest import MANIFEST, MASTER, Manifest, ParamRecord, rank_file, state_key, values_key
 from zerokit.checkpoint.optimizer_state import decode_scalar
@@ -111,23 +111,14 @@ def _restore_piece_state(ref: PieceRef, record: ParamRecord, name: str, readers:
 
 def restore_frozen(engine: "Engine", manifest: Manifest, readers: Readers) -> None:
     """Frozen parameters: whole where the engine holds them whole, this rank's shard of each at stage 3."""
-    stage = engine.stage
-    trainable = {id(p) for p in stage.flat.params}
-    sharded = {id(p) for p in stage.frozen.flat.params} if engine.config.stage == 3 else set()
+    whole, parts = frozen_parameters(engine)
     with torch.no_grad():
-        for name, param in engine.module.named_parameters():
-            if id(param) not in trainable and id(param) not in sharded:
-                record = manifest.params[name]
-                read_range(readers, record, values_key(name, record.role), 0, param.data)
-        if sharded:
-            frozen = stage.frozen
-            for bucket in frozen.layout.buckets:
-                slots = {slot.param_index: slot for slot in bucket.slots}
-                shard = frozen.shard(bucket)
-                for part in bucket.param_slices(engine.rank):
-                    record = manifest.params[slots[part.param_index].name]
-                    read_range(readers, record, values_key(slots[part.param_index].name, record.role),
-                               part.param_begin, shard[part.begin:part.end])
+        for name, param in whole:
+            record = manifest.params[name]
+            read_range(readers, record, values_key(name, record.role), 0, param.data)
+        for part in parts:
+            record = manifest.params[part.name]
+            read_range(readers, record, values_key(part.name, record.role), part.begin, part.values)
 
 
 def restore_buffers(module: nn.Module, manifest: Manifest, readers: Readers) -> None:

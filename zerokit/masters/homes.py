@@ -34,27 +34,17 @@ class ShardIO(Protocol):
     def read(self, shard: torch.Tensor, target: str) -> torch.Tensor: ...
 
 
-class DeviceHome:
-    """The default tier: the master on the device the model computes on. `io`: the compute shard's home."""
+class HeldGradient:
+    """A master's reduced gradient shard, kept where it was reduced until the step; its fp32 form is made once
+    (a transient copy only when the shard is 16-bit) and may be changed in place by the step."""
 
-    tier = "device"
-
-    def __init__(self, compute: torch.Tensor, device: torch.device, io: ShardIO) -> None:
-        self.compute, self.io = compute, io
-        self.aliased = compute.dtype == torch.float32 and io.tier == "device"
-        self.master = compute if self.aliased else torch.empty(compute.numel(), device=device)
-        self._grad: torch.Tensor | None = None
-        self._grad32: torch.Tensor | None = None
-
-    def initialise(self, values: torch.Tensor) -> None:
-        if not self.aliased:  # an aliased master already holds them: its compute shard was filled first
-            self.master.copy_(values)
+    _grad: torch.Tensor | None = None
+    _grad32: torch.Tensor | None = None
 
     def accept_grad(self, grad: torch.Tensor) -> None:
         self._grad, self._grad32 = grad, None
 
     def grad32(self) -> torch.Tensor:
-        """The gradient in fp32 (a transient copy only if it is 16-bit), which the step may change in place."""
         if self._grad32 is None:
             if self._grad is None:
                 raise RuntimeError("a master got no gradient before the optimizer step (an internal bug)")
@@ -63,6 +53,21 @@ class DeviceHome:
 
     def release(self) -> None:
         self._grad = self._grad32 = None
+
+
+class DeviceHome(HeldGradient):
+    """The default tier: the master on the device the model computes on. `io`: the compute shard's home."""
+
+    tier = "device"
+
+    def __init__(self, compute: torch.Tensor, device: torch.device, io: ShardIO) -> None:
+        self.compute, self.io = compute, io
+        self.aliased = compute.dtype == torch.float32 and io.tier == "device"
+        self.master = compute if self.aliased else torch.empty(compute.numel(), device=device)
+
+    def initialise(self, values: torch.Tensor) -> None:
+        if not self.aliased:  # an aliased master already holds them: its compute shard was filled first
+            self.master.copy_(values)
 
     def publish(self) -> None:
         if not self.aliased:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from zerokit.comm import CommStats, Transfer
-from zerokit.masters.homes import ShardIO, copy_edits
+from zerokit.masters.homes import HeldGradient, ShardIO, copy_edits
 from zerokit.offload.swap import BufferPool, SwapDirectory, aligned_bytes, round_up
 
 TENSOR_ALIGN = 64  # bytes: every state tensor starts at such a boundary (any dtype's alignment)
@@ -38,7 +38,7 @@ class StateEntry(NamedTuple):
     offset: int  # bytes from the record's start
 
 
-class NvmeHome:
+class NvmeHome(HeldGradient):
     """See [Note: paging a master through a bounded pool]."""
 
     tier = "nvme"
@@ -55,8 +55,6 @@ class NvmeHome:
         self.record_bytes = round_up(4 * self.numel)
         self.buffer: torch.Tensor | None = None
         self.reading: Future | None = None
-        self._grad: torch.Tensor | None = None
-        self._grad32: torch.Tensor | None = None
 
     # --- values on the way in and out ---------------------------------------------------------------
     def initialise(self, values: torch.Tensor) -> None:
@@ -163,21 +161,7 @@ class NvmeHome:
         grown[:4 * self.numel].copy_(buffer[:4 * self.numel])
         return grown
 
-    # --- the gradient, the compute shard ----------------------------------------------------------------
-    def accept_grad(self, grad: torch.Tensor) -> None:
-        self._grad, self._grad32 = grad, None
-
-    def grad32(self) -> torch.Tensor:
-        """On the device, as the device tier keeps it; copied to the host only while the master is paged in."""
-        if self._grad32 is None:
-            if self._grad is None:
-                raise RuntimeError("a master got no gradient before the optimizer step (an internal bug)")
-            self._grad32 = self._grad if self._grad.dtype == torch.float32 else self._grad.float()
-        return self._grad32
-
-    def release(self) -> None:
-        self._grad = self._grad32 = None
-
+    # --- the compute shard (the gradient stays on the device: HeldGradient) ----------------------------
     def publish_paged(self) -> None:
         """Updated values -> the compute shard, while paged in (publish() itself has nothing left to do)."""
         self.io.write(self.compute, self._values(self.buffer), "host")

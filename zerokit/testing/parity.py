@@ -344,16 +344,7 @@ def _run_reference(case: Case, world_size: int) -> dict:
                         used[index] = True
         for grad, (m, _), got in zip(master_grads, pairs, used):
             m.grad = grad / world_size / scaler.scale if got else None  # the mean over the union's N batches
-        grads = [m.grad for m, _ in pairs if m.grad is not None]
-        norm = math.sqrt(sum(g.double().square().sum().item() for g in grads))  # clipping, naively
-        overflow = not math.isfinite(norm)
-        if case.clip > 0 and not overflow and case.clip / (norm + 1e-6) < 1:
-            torch._foreach_mul_(grads, case.clip / (norm + 1e-6))
-        scaler.update(overflow)
-        skipped.append(overflow)
-        if not overflow:
-            for optimizer in optimizers:
-                optimizer.step()
+        skipped.append(clip_and_step(pairs, case, scaler, optimizers))
         for grad, (m, _) in zip(master_grads, pairs):
             grad.zero_()
             m.grad = None  # in fp32 the master is the compute parameter: start the next step clean
@@ -363,6 +354,22 @@ def _run_reference(case: Case, world_size: int) -> dict:
                     c.copy_(m)
     return {"losses": losses, "skipped": skipped, "params": fp32_state(compute), "master": fp32_state(master),
             "step_counts": reference_step_counts(master, optimizers)}
+
+
+def clip_and_step(pairs, case: Case, scaler, optimizers: list[torch.optim.Optimizer]) -> bool:
+    """The reference's step once the masters hold their averaged, unscaled gradients: the global norm (naively,
+    in float64), clip, the loss scaler's update, then every optimizer unless the step overflowed. Returns
+    whether it overflowed (a skipped step)."""
+    grads = [m.grad for m, _ in pairs if m.grad is not None]
+    norm = math.sqrt(sum(g.double().square().sum().item() for g in grads))
+    overflow = not math.isfinite(norm)
+    if case.clip > 0 and not overflow and case.clip / (norm + 1e-6) < 1:
+        torch._foreach_mul_(grads, case.clip / (norm + 1e-6))
+    scaler.update(overflow)
+    if not overflow:
+        for optimizer in optimizers:
+            optimizer.step()
+    return overflow
 
 
 def run_cases(rank: int, world_size: int, cases: list[Case]) -> dict[str, dict]:

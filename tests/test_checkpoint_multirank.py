@@ -11,7 +11,6 @@ every exact-resume case; one per world size then loads every checkpoint destined
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 from dataclasses import dataclass, replace
@@ -24,10 +23,9 @@ from safetensors.torch import load_file
 import zerokit
 from test_parity import allowed_update_error, update_error
 from zerokit.checkpoint import checkpoint_directory, consolidate, read_manifest
-from zerokit.config import DTYPES_BY_NAME, LossScaling
-from zerokit.precision import make_loss_scaler
-from zerokit.testing.parity import (Case, clip_and_step, engine_config, forward_loss, fp32_state, make_batch, make_model,
-                                    make_optimizer, optimizer_list)
+from zerokit.config import DTYPES_BY_NAME
+from zerokit.testing.parity import (Case, engine_config, forward_loss, fp32_state, make_batch, make_model,
+                                    make_optimizer, run_reference)
 from zerokit.testing.spawn import spawn
 
 WORLD_SIZES = (1, 2, 3)
@@ -179,44 +177,7 @@ def load_phase(rank: int, world_size: int, root: str) -> dict:
 def reference_run(case: Case, ranks_per_step: list[int]) -> dict:
     """zerokit.testing.parity's single-process reference (See [Note: what the single-process reference
     computes] there), with the number of ranks whose batches make each step given per step."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _reference_run(case, ranks_per_step)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _reference_run(case: Case, ranks_per_step: list[int]) -> dict:
-    dtype = DTYPES_BY_NAME[case.dtype]
-    master = make_model(case)
-    optimizers = optimizer_list(make_optimizer(case, master))
-    compute = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
-    pairs = [(m, c) for m, c in zip(master.parameters(), compute.parameters()) if m.requires_grad]
-    scaler = make_loss_scaler(LossScaling(initial_scale_power=case.initial_scale_power, hysteresis=1)
-                              if case.dtype == "fp16" else None)
-    losses, skipped = [], []
-    for step, ranks in enumerate(ranks_per_step):
-        grads: list[torch.Tensor | None] = [None] * len(pairs)
-        for micro in range(case.accumulation):
-            for rank in range(ranks):
-                loss = forward_loss(compute, make_batch(case, step, micro, rank))
-                (loss * scaler.scale / case.accumulation).backward()
-                losses.append((step, rank, loss.item()))
-                for index, (_, c) in enumerate(pairs):
-                    if c.grad is not None:
-                        grads[index] = c.grad.float() + (0 if grads[index] is None else grads[index])
-                        c.grad = None
-        for grad, (m, _) in zip(grads, pairs):
-            m.grad = None if grad is None else grad / ranks / scaler.scale
-        skipped.append(clip_and_step(pairs, case, scaler, optimizers))
-        for m, _ in pairs:
-            m.grad = None
-        if compute is not master:
-            with torch.no_grad():
-                for m, c in pairs:
-                    c.copy_(m)
-    return {"losses": losses, "skipped": skipped, "params": fp32_state(compute), "master": fp32_state(master)}
+    return run_reference(case, ranks_per_step[0], ranks_per_step)
 
 
 # --- fixtures and tests ------------------------------------------------------------------------------

@@ -309,17 +309,19 @@ def stage3_frozen_layout(stage) -> dict:
             "frozen_shard_numel": stage.frozen.local.numel}
 
 
-def run_reference(case: Case, world_size: int) -> dict:
-    """The same training in one process, naively. See [Note: what the single-process reference computes]."""
+def run_reference(case: Case, world_size: int, ranks_per_step: list[int] | None = None) -> dict:
+    """The same training in one process, naively. See [Note: what the single-process reference computes].
+    `ranks_per_step`: how many ranks' batches make each step (default: world_size for each of case.steps; a
+    resumed run on another world size changes it mid-run). Losses are (step, rank, loss), micro-steps in order."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as on each rank: CPU kernels may round differently with other thread counts
     try:
-        return _run_reference(case, world_size)
+        return _run_reference(case, ranks_per_step or [world_size] * case.steps)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_reference(case: Case, world_size: int) -> dict:
+def _run_reference(case: Case, ranks_per_step: list[int]) -> dict:
     dtype = DTYPES_BY_NAME[case.dtype]
     master = make_model(case)
     optimizers = optimizer_list(make_optimizer(case, master))
@@ -329,21 +331,21 @@ def _run_reference(case: Case, world_size: int) -> dict:
                               if case.dtype == "fp16" else None)
     master_grads = [torch.zeros_like(m) for m, _ in pairs]
     losses, skipped = [], []
-    for step in range(case.steps):
+    for step, ranks in enumerate(ranks_per_step):
         used = [False] * len(pairs)
         for micro in range(case.accumulation):
-            for rank in range(world_size):
+            for rank in range(ranks):
                 tokens = make_batch(case, step, micro, rank)
                 loss = forward_loss(compute, tokens)
                 (loss * scaler.scale / case.accumulation).backward()
-                losses.append((micro, rank, loss.item()))
+                losses.append((step, rank, loss.item()))
                 for index, (grad, (_, c)) in enumerate(zip(master_grads, pairs)):
                     if c.grad is not None:
                         grad += c.grad.float()
                         c.grad = None
                         used[index] = True
         for grad, (m, _), got in zip(master_grads, pairs, used):
-            m.grad = grad / world_size / scaler.scale if got else None  # the mean over the union's N batches
+            m.grad = grad / ranks / scaler.scale if got else None  # the mean over the union's N batches
         skipped.append(clip_and_step(pairs, case, scaler, optimizers))
         for grad, (m, _) in zip(master_grads, pairs):
             grad.zero_()

@@ -3,10 +3,12 @@ rides beside every gather (See [Note: stage-3 units every rank agrees on] in zer
 
     python benchmarks/bench_reliability.py                 # 2 gloo ranks, benchmarks/workload.py's GPT
     python benchmarks/bench_reliability.py --world-size 3 --rounds 4
+    python benchmarks/bench_reliability.py --n-embd 768 --n-layer 4   # blocks of 7.1M parameters
 
-On the same ranks and engine, rounds alternate between the checks on (as zerokit runs) and off (the
-agreement removed from the engine's unit shards, which nothing else reads); each round times `--steps`
-optimizer steps after a barrier, the slowest rank's. The fingerprint is timed as `initialize` runs it
+On the same ranks and engine, rounds rotate between the checks as zerokit runs them for this model (its blocks
+are equal: each row overlaps its gather), the checks as for a model whose units differ in size (each row
+waited on before its gather starts) and no checks (the agreement removed from the engine's unit shards, which
+nothing else reads); each round times `--steps` optimizer steps after a barrier, the slowest rank's. The fingerprint is timed as `initialize` runs it
 (check_at_start: this rank's checks, the fingerprint, one all-gather), the median of --rounds calls.
 """
 
@@ -27,6 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.workload import BenchSettings, make_batch, make_model, make_optimizer  # noqa: E402
 from zerokit.testing.models import lm_loss  # noqa: E402
 from zerokit.testing.spawn import spawn  # noqa: E402
+
+
+# checked: the unit rows as zerokit runs them for this model (equal blocks: each row overlaps its gather);
+# waited: as for a model whose units differ in size (each row waited on before the gather starts); unchecked: none
+ARMS = ("checked", "unchecked", "waited")
 
 
 def _slowest(seconds: float) -> float:
@@ -80,19 +87,23 @@ def run_rank(rank: int, world_size: int, settings: BenchSettings, rounds: int) -
     shards = engine.stage.shards
     agreement = shards.agreement
     _steps(engine, settings, rank, 0, settings.warmup)
-    timed: dict[str, list[float]] = {"checked": [], "unchecked": []}
+    timed: dict[str, list[float]] = {arm: [] for arm in ARMS}
     step = settings.warmup
     pending_at_boundaries = []
-    for round_ in range(2 * rounds):  # on, off, off, on, ...: neither always runs first
-        checked = round_ % 4 in (0, 3)
-        pending_at_boundaries.append(len(agreement.pending))
-        _settle(agreement)  # a table issued for a prefetch is waited on before the agreement is switched
-        shards.agreement = agreement if checked else None
-        timed["checked" if checked else "unchecked"] += _steps(engine, settings, rank, step, settings.steps)
-        step += settings.steps
+    as_built = agreement.wait_before_gather
+    for round_ in range(rounds):
+        for arm in (ARMS if round_ % 2 == 0 else ARMS[::-1]):  # no arm always runs first
+            pending_at_boundaries.append(len(agreement.pending))
+            _settle(agreement)  # a row issued for a prefetch is waited on before the agreement is switched
+            shards.agreement = None if arm == "unchecked" else agreement
+            agreement.wait_before_gather = arm == "waited"
+            timed[arm] += _steps(engine, settings, rank, step, settings.steps)
+            step += settings.steps
     _settle(agreement)
-    shards.agreement = agreement
-    return {"pending_at_boundaries": pending_at_boundaries, "steps": timed, "fingerprint": _fingerprint_seconds(engine, settings, rounds), "units": len(engine.stage.units)}
+    shards.agreement, agreement.wait_before_gather = agreement, as_built
+    return {"pending_at_boundaries": pending_at_boundaries, "steps": timed,
+            "fingerprint": _fingerprint_seconds(engine, settings, rounds), "units": len(engine.stage.units),
+            "unit_params": engine.stage.shards.unit_numel[1]}
 
 
 def main() -> None:
@@ -101,17 +112,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds with the checks on (and as many off)")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--n-embd", type=int, default=BenchSettings.n_embd, help="width (heads of 64)")
+    parser.add_argument("--n-layer", type=int, default=BenchSettings.n_layer)
     parser.add_argument("--out", default="bench_results/bench_reliability.json")
     args = parser.parse_args()
-    settings = BenchSettings(world_size=args.world_size, steps=args.steps, warmup=2, dtype=args.dtype)
+    settings = BenchSettings(world_size=args.world_size, steps=args.steps, warmup=2, dtype=args.dtype,
+                             n_embd=args.n_embd, n_head=args.n_embd // 64, n_layer=args.n_layer)
     result = spawn(run_rank, args.world_size, settings, args.rounds)[0]
-    checked, unchecked = (statistics.median(result["steps"][k]) for k in ("checked", "unchecked"))
+    checked, unchecked, waited = (statistics.median(result["steps"][arm]) for arm in ARMS)
     spread = statistics.pstdev(result["steps"]["unchecked"])
     fingerprint = statistics.median(result["fingerprint"])
-    print(f"stage 3, {args.world_size} gloo ranks, {result['units']} units, {args.dtype}, "
+    print(f"stage 3, {args.world_size} gloo ranks, {result['units']} units of {result['unit_params']:,} "
+          f"parameters (the blocks), {args.dtype}, "
           f"{len(result['steps']['checked'])} steps each way")
     print(f"step with unit checks {checked:.4f} s, without {unchecked:.4f} s: ratio {checked / unchecked:.3f} "
           f"(step-to-step spread without: {spread:.4f} s)")
+    print(f"step with each row waited on before its gather (units of different sizes) {waited:.4f} s: ratio "
+          f"{waited / unchecked:.3f}")
     print(f"agreement tables pending between steps: {result['pending_at_boundaries']}")
     print(f"start-up fingerprint (once, at initialize): {fingerprint * 1e3:.1f} ms, "
           f"{fingerprint / unchecked * 100:.1f}% of one step")

@@ -192,6 +192,15 @@ class Skippy(nn.Module):
         return self.head(x)
 
 
+class UnevenSkippy(Skippy):
+    """Skippy with blocks of three sizes: ranks that part gather different sizes, which must never pair."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(24, hidden), nn.ReLU(), nn.Linear(hidden, 24))
+                                    for hidden in (64, 96, 128))
+
+
 SKIPS = [(3, 3), (3, 1), (2, 0)]  # per step: the block rank 0 and rank 1 skip
 
 
@@ -201,9 +210,9 @@ def skippy_batch(rank: int, step: int) -> torch.Tensor:
     return tokens
 
 
-def skippy_engine(mode: str) -> tuple[Skippy, zerokit.Engine]:
+def skippy_engine(mode: str, model_class: type[Skippy] = Skippy) -> tuple[Skippy, zerokit.Engine]:
     torch.manual_seed(0)
-    model = Skippy()
+    model = model_class()
     settings = load_config(small_zero_config(3))
     settings = replace(settings, stage3=replace(settings.stage3, skipped_units=mode))
     return model, zerokit.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), settings)
@@ -211,15 +220,17 @@ def skippy_engine(mode: str) -> tuple[Skippy, zerokit.Engine]:
 
 def _skipped(rank: int, world_size: int) -> dict:
     outcome = {}
-    # "raise" in training: the first step agrees; on the second rank 1 skips blocks.1
-    model, engine = skippy_engine("raise")
-    try:
-        for step in range(2):
-            tokens = skippy_batch(rank, step)
-            engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))
-            engine.step()
-    except SkippedUnitError as error:
-        outcome["train"] = (step, str(error))
+    # "raise" in training: the first step agrees; on the second rank 1 skips blocks.1 (with blocks of equal
+    # sizes, and of different sizes)
+    for key, model_class in (("train", Skippy), ("uneven", UnevenSkippy)):
+        model, engine = skippy_engine("raise", model_class)
+        try:
+            for step in range(2):
+                tokens = skippy_batch(rank, step)
+                engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))
+                engine.step()
+        except SkippedUnitError as error:
+            outcome[key] = (step, str(error))
     # "raise" in a no_grad eval (issue 15: this gave one silently wrong output, then an abort)
     model, engine = skippy_engine("raise")
     try:
@@ -253,6 +264,16 @@ def test_a_unit_skipped_on_one_rank_is_named_at_the_first_divergent_gather() -> 
     step, message = messages.pop()
     assert step == 1
     assert message.startswith("stage 3: the ranks asked for different units at the same gather (unit agreement #")
+    assert ("rank 0: unit 'blocks.1' (backward prefetch, micro-step 1); "
+            "rank 1: unit 'blocks.0' (backward prefetch, micro-step 1). ") in message
+
+
+def test_units_of_different_sizes_are_named_before_their_gathers_pair() -> None:
+    """Gathers of different sizes that pair abort gloo (SIGABRT): the rows are checked before the gathers start."""
+    messages = {outcome["uneven"] for outcome in skipped()}
+    assert len(messages) == 1
+    step, message = messages.pop()
+    assert step == 1
     assert ("rank 0: unit 'blocks.1' (backward prefetch, micro-step 1); "
             "rank 1: unit 'blocks.0' (backward prefetch, micro-step 1). ") in message
 

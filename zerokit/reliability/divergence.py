@@ -12,11 +12,16 @@ is a prefetch. After that one collective every rank knows what every rank asked 
 and of each backward is one more such row ("nothing more"), so a rank that skipped the last unit is caught
 there, not at a timeout. What happens when rows differ is `Stage3Policy.skipped_units`:
 
-  "raise" (the default): the tag is issued asynchronously right before the unit's own gathers and checked
-  right before their data is used, so it costs one small all-reduce per unit gather (N rows of 3 int64,
-  overlapped with the gather) plus one waited-on all-reduce at the end of each forward and each backward. A
-  difference raises SkippedUnitError on every rank at that gather, naming the module each rank asked for,
-  the phase and the micro-step, before any rank computes with the wrong weights.
+  "raise" (the default): a difference raises SkippedUnitError on every rank at that gather, naming the module
+  each rank asked for, the phase and the micro-step, before any rank computes with the wrong weights. When
+  every unit but the root gathers buckets of the same sizes (a stack of equal blocks: the usual case), the
+  row is issued asynchronously right before the unit's own gathers and checked right before their data is
+  used: two ranks that part gather equal sizes, which pair harmlessly, so the row costs one small all-reduce
+  per unit gather, overlapped with it. When units differ in size, each rank waits for the rows before it
+  starts the gather: gathers of different sizes must never pair (gloo aborts the process, SIGABRT, with no
+  word; NCCL hangs or corrupts), so the row is then a round trip of latency before every unit gather. (The
+  root is always a phase's first gather on every rank.) Either way, one waited-on row at the end of each
+  forward and each backward.
 
   "gather": the ranks agree before any data moves: each unit gather first waits for the table, and every rank
   gathers the unit that comes first (in forward order in forward, in reverse order in backward, "nothing more"
@@ -56,8 +61,11 @@ class SkippedUnitError(RuntimeError):
 class UnitAgreement:
     """See [Note: stage-3 units every rank agrees on]."""
 
-    def __init__(self, control: Communicator, units: list["Unit"], mode: str) -> None:
+    def __init__(self, control: Communicator, units: list["Unit"], mode: str, wait_before_gather: bool) -> None:
+        """`wait_before_gather`: "raise" checks each row before the unit's gathers start, not before their data
+        is used (units whose gathers differ in size; See the Note)."""
         self.control, self.units, self.mode = control, units, mode
+        self.wait_before_gather = wait_before_gather
         self.nothing = len(units)  # the "unit" a rank asks for when it has nothing more to gather
         self.phase = PHASES[0]
         self.micro_step = 0  # backwards finished so far (the engine's micro-step)
@@ -67,8 +75,12 @@ class UnitAgreement:
 
     # --- "raise" ---------------------------------------------------------------------------------------------
     def announce(self, unit: int, prefetch: bool) -> None:
-        """Right before the unit's gathers: issue its table (checked by `confirm`)."""
-        self.pending[unit] = (self.rounds, self._issue(unit, prefetch))
+        """Right before the unit's gathers: issue its row, checked now or by `confirm`."""
+        round_, pending = self.rounds, self._issue(unit, prefetch)
+        if self.wait_before_gather:
+            self._check(round_, pending)
+        else:
+            self.pending[unit] = (round_, pending)
 
     def confirm(self, unit: int) -> None:
         """Right before the unit's gathered data is waited on or freed: every rank asked for it, or raise."""
@@ -101,6 +113,8 @@ class UnitAgreement:
                 self.served += 1
 
     def _issue(self, unit: int, prefetch: bool) -> Pending:
+        """This rank's row, in a table that every rank fills one row of: summed, it holds every rank's row (one
+        collective; on gloo an all-gather would be N broadcasts, See [Note: all-gather on gloo])."""
         table = torch.zeros(self.control.world_size * ROW, dtype=torch.int64)  # 1-D, one row per rank
         row = self.control.rank * ROW
         table[row:row + ROW] = torch.tensor([unit + 1, PHASES.index(self.phase), self.micro_step * 2 + prefetch])

@@ -35,7 +35,9 @@ class UnitShards:
         # Every gather carries its unit (See [Note: stage-3 units every rank agrees on] in reliability/divergence.py)
         # (not on torch's fake back-end, whose collectives move nothing: the planner's exact engine runs there)
         agree = comm.world_size > 1 and comm.backend != "fake"
-        self.agreement = UnitAgreement(comm.control, units, policy.skipped_units) if agree else None
+        sizes = {self._gather_sizes(unit) for unit in units[1:]}
+        self.agreement = UnitAgreement(comm.control, units, policy.skipped_units,
+                                       wait_before_gather=len(sizes) > 1) if agree else None
 
     def parts(self, unit: Unit) -> list[tuple[ShardedFlat, Bucket]]:
         """The unit's buckets: its trainable ones, then its frozen one."""
@@ -43,6 +45,10 @@ class UnitShards:
         if unit.index in self.frozen_of:
             parts.append((self.frozen, self.frozen_of[unit.index]))
         return parts
+
+    def _gather_sizes(self, unit: Unit) -> tuple[tuple[torch.dtype, int, int | None], ...]:
+        """What the unit's gathers move, collective by collective: two ranks gathering units of equal sizes pair."""
+        return tuple((flat.flat.dtype, bucket.numel, bucket.owner) for flat, bucket in self.parts(unit))
 
     def is_gathered(self, unit: Unit) -> bool:
         return all(flat.ready(bucket) for flat, bucket in self.parts(unit))

@@ -239,15 +239,16 @@ def _skipped(rank: int, world_size: int) -> dict:
     except SkippedUnitError as error:
         outcome["eval"] = str(error)
     # "gather": trains what each rank's control flow asks for; then a no_grad eval with a skip on one rank
-    model, engine = skippy_engine("gather")
-    for step in range(len(SKIPS)):
-        tokens = skippy_batch(rank, step)
-        engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))
-        engine.step()
-    with torch.no_grad():
-        outcome["output"] = engine(skippy_batch(rank, 1)[:, :-1])
-    outcome["served"] = engine.stage.shards.agreement.served
-    outcome["params"] = engine.full_state_dict()
+    for model_class in (Skippy, UnevenSkippy):
+        model, engine = skippy_engine("gather", model_class)
+        for step in range(len(SKIPS)):
+            tokens = skippy_batch(rank, step)
+            engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))
+            engine.step()
+        with torch.no_grad():
+            output = engine(skippy_batch(rank, 1)[:, :-1])
+        outcome[model_class.__name__] = {"output": output, "served": engine.stage.shards.agreement.served,
+                                         "params": engine.full_state_dict()}
     return outcome
 
 
@@ -284,10 +285,10 @@ def test_a_unit_skipped_on_one_rank_in_a_no_grad_eval_raises_instead_of_a_wrong_
                 in outcome["eval"])
 
 
-def reference_skippy() -> Skippy:
+def reference_skippy(model_class: type[Skippy]) -> Skippy:
     """One process trains on the union of both ranks' batches (the mean of their losses), as the ranks do."""
     torch.manual_seed(0)
-    model = Skippy()
+    model = model_class()
     # SGD: Adam would turn the rounding noise of gradients that are zero in exact arithmetic (attention's key
     # bias) into lr-sized steps, which no tolerance can tell from a bug
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -300,12 +301,14 @@ def reference_skippy() -> Skippy:
     return model
 
 
-def test_skipped_units_gathered_by_every_rank_train_as_one_process_does() -> None:
-    reference = reference_skippy()
+@pytest.mark.parametrize("model_class", [Skippy, UnevenSkippy])  # blocks of equal sizes, and of three sizes
+def test_skipped_units_gathered_by_every_rank_train_as_one_process_does(model_class: type[Skippy]) -> None:
+    reference = reference_skippy(model_class)
     expected = {name: p.detach() for name, p in reference.named_parameters()}
-    for rank, outcome in enumerate(skipped()):
+    outcomes = [outcome[model_class.__name__] for outcome in skipped()]
+    for rank, outcome in enumerate(outcomes):
         torch.testing.assert_close(outcome["params"], expected, rtol=1e-5, atol=1e-6)
         with torch.no_grad():  # and the no_grad eval with a unit skipped on one rank is exact too
             torch.testing.assert_close(outcome["output"], reference(skippy_batch(rank, 1)[:, :-1]), rtol=1e-5,
                                        atol=1e-6)
-    assert all(outcome["served"] > 0 for outcome in skipped())  # each rank gathered units only the other used
+    assert all(outcome["served"] > 0 for outcome in outcomes)  # each rank gathered units only the other used

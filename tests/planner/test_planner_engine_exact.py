@@ -29,6 +29,9 @@ def _exact_case(rank: int, stage: int, dtype: str, reduce_scatter: bool | None, 
     torch.manual_seed(0)
     if model == "tiny":
         net, unit = TinyGPT(TinyGPTConfig(with_test_features=False, n_layer=3)), {"stage3_unit_classes": ["Block"]}
+        # buffers of two dtypes: broadcast_buffers sends one broadcast per dtype a step
+        net.blocks[0].register_buffer("scale", torch.ones(5))
+        net.blocks[1].register_buffer("counter", torch.zeros(3, dtype=torch.int64), persistent=False)
         batch = lambda: torch.randint(0, 67, (2, 17), generator=generator)  # noqa: E731
         loss_of = lambda tokens: lm_loss(engine(tokens[:, :-1]), tokens)  # noqa: E731
     else:  # Hugging Face GPT-2 with the default persistence threshold: its norms and biases join the root

@@ -23,9 +23,11 @@ zerokit.profiling.inventory). From it, as the engine does (zerokit/flat/layout.p
   - collectives: each bucket's gradient reduction, an all-reduce on gloo unless reduce_scatter is forced
     (See [Note: reducing a bucket to a shard]), the all-gather of updated parameters (stages 1-2), the
     stage-3 gathers (a unit before its forward and again before its backward, the root once, a
-    persistent unit only when published after the step) and, at stages 1-3, one float64 all-reduce of
+    persistent unit only when published after the step), at stages 1-3 one float64 all-reduce of
     the sum of squares behind the global norm with one usage flag per trainable parameter behind it (at
-    stage 0 the flags ride behind the last gradient bucket: See [Note: parameters no rank used]).
+    stage 0 the flags ride behind the last gradient bucket: See [Note: parameters no rank used]) and,
+    with broadcast_buffers, one broadcast of the module's buffers per dtype and micro-step (See [Note:
+    buffers kept in step] in zerokit/reliability/buffers.py).
   - offload transfers: See [Note: offload traffic, copy by copy] in engine_offload.py.
 """
 
@@ -66,6 +68,8 @@ class ParamInventory:
     fixed_bytes: int = 0
     """Bytes of non-floating frozen parameters, which no stage casts or shards."""
     source: str = ""
+    buffers: tuple[tuple[int, int], ...] = ()
+    """The module's buffers, one (elements, bytes per element) per dtype: what `broadcast_buffers` sends."""
 
     def __post_init__(self) -> None:
         if not any(e.trainable for e in self.entries):
@@ -81,12 +85,12 @@ class ParamInventory:
 
     def as_dict(self) -> dict:
         return {"entries": [vars(e).copy() for e in self.entries], "fixed_bytes": self.fixed_bytes,
-                "source": self.source}
+                "source": self.source, "buffers": [list(b) for b in self.buffers]}
 
     @staticmethod
     def from_dict(raw: dict) -> ParamInventory:
         return ParamInventory(tuple(ParamEntry(**e) for e in raw["entries"]), raw.get("fixed_bytes", 0),
-                              raw.get("source", ""))
+                              raw.get("source", ""), tuple(tuple(b) for b in raw.get("buffers", ())))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +117,7 @@ class EngineSetup:
     """none | cpu | nvme: where stage 3's parameter shards live between gathers."""
     max_in_cpu: int = 1_000_000_000
     """offload_param=nvme: shard elements kept in host memory (the engine's default, DeepSpeed's 1e9)."""
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -321,6 +326,9 @@ def engine_comm(inventory: ParamInventory, setup: EngineSetup) -> dict[str, dict
         _stage3_gathers(stats, inventory, setup, buckets)
     if setup.stage >= 1:  # the float64 sum of squares behind the global norm, and the usage flags
         add_count(stats, "all_reduce", 1, 1 + flags, 8)
+    if setup.broadcast_buffers:  # rank 0's buffers, per dtype, before each forward after the first and at the step
+        for numel, element_bytes in inventory.buffers:
+            add_count(stats, "broadcast", setup.grad_accum, setup.grad_accum * numel, element_bytes)
     return stats
 
 

@@ -51,7 +51,15 @@ def param_inventory(model: nn.Module, param_groups: Any = None, stage3: Any = No
             fixed += param.numel() * param.element_size()
         entries.append(ParamEntry(name=name, numel=param.numel(), group=group_of.get(id(param), -1) if trainable else -1,
                                   unit=unit_of.get(id(param), 0), trainable=trainable, floating=floating))
-    return ParamInventory(tuple(entries), fixed, source or type(model).__name__)
+    return ParamInventory(tuple(entries), fixed, source or type(model).__name__, _buffers(model))
+
+
+def _buffers(model: nn.Module) -> tuple[tuple[int, int], ...]:
+    """(elements, bytes per element) of the model's buffers per dtype, as broadcast_buffers packs them."""
+    by_dtype: dict[torch.dtype, int] = {}
+    for buffer in model.buffers():
+        by_dtype[buffer.dtype] = by_dtype.get(buffer.dtype, 0) + buffer.numel()
+    return tuple((numel, dtype.itemsize) for dtype, numel in by_dtype.items())
 
 
 def blocks_of(model: nn.Module) -> Sequence[nn.Module]:

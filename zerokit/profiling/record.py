@@ -75,7 +75,8 @@ def engine_setup(engine: Any, optimizer_name: str) -> EngineSetup:
                        reduce_scatter=config.reduce_scatter, bucket_bytes=config.reduce_bucket_bytes,
                        sub_group_size=config.sub_group_size, reduce_every_micro_step=config.reduce_every_micro_step,
                        grad_accum=config.gradient_accumulation_steps,
-                       persistence_threshold=config.stage3.persistence_threshold)
+                       persistence_threshold=config.stage3.persistence_threshold,
+                       broadcast_buffers=config.broadcast_buffers)
 
 
 def optimizer_name(optimizer: Any) -> str:

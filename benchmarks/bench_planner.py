@@ -108,8 +108,8 @@ def calibrations(name: str, config: dict, dtype: str, batch: int, seq: int, stag
         path.write_text(json.dumps(config))
         if (name, dtype) not in cache:
             cache[(name, dtype)] = replace(calibrate(str(path), precision=dtype, layers=2), model=f"{name}, 2 blocks")
-        framework, slack = measure_resident(str(path), dtype, batch, seq, layers=2, stage=stage, world=2)
-    return replace(cache[(name, dtype)], resident_bytes=framework, allocator_slack=slack)
+        framework, slack, fixed = measure_resident(str(path), dtype, batch, seq, layers=2, stage=stage, world=2)
+    return replace(cache[(name, dtype)], resident_bytes=framework, allocator_slack=slack, resident_fixed_bytes=fixed)
 
 
 def main(argv: list[str] | None = None) -> int:

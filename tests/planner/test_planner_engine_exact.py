@@ -6,6 +6,7 @@ tuned on) checked by `plan_report`: activations and the allocator's peak within 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 
@@ -123,12 +124,27 @@ def test_plan_report_on_a_recorded_llama():
         **{**LLAMA, "num_hidden_layers": 2})), precision="bf16", seqs=(32, 64))
     rows = {row["category"]: row for row in plan_report(record=record, calibration=calibration)}
     for name in ("parameters", "gradients", "optimizer_state", "parameters_after_step", "all_reduce.elements",
-                 "all_reduce.bytes", "all_reduce.calls", "all_gather.elements"):
+                 "all_reduce.bytes", "all_reduce.calls", "all_gather.elements",
+                 "broadcast.calls", "broadcast.elements"):  # broadcast: the rotary embedding's inv_freq buffer
         assert rows[name]["error"] == 0, name
+    assert rows["broadcast.calls"]["measured_count"] == 1
     assert abs(rows["activations"]["error"]) < 0.10
     assert abs(rows["peak_allocated"]["error"]) < 0.10
     assert rows["peak_total"]["measured_bytes"] > rows["peak_allocated"]["measured_bytes"]
     assert Calibration.from_dict(calibration.as_dict()) == calibration
+    # the resident peak: framework + model states + the fixed excess + the step's allocations x (1 + slack)
+    resident = replace(calibration, resident_bytes=200 * 2**20, allocator_slack=0.5)
+    totals = [{row["category"]: row for row in plan_report(record=record, calibration=replace(
+        resident, resident_fixed_bytes=fixed))}["peak_total"]["predicted_bytes"] for fixed in (0, 3 * 2**20)]
+    assert totals[1] - totals[0] == 3 * 2**20
+
+
+def test_the_resident_excess_is_a_line_through_two_copies():
+    from zerokit.profiling.resident import excess_line
+
+    assert excess_line((100, 300), (200, 450)) == (0.5, 150)  # 1.5 bytes per byte of growth, 150 fixed
+    assert excess_line((100, 300), (100, 320)) == (2.0, 0)  # no difference in growth: all of it per byte
+    assert excess_line((100, 300), (200, 320)) == (0.0, 200)  # resident memory never grows less than allocated
 
 
 def test_check_command_prints_the_run_beside_its_plan(tmp_path, capsys):

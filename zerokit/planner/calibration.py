@@ -134,7 +134,10 @@ class Calibration:
     """Resident memory of a process that imported torch and zerokit and joined a process group, before
     building a model: the framework's own share of a rank (0: not measured)."""
     allocator_slack: float = 0.0
-    """Resident growth beyond the model states / the step's allocated growth - 1 (glibc or CUDA caching)."""
+    """Resident growth per byte of the step's allocated growth - 1 (glibc or CUDA caching)."""
+    resident_fixed_bytes: int = 0
+    """Resident growth beyond the model states that does not follow the step's allocations (See [Note:
+    measuring allocator slack] in zerokit/profiling/resident.py)."""
     seconds_per_flop: dict = field(default_factory=dict)
     """Measured forward and backward seconds per FLOP of the model on this device (by phase)."""
     notes: tuple[str, ...] = ()

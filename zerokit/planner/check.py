@@ -195,10 +195,11 @@ def check_rows(record: dict, calibration: Calibration | None = None, device: Dev
     resident = (calibration.resident_bytes if calibration else 0) or (device.resident_bytes if device else 0)
     slack = slack if slack is not None else (calibration.allocator_slack if calibration else 0.0)
     kept = sum(states.after_step.values())  # allocated once, in a few large tensors: no slack on them
-    total = resident + kept + (peak - kept) * (1 + slack) if peak is not None and resident else None
+    fixed = calibration.resident_fixed_bytes if calibration else 0
+    total = resident + kept + fixed + (peak - kept) * (1 + slack) if peak is not None and resident else None
     rows.append(Row("peak_total", "bytes", total, measured["peak_resident"],
-                    f"resident peak: framework {resident / 2**20:.0f} MiB + model states + the step's allocations "
-                    f"x {1 + slack:.2f}"))
+                    f"resident peak: framework {resident / 2**20:.0f} MiB + model states + {fixed / 2**20:.0f} MiB "
+                    f"+ the step's allocations x {1 + slack:.2f}"))
     comm = engine_comm(inventory, setup)
     for kind in sorted(set(comm) | set(measured["comm_per_step"])):
         plan, run = comm.get(kind, {}), measured["comm_per_step"].get(kind, {})

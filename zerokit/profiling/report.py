@@ -41,10 +41,11 @@ def calibrate_for_record(record: RunRecord | dict | str | Path, layers: int = 2,
         path.write_text(json.dumps(hf))
         calibration = calibrate(str(path), precision=setup["precision"], layers=layers)
         if resident:
-            framework, slack = measure_resident(str(path), setup["precision"], record["micro_batch"],
-                                                record["seq_len"], layers=layers, stage=setup["stage"],
-                                                world=setup["world"])
-            calibration = replace(calibration, resident_bytes=framework, allocator_slack=slack)
+            framework, slack, fixed = measure_resident(str(path), setup["precision"], record["micro_batch"],
+                                                       record["seq_len"], layers=layers, stage=setup["stage"],
+                                                       world=setup["world"])
+            calibration = replace(calibration, resident_bytes=framework, allocator_slack=slack,
+                                  resident_fixed_bytes=fixed)
     return calibration
 
 

@@ -6,10 +6,15 @@ Resident memory is not the sum of live tensors: freed blocks stay with the alloc
 much depends on the sizes a step allocates, so it is measured on a workload like the target's: the
 calibration model (a few blocks of the real one) trained by a 1-rank zerokit engine at the target's
 micro-batch and sequence length, in a fresh process. The model states are allocated once, in a few
-large tensors, and stay; the slack comes from what a step allocates and frees. So its resident peak over
-a few steps, less its resident memory before the model was built and less its model states, divided by
-the step's peak growth of allocated bytes (measured in another step with the profiler), is 1 + slack. The framework's share is
-the resident memory before the model was built: Python, torch, zerokit, transformers, gloo.
+large tensors, and stay; the rest comes from what a step allocates and frees. So the resident peak over a
+few steps, less the resident memory before the model was built and less the model states, is the excess;
+the step's peak growth of allocated bytes is measured in another step with the profiler. Part of the excess
+follows that growth (freed blocks kept for reuse: 1 + slack per byte) and part does not (the loss head's
+temporaries, autograd's and gloo's bookkeeping): with one copy the two cannot be told apart, and the whole
+excess priced per byte of growth over-predicted a 6-block model from its 2-block copy by 10% (a 2-block
+copy's growth is mostly the head's). So two copies are trained, of `layers` and 2 x `layers` blocks, and a
+line through their (growth, excess) gives both parts: excess = fixed + (1 + slack) x growth. The framework's
+share is the resident memory before the model was built: Python, torch, zerokit, transformers, gloo.
 """
 
 from __future__ import annotations
@@ -55,12 +60,24 @@ def _slack_rank(rank: int, world: int, model: Any, layers: int, precision: str, 
 
 
 def measure_resident(model: Any, precision: str, batch: int, seq: int, layers: int = 2, stage: int = 0,
-                     world: int = 1) -> tuple[int, float]:
-    """(framework resident bytes, allocator slack) on this machine, with `world` gloo ranks training at
-    `stage`; See [Note: measuring allocator slack]."""
+                     world: int = 1) -> tuple[int, float, int]:
+    """(framework resident bytes, allocator slack, fixed excess bytes) on this machine, with `world` gloo ranks
+    training copies of `layers` and 2 x `layers` blocks at `stage`; See [Note: measuring allocator slack]."""
     from zerokit.testing.spawn import spawn
 
-    result = max(spawn(_slack_rank, world, model, layers, precision, batch, seq, stage),
-                 key=lambda r: r["resident_peak"])
-    slack = (result["resident_peak"] - result["framework"] - result["states"]) / max(1, result["growth"]) - 1
-    return result["framework"], max(0.0, slack)
+    points = []
+    for blocks in (layers, 2 * layers):
+        result = max(spawn(_slack_rank, world, model, blocks, precision, batch, seq, stage),
+                     key=lambda r: r["resident_peak"])
+        points.append((result["growth"], result["resident_peak"] - result["framework"] - result["states"]))
+    return (result["framework"], *excess_line(*points))
+
+
+def excess_line(small: tuple[int, int], large: tuple[int, int]) -> tuple[float, int]:
+    """(slack, fixed bytes) of the line excess = fixed + (1 + slack) x growth through two (growth, excess)
+    points; with no difference in growth, the whole excess per byte of growth. Slack is at least 0."""
+    (small_growth, small_excess), (large_growth, large_excess) = small, large
+    if large_growth <= small_growth:
+        return max(0.0, small_excess / max(1, small_growth) - 1), 0
+    per_byte = max(1.0, (large_excess - small_excess) / (large_growth - small_growth))
+    return per_byte - 1, round(small_excess - per_byte * small_growth)

@@ -143,8 +143,11 @@ def test_the_resident_excess_is_a_line_through_two_copies():
     from zerokit.profiling.resident import excess_line
 
     assert excess_line((100, 300), (200, 450)) == (0.5, 150)  # 1.5 bytes per byte of growth, 150 fixed
-    assert excess_line((100, 300), (100, 320)) == (2.0, 0)  # no difference in growth: all of it per byte
-    assert excess_line((100, 300), (200, 320)) == (0.0, 200)  # resident memory never grows less than allocated
+    # no line that can be (no difference in growth; less than a byte per byte; a negative fixed part): the
+    # larger copy alone
+    assert excess_line((100, 300), (100, 320)) == pytest.approx((2.2, 0))
+    assert excess_line((100, 300), (200, 320)) == pytest.approx((0.6, 0))
+    assert excess_line((100, 300), (110, 440)) == pytest.approx((3.0, 0))
 
 
 def test_check_command_prints_the_run_beside_its_plan(tmp_path, capsys):

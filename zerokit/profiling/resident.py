@@ -13,7 +13,8 @@ follows that growth (freed blocks kept for reuse: 1 + slack per byte) and part d
 temporaries, autograd's and gloo's bookkeeping): with one copy the two cannot be told apart, and the whole
 excess priced per byte of growth over-predicted a 6-block model from its 2-block copy by 10% (a 2-block
 copy's growth is mostly the head's). So two copies are trained, of `layers` and 2 x `layers` blocks, and a
-line through their (growth, excess) gives both parts: excess = fixed + (1 + slack) x growth. The framework's
+line through their (growth, excess) gives both parts: excess = fixed + (1 + slack) x growth (or, when two
+close points give a line that cannot be, the larger copy alone; See excess_line). The framework's
 share is the resident memory before the model was built: Python, torch, zerokit, transformers, gloo.
 """
 
@@ -75,9 +76,13 @@ def measure_resident(model: Any, precision: str, batch: int, seq: int, layers: i
 
 def excess_line(small: tuple[int, int], large: tuple[int, int]) -> tuple[float, int]:
     """(slack, fixed bytes) of the line excess = fixed + (1 + slack) x growth through two (growth, excess)
-    points; with no difference in growth, the whole excess per byte of growth. Slack is at least 0."""
+    points. A line that gives resident memory less than a byte per byte of growth, or a negative fixed part,
+    is the noise of two close points (a head that dwarfs the blocks grows little with them): then the larger
+    copy alone, all of its excess per byte of growth."""
     (small_growth, small_excess), (large_growth, large_excess) = small, large
-    if large_growth <= small_growth:
-        return max(0.0, small_excess / max(1, small_growth) - 1), 0
-    per_byte = max(1.0, (large_excess - small_excess) / (large_growth - small_growth))
-    return per_byte - 1, round(small_excess - per_byte * small_growth)
+    if large_growth > small_growth:
+        per_byte = (large_excess - small_excess) / (large_growth - small_growth)
+        fixed = small_excess - per_byte * small_growth
+        if per_byte >= 1 and fixed >= 0:
+            return per_byte - 1, round(fixed)
+    return max(0.0, large_excess / max(1, large_growth) - 1), 0

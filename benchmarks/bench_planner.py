@@ -2,11 +2,12 @@
 --extra, a Qwen2-style model with grouped-query attention that nothing was tuned on), stages 0-3, fp32 and
 bf16, 2 gloo ranks, each run recorded by zerokit.profiling.record_run in fresh processes and predicted by
 zerokit.planner.check from a calibration of a 2-block copy of the model at small shapes, a measured
-device, and the allocator's slack measured on the same copy at the run's shape. Printed per run:
+device, and the resident excess measured on copies of 2 and 4 blocks at the run's stage and shape. Printed per run:
 predicted, measured and error for every category; then one line per run, beside what DeepSpeed's and
 accelerate's estimators say for the same run (model states only: they do not price activations).
 
-    python benchmarks/bench_planner.py                 # the 24 runs (about 25 minutes on 2 cores)
+    python benchmarks/bench_planner.py                 # the 24 runs (about 16 minutes on 2 cores)
+    python benchmarks/bench_planner.py --extra         # and the Qwen2-style model: 32 runs, about 21 minutes
     python benchmarks/bench_planner.py --models gpt2-6x384 --stages 2 --dtypes bf16   # one run
 """
 

@@ -4,15 +4,15 @@ allocator's slack (glibc keeps freed heap for reuse; CUDA's caching allocator ke
 [Note: measuring allocator slack]
 Resident memory is not the sum of live tensors: freed blocks stay with the allocator, fragmented. How
 much depends on the sizes a step allocates, so it is measured on a workload like the target's: the
-calibration model (a few blocks of the real one) trained by a 1-rank zerokit engine at the target's
-micro-batch and sequence length, in a fresh process. The model states are allocated once, in a few
+calibration model (a few blocks of the real one) trained by a zerokit engine at the target's stage,
+world size, micro-batch and sequence length, in fresh processes. The model states are allocated once, in a few
 large tensors, and stay; the rest comes from what a step allocates and frees. So the resident peak over a
 few steps, less the resident memory before the model was built and less the model states, is the excess;
 the step's peak growth of allocated bytes is measured in another step with the profiler. Part of the excess
 follows that growth (freed blocks kept for reuse: 1 + slack per byte) and part does not (the loss head's
 temporaries, autograd's and gloo's bookkeeping): with one copy the two cannot be told apart, and the whole
-excess priced per byte of growth over-predicted a 6-block model from its 2-block copy by 10% (a 2-block
-copy's growth is mostly the head's). So two copies are trained, of `layers` and 2 x `layers` blocks, and a
+excess priced per byte of growth over-predicted 6-block models from their 2-block copies by up to 15% (a
+2-block copy's growth is mostly the head's). So two copies are trained, of `layers` and 2 x `layers` blocks, and a
 line through their (growth, excess) gives both parts: excess = fixed + (1 + slack) x growth (or, when two
 close points give a line that cannot be, the larger copy alone; See excess_line). The framework's
 share is the resident memory before the model was built: Python, torch, zerokit, transformers, gloo.

@@ -5,11 +5,12 @@ rides beside every gather (See [Note: stage-3 units every rank agrees on] in zer
     python benchmarks/bench_reliability.py --world-size 3 --rounds 4
     python benchmarks/bench_reliability.py --n-embd 768 --n-layer 4   # blocks of 7.1M parameters
 
-On the same ranks and engine, rounds rotate between the checks as zerokit runs them for this model (its blocks
-are equal: each row overlaps its gather), the checks as for a model whose units differ in size (each row
-waited on before its gather starts) and no checks (the agreement removed from the engine's unit shards, which
-nothing else reads); each round times `--steps` optimizer steps after a barrier, the slowest rank's. The fingerprint is timed as `initialize` runs it
-(check_at_start: this rank's checks, the fingerprint, one all-gather), the median of --rounds calls.
+On the same ranks and engine, each round runs three arms, in alternating order: the checks as zerokit runs
+them for this model (its blocks are equal: each row overlaps its gather), the checks as for a model whose
+units differ in size (each row waited on before its gather starts) and no checks (the agreement removed from
+the engine's unit shards, which nothing else reads); each arm times `--steps` optimizer steps after a
+barrier, the slowest rank's. The fingerprint is timed as `initialize` runs it (check_at_start: this rank's
+checks, the fingerprint, one all-gather), the median of --rounds calls.
 """
 
 from __future__ import annotations
@@ -103,14 +104,14 @@ def run_rank(rank: int, world_size: int, settings: BenchSettings, rounds: int) -
     shards.agreement, agreement.wait_before_gather = agreement, as_built
     return {"pending_at_boundaries": pending_at_boundaries, "steps": timed,
             "fingerprint": _fingerprint_seconds(engine, settings, rounds), "units": len(engine.stage.units),
-            "unit_params": engine.stage.shards.unit_numel[1]}
+            "unit_params": shards.unit_numel[1]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds with the checks on (and as many off)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, each of the three arms")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     parser.add_argument("--n-embd", type=int, default=BenchSettings.n_embd, help="width (heads of 64)")
     parser.add_argument("--n-layer", type=int, default=BenchSettings.n_layer)

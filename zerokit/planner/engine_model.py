@@ -69,7 +69,7 @@ class ParamInventory:
     """Bytes of non-floating frozen parameters, which no stage casts or shards."""
     source: str = ""
     buffers: tuple[tuple[int, int], ...] = ()
-    """The module's buffers, one (elements, bytes per element) per dtype: what `broadcast_buffers` sends."""
+    """The module's buffers, one (elements, bytes per element) per flat tensor `broadcast_buffers` sends."""
 
     def __post_init__(self) -> None:
         if not any(e.trainable for e in self.entries):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from zerokit.planner.engine_model import ParamEntry, ParamInventory
+from zerokit.reliability.buffers import buffer_groups
 
 
 def _group_of(model: nn.Module, param_groups: Any) -> dict[int, int]:
@@ -55,11 +56,8 @@ def param_inventory(model: nn.Module, param_groups: Any = None, stage3: Any = No
 
 
 def _buffers(model: nn.Module) -> tuple[tuple[int, int], ...]:
-    """(elements, bytes per element) of the model's buffers per dtype, as broadcast_buffers packs them."""
-    by_dtype: dict[torch.dtype, int] = {}
-    for buffer in model.buffers():
-        by_dtype[buffer.dtype] = by_dtype.get(buffer.dtype, 0) + buffer.numel()
-    return tuple((numel, dtype.itemsize) for dtype, numel in by_dtype.items())
+    """(elements, bytes per element) of each flat tensor broadcast_buffers sends."""
+    return tuple((sum(b.numel() for b in group), dtype.itemsize) for (dtype, _), group in buffer_groups(model).items())
 
 
 def blocks_of(model: nn.Module) -> Sequence[nn.Module]:

@@ -25,13 +25,18 @@ from zerokit.comm import Communicator
 PURPOSE = "module buffers (broadcast_buffers)"
 
 
+def buffer_groups(model: nn.Module) -> dict[tuple[torch.dtype, torch.device], list[torch.Tensor]]:
+    """The model's buffers as they are broadcast: one flat tensor per (dtype, device)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for buffer in model.buffers():
+        groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+    return groups
+
+
 class BufferSync:
     def __init__(self, model: nn.Module, comm: Communicator, enabled: bool) -> None:
         self.comm = comm
-        buffers = list(model.buffers()) if enabled and comm.world_size > 1 else []
-        self.groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for buffer in buffers:
-            self.groups.setdefault((buffer.dtype, buffer.device), []).append(buffer)
+        self.groups = buffer_groups(model) if enabled and comm.world_size > 1 else {}
         self.stale = True  # DDP also syncs before the first forward
         self.handles: list[RemovableHandle] = []
         if self.groups:

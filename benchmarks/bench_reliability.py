@@ -1,15 +1,15 @@
-"""What zerokit's agreement checks cost (issue 13): the start-up fingerprint, and at stage 3 the unit table that
-rides beside every gather (See [Note: stage-3 units every rank agrees on] in zerokit/reliability/divergence.py).
+"""What zerokit's agreement checks cost (issue 13): the start-up fingerprint, and at stage 3 the unit tables
+(See [Note: stage-3 units every rank agrees on] in zerokit/reliability/divergence.py).
 
     python benchmarks/bench_reliability.py                 # 2 gloo ranks, benchmarks/workload.py's GPT
     python benchmarks/bench_reliability.py --world-size 3 --rounds 4
     python benchmarks/bench_reliability.py --n-embd 768 --n-layer 4   # blocks of 7.1M parameters
 
 On the same ranks and engine, each round runs three arms, in alternating order: the checks as zerokit runs
-them for this model (its blocks are equal: each row overlaps its gather), the checks as for a model whose
-units differ in size (each row waited on before its gather starts) and no checks (the agreement removed from
-the engine's unit shards, which nothing else reads); each arm times `--steps` optimizer steps after a
-barrier, the slowest rank's. The fingerprint is timed as `initialize` runs it (check_at_start: this rank's
+them (each forward and backward follows the order the last one agreed on: one table at its end), the checks
+as in a phase that follows no order (the first step; a row beside each unit gather, overlapping it: this
+model's blocks are equal) and no checks (the agreement removed from the engine's unit shards, which nothing
+else reads); each arm times `--steps` optimizer steps after a barrier, the slowest rank's. The fingerprint is timed as `initialize` runs it (check_at_start: this rank's
 checks, the fingerprint, one all-gather), the median of --rounds calls.
 """
 
@@ -32,9 +32,9 @@ from zerokit.testing.models import lm_loss  # noqa: E402
 from zerokit.testing.spawn import spawn  # noqa: E402
 
 
-# checked: the unit rows as zerokit runs them for this model (equal blocks: each row overlaps its gather);
-# waited: as for a model whose units differ in size (each row waited on before the gather starts); unchecked: none
-ARMS = ("checked", "unchecked", "waited")
+# checked: as zerokit runs them (one table per forward and per backward); rows: a row beside every unit gather,
+# as where no order is followed; unchecked: none
+ARMS = ("checked", "unchecked", "rows")
 
 
 def _slowest(seconds: float) -> float:
@@ -91,18 +91,20 @@ def run_rank(rank: int, world_size: int, settings: BenchSettings, rounds: int) -
     timed: dict[str, list[float]] = {arm: [] for arm in ARMS}
     step = settings.warmup
     pending_at_boundaries = []
-    as_built = agreement.wait_before_gather
+    tables: dict[str, float] = {}  # per step, the arm's last round (a first step after a switch follows no order)
     for round_ in range(rounds):
         for arm in (ARMS if round_ % 2 == 0 else ARMS[::-1]):  # no arm always runs first
             pending_at_boundaries.append(len(agreement.pending))
             _settle(agreement)  # a row issued for a prefetch is waited on before the agreement is switched
             shards.agreement = None if arm == "unchecked" else agreement
-            agreement.wait_before_gather = arm == "waited"
+            agreement.follow_orders = arm == "checked"
+            issued = agreement.rounds
             timed[arm] += _steps(engine, settings, rank, step, settings.steps)
+            tables[arm] = (agreement.rounds - issued) / settings.steps
             step += settings.steps
     _settle(agreement)
-    shards.agreement, agreement.wait_before_gather = agreement, as_built
-    return {"pending_at_boundaries": pending_at_boundaries, "steps": timed,
+    shards.agreement, agreement.follow_orders = agreement, True
+    return {"pending_at_boundaries": pending_at_boundaries, "steps": timed, "tables": tables,
             "fingerprint": _fingerprint_seconds(engine, settings, rounds), "units": len(engine.stage.units),
             "unit_params": shards.unit_numel[1]}
 
@@ -120,7 +122,7 @@ def main() -> None:
     settings = BenchSettings(world_size=args.world_size, steps=args.steps, warmup=2, dtype=args.dtype,
                              n_embd=args.n_embd, n_head=args.n_embd // 64, n_layer=args.n_layer)
     result = spawn(run_rank, args.world_size, settings, args.rounds)[0]
-    checked, unchecked, waited = (statistics.median(result["steps"][arm]) for arm in ARMS)
+    checked, unchecked, rows = (statistics.median(result["steps"][arm]) for arm in ARMS)
     spread = statistics.pstdev(result["steps"]["unchecked"])
     fingerprint = statistics.median(result["fingerprint"])
     print(f"stage 3, {args.world_size} gloo ranks, {result['units']} units of {result['unit_params']:,} "
@@ -128,9 +130,10 @@ def main() -> None:
           f"{len(result['steps']['checked'])} steps each way")
     print(f"step with unit checks {checked:.4f} s, without {unchecked:.4f} s: ratio {checked / unchecked:.3f} "
           f"(step-to-step spread without: {spread:.4f} s)")
-    print(f"step with each row waited on before its gather (units of different sizes) {waited:.4f} s: ratio "
-          f"{waited / unchecked:.3f}")
-    print(f"agreement tables pending between steps: {result['pending_at_boundaries']}")
+    print(f"step with a row beside every unit gather (a phase that follows no order) {rows:.4f} s: ratio "
+          f"{rows / unchecked:.3f}")
+    print(f"agreement tables per step (last round): {result['tables']}; pending between steps: "
+          f"{result['pending_at_boundaries']}")
     print(f"start-up fingerprint (once, at initialize): {fingerprint * 1e3:.1f} ms, "
           f"{fingerprint / unchecked * 100:.1f}% of one step")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

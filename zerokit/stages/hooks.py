@@ -65,9 +65,11 @@ def install_hooks(stage: "ZeroStage", reducer: "BucketReducer") -> list[Removabl
     if stage.unit_hooks is not None:
         handles += stage.unit_hooks.install()
         agreement = stage.unit_hooks.shards.agreement
+        # See [Note: stage-3 units every rank agrees on] in reliability/divergence.py
         if agreement is not None and agreement.mode == GATHER:
-            # See [Note: stage-3 units every rank agrees on] in reliability/divergence.py: no cap's wait in backward
-            reducer.max_in_flight = len(reducer.buckets)
+            reducer.max_in_flight = len(reducer.buckets)  # no cap's wait in backward
+        elif agreement is not None:
+            agreement.release_reductions = reducer.launch_remaining  # a rank that leaves the backward's order
     return handles
 
 

@@ -89,14 +89,26 @@ class BucketReducer:
         """After backward: launch what is left (parameters without gradients count as zero) and wait."""
         if not self.armed:
             return
+        self._launch_rest()
+        while self.in_flight:
+            self._complete_oldest()
+        self.armed = False
+
+    def launch_remaining(self) -> None:
+        """In the middle of backward, launch every bucket not launched yet, waiting for none: a stage-3 rank that
+        cannot follow the backward's agreed order any more must not keep another rank waiting for one of its
+        reductions (See [Note: stage-3 units every rank agrees on] in reliability/divergence.py). This backward
+        cannot go on after it: a gradient that arrives later finds its bucket reduced."""
+        if self.armed:
+            self.max_in_flight = len(self.buckets)
+            self._launch_rest()
+
+    def _launch_rest(self) -> None:
         while self.next_bucket < len(self.buckets):
             for slot in self.buckets[self.next_bucket].slots:
                 if not self.ready[slot.param_index]:
                     self.stage.on_grad_ready(slot.param_index)
             self._launch_next()
-        while self.in_flight:
-            self._complete_oldest()
-        self.armed = False
 
 
 def params_in_graph(loss: torch.Tensor) -> set[int]:

@@ -100,13 +100,14 @@ class UnitShards:
         if self.agreement is None:
             return True
         if self.agreement.mode == RAISE:
-            self.agreement.announce(unit.index, prefetch)
+            self.agreement.announce(unit.index, prefetch, self._serve)
             return True
         return self.agreement.agree(unit.index, prefetch, self._serve)
 
     def _serve(self, unit_index: int) -> None:
-        """Gather a unit only because another rank asks for it now, and free it at once (one already here is
-        gathered again in place, with the same values): every rank issues the same gathers."""
+        """Gather a unit only because another rank asks for it now, or the order this rank follows promised it,
+        and free it at once (one already here is gathered again in place, with the same values): every rank
+        issues the same gathers."""
         unit = self.units[unit_index]
         for flat, bucket in self.parts(unit):
             purpose = f"unit {unit.name!r} (for another rank)"
@@ -119,7 +120,7 @@ class UnitShards:
 
     def set_phase(self, phase: str) -> None:
         if self.agreement is not None:
-            self.agreement.phase = phase
+            self.agreement.set_phase(phase)
 
     def end_phase(self) -> None:
         """This rank gathers nothing more in this forward or backward: say so to the others (and serve them)."""

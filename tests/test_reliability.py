@@ -308,6 +308,20 @@ def test_a_unit_skipped_on_one_rank_is_named_at_the_first_divergent_gather() -> 
             "rank 1: unit 'blocks.0' (backward prefetch, micro-step 1). ") in message
 
 
+def _skipped_on_three(rank: int, world_size: int) -> tuple[int, str] | None:
+    return raised_at(skippy_engine("raise", UnevenSkippy)[1], rank, [(3, 3, 3), (3, 1, 3)])
+
+
+def test_a_unit_skipped_on_one_of_three_ranks_is_named_on_all_three() -> None:
+    """Three ranks (a world size that divides nothing here): rank 1 alone skips blocks.1 of units of three sizes."""
+    outcomes = set(spawn(_skipped_on_three, 3, timeout=SPAWN_TIMEOUT))
+    assert len(outcomes) == 1
+    step, message = outcomes.pop()
+    assert step == 1 and ("rank 0: unit 'blocks.1' (backward prefetch, micro-step 1); rank 1: unit 'blocks.0' "
+                          "(backward prefetch, micro-step 1); rank 2: unit 'blocks.1' (backward prefetch, "
+                          "micro-step 1). ") in message, message
+
+
 def test_units_of_different_sizes_are_named_before_their_gathers_pair() -> None:
     """Gathers of different sizes that pair abort gloo (SIGABRT): the rows are checked before the gathers start."""
     messages = {outcome["uneven"] for outcome in skipped()}

@@ -2,7 +2,8 @@
 --extra, a Qwen2-style model with grouped-query attention that nothing was tuned on), stages 0-3, fp32 and
 bf16, 2 gloo ranks, each run recorded by zerokit.profiling.record_run in fresh processes and predicted by
 zerokit.planner.check from a calibration of a 2-block copy of the model at small shapes, a measured
-device, and the resident excess measured on copies of 2 and 4 blocks at the run's stage and shape. Printed per run:
+device, and copies of 2 and 6 blocks trained at the run's stage and shape (their resident excess and their
+phases' times, See [Note: timing copies] in zerokit/profiling/resident.py). Printed per run:
 predicted, measured and error for every category; then one line per run, beside what DeepSpeed's and
 accelerate's estimators say for the same run (model states only: they do not price activations).
 
@@ -102,15 +103,16 @@ def peers(config: dict, record: dict) -> dict:
 
 def calibrations(name: str, config: dict, dtype: str, batch: int, seq: int, stage: int, cache: dict):
     from zerokit.profiling.calibrate import calibrate
-    from zerokit.profiling.resident import measure_resident
+    from zerokit.profiling.resident import measure_copies
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "config.json"
         path.write_text(json.dumps(config))
         if (name, dtype) not in cache:
             cache[(name, dtype)] = replace(calibrate(str(path), precision=dtype, layers=2), model=f"{name}, 2 blocks")
-        framework, slack, fixed = measure_resident(str(path), dtype, batch, seq, layers=2, stage=stage, world=2)
-    return replace(cache[(name, dtype)], resident_bytes=framework, allocator_slack=slack, resident_fixed_bytes=fixed)
+        copies = measure_copies(str(path), dtype, batch, seq, layers=2, stage=stage, world=2)
+    return replace(cache[(name, dtype)], resident_bytes=copies.framework, allocator_slack=copies.slack,
+                   resident_fixed_bytes=copies.fixed, copy_seconds=copies.seconds)
 
 
 def main(argv: list[str] | None = None) -> int:

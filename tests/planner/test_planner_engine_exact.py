@@ -113,15 +113,22 @@ def test_small_parameters_join_the_root_unit_at_stage_3():
     assert engine_comm(run["inventory"], setup) == run["comm"]
 
 
+@functools.lru_cache(maxsize=None)
+def calibrated_llama():
+    """The recorded Llama's 2-block copy, calibrated at small shapes."""
+    from zerokit.profiling.calibrate import calibrate
+
+    return calibrate(transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        **{**LLAMA, "num_hidden_layers": 2})), precision="bf16", seqs=(32, 64))
+
+
 def test_plan_report_on_a_recorded_llama():
     """Calibrated on a 2-block copy at small shapes, the plan meets the 4-block run at (4, 128)."""
     from zerokit.planner.calibration import Calibration
-    from zerokit.profiling.calibrate import calibrate
     from zerokit.profiling.report import plan_report
 
     record = runs()["record"]
-    calibration = calibrate(transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
-        **{**LLAMA, "num_hidden_layers": 2})), precision="bf16", seqs=(32, 64))
+    calibration = calibrated_llama()
     rows = {row["category"]: row for row in plan_report(record=record, calibration=calibration)}
     for name in ("parameters", "gradients", "optimizer_state", "parameters_after_step", "all_reduce.elements",
                  "all_reduce.bytes", "all_reduce.calls", "all_gather.elements",
@@ -137,6 +144,28 @@ def test_plan_report_on_a_recorded_llama():
     totals = [{row["category"]: row for row in plan_report(record=record, calibration=replace(
         resident, resident_fixed_bytes=fixed))}["peak_total"]["predicted_bytes"] for fixed in (0, 3 * 2**20)]
     assert totals[1] - totals[0] == 3 * 2**20
+
+
+def test_times_are_read_on_the_line_through_two_timed_copies():
+    """A 4-block run from copies of 2 and 3 blocks: fixed + per block x 4, per phase, wall and CPU apart; a
+    phase that shrank between the copies (noise) stays at the larger copy's."""
+    from zerokit.planner.calibration import Calibration
+    from zerokit.profiling.report import plan_report
+
+    record = runs()["record"]
+    assert record["model"]["n_layers"] == 4
+    copies = ({"blocks": 2, "seconds": {"forward": 0.5, "backward": 1.0, "step": 0.3, "communication": 0.2},
+               "cpu_seconds": {"forward": 0.4, "backward": 0.9, "step": 0.3}},
+              {"blocks": 3, "seconds": {"forward": 0.6, "backward": 1.3, "step": 0.25, "communication": 0.3},
+               "cpu_seconds": {"forward": 0.5, "backward": 1.1, "step": 0.3}})
+    calibration = Calibration.from_dict({**calibrated_llama().as_dict(), "copy_seconds": copies})
+    rows = {row["category"]: row for row in plan_report(record=record, calibration=calibration)}
+    predicted = {name: rows[name]["predicted_seconds"] for name in rows if "time." in name}
+    assert predicted == pytest.approx({"time.forward": 0.7, "time.backward": 1.6, "time.step": 0.25,
+                                       "time.communication": 0.4, "cpu_time.forward": 0.6, "cpu_time.backward": 1.3,
+                                       "cpu_time.step": 0.3})
+    assert rows["time.forward"]["measured_seconds"] == record["measured"]["seconds"]["forward"]
+    assert "line through copies of 2 and 3 blocks" in rows["time.forward"]["note"]
 
 
 def test_the_resident_excess_is_a_line_through_two_copies():
@@ -170,3 +199,23 @@ def test_check_command_prints_the_run_beside_its_plan(tmp_path, capsys):
     assert zerokit.cli.main(["plan", "--check", str(run_file), "--calibration", str(calibration_file),
                              "--memo", str(memo)]) == 0
     assert "peak_total" in capsys.readouterr().out and "## Predicted vs measured" in memo.read_text()
+
+
+def test_copies_of_the_recorded_run_time_its_phases(tmp_path):
+    """calibrate_for_record trains copies of 1 and 3 blocks at the run's stage, world size and shape in fresh
+    processes: every phase is timed on both, and the report reads the run's times and resident peak from them."""
+    from zerokit.profiling.report import calibrate_for_record, plan_report
+
+    record = runs()["record"]
+    calibration = calibrate_for_record(record, layers=1)
+    assert [copy["blocks"] for copy in calibration.copy_seconds] == [1, 3]
+    for copy in calibration.copy_seconds:
+        assert set(copy["seconds"]) == {"forward", "backward", "step", "total", "communication"}
+        assert set(copy["cpu_seconds"]) == {"forward", "backward", "step"}
+        assert all(seconds > 0 for seconds in [*copy["seconds"].values(), *copy["cpu_seconds"].values()])
+    assert calibration.resident_bytes > 50 * 2**20  # Python, torch and transformers, before the model
+    rows = {row["category"]: row for row in plan_report(record=record, calibration=calibration)}
+    for phase in ("forward", "backward", "step", "communication"):
+        row = rows[f"time.{phase}"]
+        assert row["predicted_seconds"] > 0 and "line through copies of 1 and 3 blocks" in row["note"]
+    assert rows["peak_total"]["predicted_bytes"] > calibration.resident_bytes

@@ -148,7 +148,9 @@ def add_measure_arguments(p: argparse.ArgumentParser) -> None:
     measure = p.add_argument_group("measure and check (these run torch on this machine)")
     measure.add_argument("--calibrate", action="store_true",
                          help="run the model (a config.json or preset, --calibration-layers blocks of it) at small "
-                              "shapes here and plan with its measured activations and backward transients")
+                              "shapes here and plan with its measured activations and backward transients; with "
+                              "--check, also train copies of the run's model at its stage and shape (resident "
+                              "memory, and each phase's time read off the line through them)")
     measure.add_argument("--calibration", metavar="FILE", help="a calibration saved by --save-calibration")
     measure.add_argument("--save-calibration", metavar="FILE", help="write the calibration made by --calibrate")
     measure.add_argument("--calibration-layers", type=int, default=2, help="blocks of the model to run (default 2)")

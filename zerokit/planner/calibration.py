@@ -138,6 +138,9 @@ class Calibration:
     resident_fixed_bytes: int = 0
     """Resident growth beyond the model states that does not follow the step's allocations (See [Note:
     measuring allocator slack] in zerokit/profiling/resident.py)."""
+    copy_seconds: tuple[dict, ...] = ()
+    """Per copy of the model trained at the target's stage, world size and shape: {"blocks", "seconds",
+    "cpu_seconds"}, each phase's seconds per step (See [Note: timing copies] in zerokit/profiling/resident.py)."""
     seconds_per_flop: dict = field(default_factory=dict)
     """Measured forward and backward seconds per FLOP of the model on this device (by phase)."""
     notes: tuple[str, ...] = ()
@@ -162,6 +165,7 @@ class Calibration:
         rest = {k: v for k, v in raw.items() if k not in fits}
         rest["samples"] = tuple(rest.get("samples", ()))
         rest["notes"] = tuple(rest.get("notes", ()))
+        rest["copy_seconds"] = tuple(rest.get("copy_seconds", ()))
         return Calibration(**rest, **fits)
 
     def save(self, path: str | Path) -> None:

@@ -13,8 +13,10 @@ the micro-batch and sequence length, and what was measured. From the first three
     reduce dtype until the step; or the state after backward, if larger;
   - the resident peak: the framework's resident memory (measured), the model states, and the step's
     peak allocations times one plus the allocator's measured slack (See [Note: measuring allocator slack]);
-  - times: FLOPs (compute.py) at the device's measured peak x MFU, the optimizer at its measured seconds
-    per element, collectives by the alpha-beta model with the measured link.
+  - times: each phase on the line through copies of the model timed at the run's stage, world size and
+    shape (See [Note: timing copies] in zerokit/profiling/resident.py); without them, FLOPs (compute.py) at
+    the device's measured peak x MFU, the optimizer at its measured seconds per element, collectives by the
+    alpha-beta model with the measured link.
 """
 
 from __future__ import annotations
@@ -207,16 +209,48 @@ def check_rows(record: dict, calibration: Calibration | None = None, device: Dev
                  for key in ("calls", "elements", "bytes")]
     rows.append(Row("wire_bytes", "bytes", sum(wire_bytes(comm, setup.world).values()),
                     sum(wire_bytes(measured["comm_per_step"], setup.world).values()), "sent per rank on a ring"))
-    spec = model_spec(record)
-    used_mfu = mfu or calibrated_mfu(calibration, spec, device, setup.precision) or 0.4
+    return rows + time_rows(record, setup, inventory, comm, calibration, device, mfu)
+
+
+def time_rows(record: dict, setup: EngineSetup, inventory: ParamInventory, comm: dict,
+              calibration: Calibration | None, device: DeviceProfile | None, mfu: float | None) -> list[Row]:
+    """Each phase's seconds: on the line through timed copies of the model when the calibration has them, else
+    from FLOPs, the device and the alpha-beta model. See [Note: timing copies] in zerokit/profiling/resident.py."""
+    measured = record["measured"]
+    line = copy_line(calibration, record["model"]["n_layers"])
+    if line is not None:
+        wall, cpu = line
+        note = f"line through copies of {' and '.join(str(c['blocks']) for c in calibration.copy_seconds)} blocks"
+        rows = [Row(f"time.{phase}", "seconds", wall.get(phase), measured["seconds"].get(phase), note)
+                for phase in PHASE_TIMES]
+        return rows + [Row(f"cpu_time.{phase}", "seconds", cpu.get(phase), value, note + ", CPU seconds")
+                       for phase, value in measured.get("cpu_seconds", {}).items()]
+    used_mfu = mfu or calibrated_mfu(calibration, model_spec(record), device, setup.precision) or 0.4
     seconds = predicted_seconds(record, setup, inventory, device, used_mfu, comm)
-    for phase, value in seconds.items():
-        rows.append(Row(f"time.{phase}", "seconds", value, measured["seconds"].get(phase),
-                        f"MFU {used_mfu:.2f}" if phase in ("forward", "backward") else ""))
-    for phase in measured.get("cpu_seconds", {}):  # the same prediction against CPU time, steady under load
-        rows.append(Row(f"cpu_time.{phase}", "seconds", seconds.get(phase), measured["cpu_seconds"][phase],
-                        "CPU seconds of the slowest rank"))
-    return rows
+    rows = [Row(f"time.{phase}", "seconds", value, measured["seconds"].get(phase),
+                f"MFU {used_mfu:.2f}" if phase in ("forward", "backward") else "") for phase, value in seconds.items()]
+    # the same prediction against CPU time, steady under load
+    return rows + [Row(f"cpu_time.{phase}", "seconds", seconds.get(phase), value, "CPU seconds of the slowest rank")
+                   for phase, value in measured.get("cpu_seconds", {}).items()]
+
+
+def copy_line(calibration: Calibration | None, blocks: int) -> tuple[dict[str, float], dict[str, float]] | None:
+    """(wall, CPU) seconds by phase at `blocks` blocks, on the line through the two timed copies; None without
+    two copies of different sizes. A slope below zero is the noise of two close points: then flat."""
+    copies = sorted(calibration.copy_seconds, key=lambda c: c["blocks"]) if calibration else []
+    if len(copies) < 2 or copies[0]["blocks"] == copies[-1]["blocks"]:
+        return None
+    small, large = copies[0], copies[-1]
+
+    def at(key: str) -> dict[str, float]:
+        per_block = {phase: max(0.0, (large[key][phase] - small[key][phase]) / (large["blocks"] - small["blocks"]))
+                     for phase in large[key] if phase in small[key]}
+        return {phase: large[key][phase] + slope * (blocks - large["blocks"]) for phase, slope in per_block.items()}
+
+    return at("seconds"), at("cpu_seconds")
+
+
+PHASE_TIMES = ("forward", "backward", "step", "communication")
 
 
 def format_rows(rows: list[Row]) -> list[str]:

@@ -155,7 +155,8 @@ class _Clock:
         self._wall, self._cpu = wall, cpu
 
 
-def _timed_steps(engine: Any, loss_fn: LossFn, batches: Iterator, steps: int) -> dict:
+def timed_steps(engine: Any, loss_fn: LossFn, batches: Iterator, steps: int) -> dict:
+    """Wall and CPU seconds per phase of `steps` optimizer steps (per step), this rank's, and the resident peak."""
     clock = _Clock()
     with resident_peak() as resident:
         for _ in range(steps):
@@ -177,10 +178,31 @@ def _timed_steps(engine: Any, loss_fn: LossFn, batches: Iterator, steps: int) ->
             "micro_steps": engine.config.gradient_accumulation_steps}
 
 
-def replay_collectives(comm: dict, dtype_of: Callable[[str], torch.dtype], device: torch.device, repeats: int = 3) -> float:
-    """Seconds the step's collectives take alone: each kind's calls at its average size, in its dtype."""
+def step_collectives(engine: Any, loss_fn: LossFn, batches: Iterator) -> dict:
+    """The collectives of one optimizer step: calls, elements and bytes by kind."""
+    before = engine.comm_stats()
+    _one_step(engine, loss_fn, batches)
+    return _diff(engine.comm_stats(), before)
+
+
+def communication_seconds(engine: Any, comm: dict) -> float:
+    """`comm` (a step's collectives) replayed alone, each kind in the dtype the engine sends it in."""
+    dtypes = {"all_gather": engine.config.precision.param_dtype}
+    return replay_collectives(comm, lambda kind: dtypes.get(kind, engine.config.precision.reduce_dtype),
+                              next(engine.module.parameters()).device)
+
+
+def slowest(values: dict[str, float]) -> dict[str, float]:
+    """The largest value over the ranks, key by key."""
+    return dict(zip(values, _max_over_ranks(list(values.values()))))
+
+
+def replay_collectives(comm: dict, dtype_of: Callable[[str], torch.dtype], device: torch.device, repeats: int = 5) -> float:
+    """Seconds the step's collectives take alone: each kind's calls at its average size, in its dtype; the fastest
+    of `repeats` replays, as timeit takes (on a shared machine a replay is only ever slowed by other work: the
+    same run's mean of three moved by 30-50% from process to process)."""
     world = dist.get_world_size()
-    total = 0.0
+    times = []
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
@@ -193,8 +215,8 @@ def replay_collectives(comm: dict, dtype_of: Callable[[str], torch.dtype], devic
             for _ in range(entry["calls"]):
                 _replay_one(kind, tensor, world)
         dist.barrier()
-        total += time.perf_counter() - start
-    return total / repeats
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def _replay_one(kind: str, tensor: torch.Tensor, world: int) -> None:
@@ -233,12 +255,10 @@ def record_run(engine: Any, batches: Iterable, loss_fn: LossFn, *, optimizer: An
                          "param_groups, to lay out buckets as the engine does")
     for _ in range(warmup):
         _one_step(engine, loss_fn, batches)
-    measured = _timed_steps(engine, loss_fn, batches, steps)  # before profiling, whose buffers would stay resident
+    measured = timed_steps(engine, loss_fn, batches, steps)  # before profiling, whose buffers would stay resident
     measured.update(_profiled_step(engine, loss_fn, batches, blocks))
     device = next(engine.module.parameters()).device
-    dtypes = {"all_gather": engine.config.precision.param_dtype}
-    measured["seconds"]["communication"] = replay_collectives(
-        measured["comm_per_step"], lambda kind: dtypes.get(kind, engine.config.precision.reduce_dtype), device)
+    measured["seconds"]["communication"] = communication_seconds(engine, measured["comm_per_step"])
     keys = ["peak_allocated", "peak_resident", "resident_at_start"]
     peaks = _max_over_ranks([measured[k] for k in keys] + list(measured["seconds"].values())
                             + list(measured["cpu_seconds"].values()))

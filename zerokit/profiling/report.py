@@ -23,12 +23,13 @@ def _as_dict(record: RunRecord | dict | str | Path) -> dict:
 
 def calibrate_for_record(record: RunRecord | dict | str | Path, layers: int = 2, resident: bool = True) -> Calibration:
     """Calibrate the recorded run's model (a `layers`-block copy built from its Hugging Face config) and, with
-    `resident`, measure the framework's resident share and the allocator's slack at the run's stage, world
-    size and shape (See [Note: measuring allocator slack])."""
+    `resident`, train copies of it at the run's stage, world size and shape: the framework's resident share,
+    the allocator's slack and each phase's time (See [Note: measuring allocator slack] and [Note: timing
+    copies] in zerokit/profiling/resident.py)."""
     from dataclasses import replace
 
     from zerokit.profiling.calibrate import calibrate
-    from zerokit.profiling.resident import measure_resident
+    from zerokit.profiling.resident import measure_copies
 
     record = _as_dict(record)
     hf = record["model"].get("hf_config")
@@ -41,11 +42,10 @@ def calibrate_for_record(record: RunRecord | dict | str | Path, layers: int = 2,
         path.write_text(json.dumps(hf))
         calibration = calibrate(str(path), precision=setup["precision"], layers=layers)
         if resident:
-            framework, slack, fixed = measure_resident(str(path), setup["precision"], record["micro_batch"],
-                                                       record["seq_len"], layers=layers, stage=setup["stage"],
-                                                       world=setup["world"])
-            calibration = replace(calibration, resident_bytes=framework, allocator_slack=slack,
-                                  resident_fixed_bytes=fixed)
+            copies = measure_copies(str(path), setup["precision"], record["micro_batch"], record["seq_len"],
+                                    layers=layers, stage=setup["stage"], world=setup["world"])
+            calibration = replace(calibration, resident_bytes=copies.framework, allocator_slack=copies.slack,
+                                  resident_fixed_bytes=copies.fixed, copy_seconds=copies.seconds)
     return calibration
 
 

@@ -1,5 +1,6 @@
-"""The resident memory a rank adds beyond the tensors it allocates: the framework's own share, and the
-allocator's slack (glibc keeps freed heap for reuse; CUDA's caching allocator keeps freed blocks).
+"""Copies of the model, trained at the target's stage, world size and shape on this machine: the resident memory
+a rank adds beyond the tensors it allocates (the framework's own share, and the allocator's slack: glibc keeps
+freed heap for reuse; CUDA's caching allocator keeps freed blocks), and the time each phase of a step takes.
 
 [Note: measuring allocator slack]
 Resident memory is not the sum of live tensors: freed blocks stay with the allocator, fragmented. How
@@ -12,16 +13,30 @@ the step's peak growth of allocated bytes is measured in another step with the p
 follows that growth (freed blocks kept for reuse: 1 + slack per byte) and part does not (the loss head's
 temporaries, autograd's and gloo's bookkeeping): with one copy the two cannot be told apart, and the whole
 excess priced per byte of growth over-predicted 6-block models from their 2-block copies by up to 15% (a
-2-block copy's growth is mostly the head's). So two copies are trained, of `layers` and 2 x `layers` blocks, and a
+2-block copy's growth is mostly the head's). So two copies are trained, of `layers` and 3 x `layers` blocks, and a
 line through their (growth, excess) gives both parts: excess = fixed + (1 + slack) x growth (or, when two
 close points give a line that cannot be, the larger copy alone; See excess_line). The framework's
 share is the resident memory before the model was built: Python, torch, zerokit, transformers, gloo.
+
+[Note: timing copies]
+FLOPs over a peak rate times an MFU miss on a CPU by tens of percent: the MFU of a 2-block copy is mostly the
+loss head's (a 32,000-token projection), the optimizer's rate is measured alone and not beside the gradients'
+traffic, and gloo's collectives share the cores that compute. The copies above run the real engine on the
+real shapes, so their phases are timed too, as `record_run` times a run (forward with the loss, backward,
+step: each after a barrier, wall and CPU seconds, the slowest rank's; the step's collectives replayed
+alone). Every phase is a fixed part (embedding, loss head, the step's fixed costs) plus a part per block,
+so the line through the two copies, read at the target's number of blocks, is the prediction
+(`Calibration.copy_seconds`; zerokit/planner/check.py reads it). The copies have 2 and 6 blocks, not 2 and 4,
+because the target is read off the line's far end: from copies of 2 and 4 blocks a 12-block model multiplies
+the noise of their difference by 4, and the sweep missed its forward by 29%. The formulas stay the fallback,
+and the only way to plan another device.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,10 +44,14 @@ import torch
 from zerokit.profiling.measure import AllocationTimeline, resident_bytes, resident_peak
 
 
-def _slack_rank(rank: int, world: int, model: Any, layers: int, precision: str, batch: int, seq: int,
-                stage: int) -> dict:
+TIMED_STEPS = 4  # optimizer steps each copy is timed over (per step: their mean)
+
+
+def _copy_rank(rank: int, world: int, model: Any, layers: int, precision: str, batch: int, seq: int,
+               stage: int) -> dict:
     import zerokit
     from zerokit.profiling.calibrate import build_hf_model
+    from zerokit.profiling.record import communication_seconds, slowest, step_collectives, timed_steps
 
     torch.set_num_threads(int(os.environ.get("ZEROKIT_THREADS", "1")))
     warm = torch.nn.Linear(64, 64)  # kernels and thread pools, as any process that trains has them
@@ -44,34 +63,45 @@ def _slack_rank(rank: int, world: int, model: Any, layers: int, precision: str, 
     engine = zerokit.initialize(module, optimizer, {"zero_optimization": {"stage": stage},
                                                     "bf16": {"enabled": precision == "bf16"}})
     vocab = module.config.vocab_size
+    batches = iter(lambda: torch.randint(0, vocab, (batch, seq)), None)
 
-    def step() -> None:
-        tokens = torch.randint(0, vocab, (batch, seq))
-        engine.backward(engine(input_ids=tokens, labels=tokens).loss)
-        engine.step()
+    def loss(engine: Any, tokens: torch.Tensor) -> torch.Tensor:
+        return engine(input_ids=tokens, labels=tokens).loss
 
-    step()
-    with resident_peak() as resident:
-        step()
-        step()
+    step_collectives(engine, loss, batches)  # a first step, untimed
+    timed = timed_steps(engine, loss, batches, TIMED_STEPS)
     states = sum(engine.memory_stats().values())
     with AllocationTimeline(torch.device("cpu")) as allocated:
-        step()
-    return {"framework": framework, "resident_peak": resident["peak"], "states": states, "growth": allocated.peak}
+        comm = step_collectives(engine, loss, batches)
+    seconds = slowest({**timed["seconds"], "communication": communication_seconds(engine, comm)})
+    return {"framework": framework, "resident_peak": timed["peak_resident"], "states": states,
+            "growth": allocated.peak, "seconds": seconds, "cpu_seconds": slowest(timed["cpu_seconds"])}
 
 
-def measure_resident(model: Any, precision: str, batch: int, seq: int, layers: int = 2, stage: int = 0,
-                     world: int = 1) -> tuple[int, float, int]:
-    """(framework resident bytes, allocator slack, fixed excess bytes) on this machine, with `world` gloo ranks
-    training copies of `layers` and 2 x `layers` blocks at `stage`; See [Note: measuring allocator slack]."""
+@dataclass(frozen=True)
+class Copies:
+    """What copies of `layers` and 3 x `layers` blocks measured (See [Note: measuring allocator slack] and
+    [Note: timing copies])."""
+    framework: int  # resident bytes before the model was built
+    slack: float  # the allocator's slack per byte of the step's growth
+    fixed: int  # resident excess that does not follow the step's growth
+    seconds: tuple[dict, ...]  # per copy: {"blocks", "seconds" (wall, by phase), "cpu_seconds"}
+
+
+def measure_copies(model: Any, precision: str, batch: int, seq: int, layers: int = 2, stage: int = 0,
+                   world: int = 1) -> Copies:
+    """Train copies of `model` with `layers` and 3 x `layers` blocks at `stage` on `world` gloo ranks, at the
+    target's micro-batch and sequence length, in fresh processes on this machine; measure their resident memory
+    and time their phases."""
     from zerokit.testing.spawn import spawn
 
-    points = []
-    for blocks in (layers, 2 * layers):
-        result = max(spawn(_slack_rank, world, model, blocks, precision, batch, seq, stage),
-                     key=lambda r: r["resident_peak"])
+    points, seconds = [], []
+    for blocks in (layers, 3 * layers):
+        ranks = spawn(_copy_rank, world, model, blocks, precision, batch, seq, stage)
+        result = max(ranks, key=lambda r: r["resident_peak"])
         points.append((result["growth"], result["resident_peak"] - result["framework"] - result["states"]))
-    return (result["framework"], *excess_line(*points))
+        seconds.append({"blocks": blocks, "seconds": ranks[0]["seconds"], "cpu_seconds": ranks[0]["cpu_seconds"]})
+    return Copies(result["framework"], *excess_line(*points), tuple(seconds))
 
 
 def excess_line(small: tuple[int, int], large: tuple[int, int]) -> tuple[float, int]:

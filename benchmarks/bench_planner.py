@@ -101,16 +101,20 @@ def peers(config: dict, record: dict) -> dict:
     return out
 
 
-def calibrations(name: str, config: dict, dtype: str, batch: int, seq: int, stage: int, cache: dict):
+def calibrations(name: str, config: dict, record: dict, cache: dict):
     from zerokit.profiling.calibrate import calibrate
+    from zerokit.profiling.report import copy_targets
     from zerokit.profiling.resident import measure_copies
+
+    dtype, stage = record["setup"]["precision"], record["setup"]["stage"]
+    batch, seq = record["micro_batch"], record["seq_len"]
 
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "config.json"
         path.write_text(json.dumps(config))
         if (name, dtype) not in cache:
             cache[(name, dtype)] = replace(calibrate(str(path), precision=dtype, layers=2), model=f"{name}, 2 blocks")
-        copies = measure_copies(str(path), dtype, batch, seq, layers=2, stage=stage, world=2)
+        copies = measure_copies(str(path), dtype, batch, seq, layers=2, stage=stage, world=2, **copy_targets(record))
     return replace(cache[(name, dtype)], resident_bytes=copies.framework, allocator_slack=copies.slack,
                    resident_fixed_bytes=copies.fixed, copy_seconds=copies.seconds)
 
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             for stage in map(int, args.stages.split(",")):
                 started = time.perf_counter()
                 record = spawn(record_rank, 2, table[name], stage, dtype, args.batch, args.seq, args.steps)[0]
-                calibration = calibrations(name, table[name], dtype, args.batch, args.seq, stage, cache)
+                calibration = calibrations(name, table[name], record, cache)
                 rows = check_rows(record, calibration, device)
                 label = f"{name} stage {stage} {dtype} (b={args.batch}, s={args.seq})"
                 print(f"\n== {label}: {time.perf_counter() - started:.0f} s\n" + "\n".join(format_rows(rows)), flush=True)

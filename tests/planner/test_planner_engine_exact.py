@@ -148,7 +148,8 @@ def test_plan_report_on_a_recorded_llama():
 
 def test_times_are_read_on_the_line_through_two_timed_copies():
     """A 4-block run from copies of 2 and 3 blocks: fixed + per block x 4, per phase, wall and CPU apart; a
-    phase that shrank between the copies (noise) stays at the larger copy's."""
+    phase that shrank between the copies (noise) stays at the larger copy's; communication, where the copies
+    replayed the run's own collectives, is the fastest replay."""
     from zerokit.planner.calibration import Calibration
     from zerokit.profiling.report import plan_report
 
@@ -166,6 +167,14 @@ def test_times_are_read_on_the_line_through_two_timed_copies():
                                        "cpu_time.step": 0.3})
     assert rows["time.forward"]["measured_seconds"] == record["measured"]["seconds"]["forward"]
     assert "line through copies of 2 and 3 blocks" in rows["time.forward"]["note"]
+    # with the run's own collectives replayed on each copy's ranks, the fastest replay is the prediction
+    replayed = tuple({**copy, "seconds": {**copy["seconds"], "run_communication": seconds}}
+                     for copy, seconds in zip(copies, (0.21, 0.18)))
+    calibration = Calibration.from_dict({**calibration.as_dict(), "copy_seconds": replayed})
+    rows = {row["category"]: row for row in plan_report(record=record, calibration=calibration)}
+    assert rows["time.communication"]["predicted_seconds"] == 0.18 and rows["time.forward"]["predicted_seconds"] == \
+        pytest.approx(0.7)
+    assert "replayed" in rows["time.communication"]["note"]
 
 
 def test_the_resident_excess_is_a_line_through_two_copies():
@@ -210,12 +219,27 @@ def test_copies_of_the_recorded_run_time_its_phases(tmp_path):
     calibration = calibrate_for_record(record, layers=1)
     assert [copy["blocks"] for copy in calibration.copy_seconds] == [1, 3]
     for copy in calibration.copy_seconds:
-        assert set(copy["seconds"]) == {"forward", "backward", "step", "total", "communication"}
+        assert set(copy["seconds"]) == {"forward", "backward", "step", "total", "communication", "run_communication"}
         assert set(copy["cpu_seconds"]) == {"forward", "backward", "step"}
         assert all(seconds > 0 for seconds in [*copy["seconds"].values(), *copy["cpu_seconds"].values()])
     assert calibration.resident_bytes > 50 * 2**20  # Python, torch and transformers, before the model
     rows = {row["category"]: row for row in plan_report(record=record, calibration=calibration)}
-    for phase in ("forward", "backward", "step", "communication"):
+    for phase in ("forward", "backward", "step"):
         row = rows[f"time.{phase}"]
         assert row["predicted_seconds"] > 0 and "line through copies of 1 and 3 blocks" in row["note"]
+    assert rows["time.communication"]["predicted_seconds"] == min(
+        copy["seconds"]["run_communication"] for copy in calibration.copy_seconds)
     assert rows["peak_total"]["predicted_bytes"] > calibration.resident_bytes
+
+
+def test_copies_group_parameters_as_the_run_does():
+    """A copy's optimizer groups are the run's, by parameter name: the recorded Llama decays matrices only."""
+    from zerokit.profiling.report import copy_targets
+    from zerokit.profiling.resident import _grouped_as_run
+
+    targets = copy_targets(runs()["record"])
+    assert targets["replay"] == runs()["record"]["measured"]["comm_per_step"]
+    copy = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**{**LLAMA, "num_hidden_layers": 1}))
+    decay, no_decay = _grouped_as_run(copy, targets["groups"])
+    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(copy.parameters()))

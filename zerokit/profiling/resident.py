@@ -30,6 +30,11 @@ so the line through the two copies, read at the target's number of blocks, is th
 because the target is read off the line's far end: from copies of 2 and 4 blocks a 12-block model multiplies
 the noise of their difference by 4, and the sweep missed its forward by 29%. The formulas stay the fallback,
 and the only way to plan another device.
+The copies are the run's as far as it is known: its optimizer groups, by parameter name (the buckets and the
+step's loops are laid out per group). Communication is not read off the line: the run's collectives are
+known exactly (the plan counts them, kind by kind), so each copy's ranks replay them as `record_run` replays
+the run's, and the fastest replay is the prediction; a line through two replays of other collectives
+extrapolated their noise (a 2-block copy's replay was at times slower than a 6-block copy's).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ TIMED_STEPS = 4  # optimizer steps each copy is timed over (per step: their mean
 
 
 def _copy_rank(rank: int, world: int, model: Any, layers: int, precision: str, batch: int, seq: int,
-               stage: int) -> dict:
+               stage: int, groups: dict[str, int] | None, replay: dict | None) -> dict:
     import zerokit
     from zerokit.profiling.calibrate import build_hf_model
     from zerokit.profiling.record import communication_seconds, slowest, step_collectives, timed_steps
@@ -59,7 +64,7 @@ def _copy_rank(rank: int, world: int, model: Any, layers: int, precision: str, b
     gc.collect()
     framework = resident_bytes()
     module = build_hf_model(model, layers)
-    optimizer = torch.optim.AdamW(module.parameters())
+    optimizer = torch.optim.AdamW(_grouped_as_run(module, groups))
     engine = zerokit.initialize(module, optimizer, {"zero_optimization": {"stage": stage},
                                                     "bf16": {"enabled": precision == "bf16"}})
     vocab = module.config.vocab_size
@@ -73,9 +78,21 @@ def _copy_rank(rank: int, world: int, model: Any, layers: int, precision: str, b
     states = sum(engine.memory_stats().values())
     with AllocationTimeline(torch.device("cpu")) as allocated:
         comm = step_collectives(engine, loss, batches)
-    seconds = slowest({**timed["seconds"], "communication": communication_seconds(engine, comm)})
+    seconds = {**timed["seconds"], "communication": communication_seconds(engine, comm)}
+    if replay:
+        seconds["run_communication"] = communication_seconds(engine, replay)
+    seconds = slowest(seconds)
     return {"framework": framework, "resident_peak": timed["peak_resident"], "states": states,
             "growth": allocated.peak, "seconds": seconds, "cpu_seconds": slowest(timed["cpu_seconds"])}
+
+
+def _grouped_as_run(module: torch.nn.Module, groups: dict[str, int] | None) -> list[dict]:
+    """The copy's parameters in the run's optimizer groups, by name (a copy's blocks are named as the run's first
+    blocks), so that its buckets and its step's loops are laid out as the run's."""
+    by_group: dict[int, list] = {}
+    for name, parameter in module.named_parameters():
+        by_group.setdefault((groups or {}).get(name, 0), []).append(parameter)
+    return [{"params": by_group[group]} for group in sorted(by_group)]
 
 
 @dataclass(frozen=True)
@@ -89,15 +106,17 @@ class Copies:
 
 
 def measure_copies(model: Any, precision: str, batch: int, seq: int, layers: int = 2, stage: int = 0,
-                   world: int = 1) -> Copies:
+                   world: int = 1, groups: dict[str, int] | None = None, replay: dict | None = None) -> Copies:
     """Train copies of `model` with `layers` and 3 x `layers` blocks at `stage` on `world` gloo ranks, at the
     target's micro-batch and sequence length, in fresh processes on this machine; measure their resident memory
-    and time their phases."""
+    and time their phases. `groups`: the target's optimizer group of each parameter, by name; `replay`: the
+    target's collectives of one step (as `comm_stats()` counts them), replayed on each copy's ranks
+    ("run_communication")."""
     from zerokit.testing.spawn import spawn
 
     points, seconds = [], []
     for blocks in (layers, 3 * layers):
-        ranks = spawn(_copy_rank, world, model, blocks, precision, batch, seq, stage)
+        ranks = spawn(_copy_rank, world, model, blocks, precision, batch, seq, stage, groups, replay)
         result = max(ranks, key=lambda r: r["resident_peak"])
         points.append((result["growth"], result["resident_peak"] - result["framework"] - result["states"]))
         seconds.append({"blocks": blocks, "seconds": ranks[0]["seconds"], "cpu_seconds": ranks[0]["cpu_seconds"]})

@@ -2,13 +2,14 @@
 --extra, a Qwen2-style model with grouped-query attention that nothing was tuned on), stages 0-3, fp32 and
 bf16, 2 gloo ranks, each run recorded by zerokit.profiling.record_run in fresh processes and predicted by
 zerokit.planner.check from a calibration of a 2-block copy of the model at small shapes, a measured
-device, and copies of 2 and 6 blocks trained at the run's stage and shape (their resident excess and their
-phases' times, See [Note: timing copies] in zerokit/profiling/resident.py). Printed per run:
+device, and copies of 2 and 6 blocks trained at the run's stage, shape and optimizer groups (their resident
+excess, their phases' times and a replay of the run's collectives, See [Note: timing copies] in
+zerokit/profiling/resident.py). Printed per run:
 predicted, measured and error for every category; then one line per run, beside what DeepSpeed's and
 accelerate's estimators say for the same run (model states only: they do not price activations).
 
-    python benchmarks/bench_planner.py                 # the 24 runs (about 16 minutes on 2 cores)
-    python benchmarks/bench_planner.py --extra         # and the Qwen2-style model: 32 runs, about 21 minutes
+    python benchmarks/bench_planner.py                 # the 24 runs (about 24 minutes on 2 cores)
+    python benchmarks/bench_planner.py --extra         # and the Qwen2-style model: 32 runs, about 29 minutes
     python benchmarks/bench_planner.py --models gpt2-6x384 --stages 2 --dtypes bf16   # one run
 """
 
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per run")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
     parser.add_argument("--out", default="planner-sweep.json", help="every record and row, as JSON (after each run)")
     args = parser.parse_args(argv)
     table = {**MODELS, **EXTRA}

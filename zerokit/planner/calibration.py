@@ -140,7 +140,8 @@ class Calibration:
     measuring allocator slack] in zerokit/profiling/resident.py)."""
     copy_seconds: tuple[dict, ...] = ()
     """Per copy of the model trained at the target's stage, world size and shape: {"blocks", "seconds",
-    "cpu_seconds"}, each phase's seconds per step (See [Note: timing copies] in zerokit/profiling/resident.py)."""
+    "cpu_seconds"}, each phase's seconds per step, and in "seconds" the target's own collectives replayed on the
+    copy's ranks ("run_communication") (See [Note: timing copies] in zerokit/profiling/resident.py)."""
     seconds_per_flop: dict = field(default_factory=dict)
     """Measured forward and backward seconds per FLOP of the model on this device (by phase)."""
     notes: tuple[str, ...] = ()

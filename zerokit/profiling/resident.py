@@ -102,7 +102,8 @@ class Copies:
     framework: int  # resident bytes before the model was built
     slack: float  # the allocator's slack per byte of the step's growth
     fixed: int  # resident excess that does not follow the step's growth
-    seconds: tuple[dict, ...]  # per copy: {"blocks", "seconds" (wall, by phase), "cpu_seconds"}
+    seconds: tuple[dict, ...]  # per copy: {"blocks", "seconds" (wall, by phase, and the run's replayed
+    #                            collectives as "run_communication" when given), "cpu_seconds"}
 
 
 def measure_copies(model: Any, precision: str, batch: int, seq: int, layers: int = 2, stage: int = 0,

@@ -107,15 +107,14 @@ def calibrations(name: str, config: dict, record: dict, cache: dict):
     from zerokit.profiling.report import copy_targets
     from zerokit.profiling.resident import measure_copies
 
-    dtype, stage = record["setup"]["precision"], record["setup"]["stage"]
-    batch, seq = record["micro_batch"], record["seq_len"]
-
+    dtype = record["setup"]["precision"]
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "config.json"
         path.write_text(json.dumps(config))
         if (name, dtype) not in cache:
             cache[(name, dtype)] = replace(calibrate(str(path), precision=dtype, layers=2), model=f"{name}, 2 blocks")
-        copies = measure_copies(str(path), dtype, batch, seq, layers=2, stage=stage, world=2, **copy_targets(record))
+        copies = measure_copies(str(path), record["micro_batch"], record["seq_len"], layers=2, world=2,
+                                **copy_targets(record))
     return replace(cache[(name, dtype)], resident_bytes=copies.framework, allocator_slack=copies.slack,
                    resident_fixed_bytes=copies.fixed, copy_seconds=copies.seconds)
 

@@ -243,3 +243,25 @@ def test_copies_group_parameters_as_the_run_does():
     decay, no_decay = _grouped_as_run(copy, targets["groups"])
     assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(copy.parameters()))
+
+
+@pytest.mark.parametrize("changes", [{}, {"stage": 3, "persistence_threshold": 1000, "precision": "bf16"},
+                                     {"stage": 2, "grad_accum": 4, "reduce_scatter": True, "bucket_bytes": 40_000,
+                                      "reduce_every_micro_step": False, "precision": "fp16", "reduce_dtype": "bf16"},
+                                     {"stage": 1, "sub_group_size": 4096, "broadcast_buffers": False}])
+def test_a_recorded_setup_gives_back_the_config_it_was_recorded_from(changes):
+    """Copies of a recorded run are built with engine_config(setup): every setting the record holds survives."""
+    from dataclasses import asdict
+
+    from zerokit.config import from_dict
+    from zerokit.profiling.record import engine_config
+
+    setup = asdict(EngineSetup(**{"stage": 0, "world": 2, **changes}))
+    config = from_dict(engine_config(setup))
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    assert (config.stage, names[config.precision.param_dtype], names[config.precision.reduce_dtype],
+            config.reduce_bucket_bytes, config.gradient_accumulation_steps, config.reduce_scatter,
+            config.sub_group_size, config.reduce_every_micro_step, config.broadcast_buffers) == (
+        setup["stage"], setup["precision"], setup["reduce_dtype"], setup["bucket_bytes"], setup["grad_accum"],
+        setup["reduce_scatter"], setup["sub_group_size"], setup["reduce_every_micro_step"], setup["broadcast_buffers"])
+    assert config.stage3.persistence_threshold == setup["persistence_threshold"]

@@ -79,6 +79,23 @@ def engine_setup(engine: Any, optimizer_name: str) -> EngineSetup:
                        broadcast_buffers=config.broadcast_buffers)
 
 
+def engine_config(setup: dict) -> dict:
+    """The config of `zerokit.initialize` for a recorded setup, as far as engine_setup records one (its inverse):
+    copies of a recorded run are built with it."""
+    zero = {"stage": setup["stage"], "reduce_bucket_bytes": setup["bucket_bytes"]}
+    zero.update({key: setup[name] for key, name in (("reduce_scatter", "reduce_scatter"),
+                                                     ("sub_group_size", "sub_group_size")) if setup[name] is not None})
+    if not setup["reduce_every_micro_step"]:
+        zero["reduce_every_micro_step"] = False
+    if setup["stage"] == 3:
+        zero["stage3_param_persistence_threshold"] = setup["persistence_threshold"]
+    config = {"zero_optimization": zero, "gradient_accumulation_steps": setup["grad_accum"],
+              "communication_data_type": setup["reduce_dtype"], "broadcast_buffers": setup["broadcast_buffers"]}
+    if setup["precision"] != "fp32":
+        config[setup["precision"]] = {"enabled": True}
+    return config
+
+
 def optimizer_name(optimizer: Any) -> str:
     if isinstance(optimizer, (list, tuple)):  # the engine rebuilds a list when given several
         names = {optimizer_name(item) for item in optimizer}

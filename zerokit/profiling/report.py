@@ -42,20 +42,23 @@ def calibrate_for_record(record: RunRecord | dict | str | Path, layers: int = 2,
         path.write_text(json.dumps(hf))
         calibration = calibrate(str(path), precision=setup["precision"], layers=layers)
         if resident:
-            copies = measure_copies(str(path), setup["precision"], record["micro_batch"], record["seq_len"],
-                                    layers=layers, stage=setup["stage"], world=setup["world"], **copy_targets(record))
+            copies = measure_copies(str(path), record["micro_batch"], record["seq_len"], layers=layers,
+                                    world=setup["world"], **copy_targets(record))
             calibration = replace(calibration, resident_bytes=copies.framework, allocator_slack=copies.slack,
                                   resident_fixed_bytes=copies.fixed, copy_seconds=copies.seconds)
     return calibration
 
 
 def copy_targets(record: dict) -> dict:
-    """What copies of a recorded run's model take from it beyond its stage and shape: each parameter's optimizer
-    group, by name, and the step's collectives as the plan counts them (exactly), to replay."""
+    """What copies of a recorded run's model take from it (measure_copies' keywords): its engine config and
+    optimizer kind, each parameter's optimizer group, by name, and the step's collectives as the plan counts
+    them (exactly), to replay."""
     from zerokit.planner.engine_model import EngineSetup, ParamInventory, engine_comm
+    from zerokit.profiling.record import engine_config
 
     inventory = ParamInventory.from_dict(record["inventory"])
-    return {"groups": {entry.name: entry.group for entry in inventory.entries},
+    return {"config": engine_config(record["setup"]), "optimizer": record["setup"]["optimizer"],
+            "groups": {entry.name: entry.group for entry in inventory.entries},
             "replay": engine_comm(inventory, EngineSetup(**record["setup"]))}
 
 

@@ -30,8 +30,10 @@ so the line through the two copies, read at the target's number of blocks, is th
 because the target is read off the line's far end: from copies of 2 and 4 blocks a 12-block model multiplies
 the noise of their difference by 4, and the sweep missed its forward by 29%. The formulas stay the fallback,
 and the only way to plan another device.
-The copies are the run's as far as it is known: its optimizer groups, by parameter name (the buckets and the
-step's loops are laid out per group). Communication is not read off the line: the run's collectives are
+The copies are the run's as far as its record tells: its engine config (`engine_config`: stage, precision,
+reduce dtype, buckets, gradient accumulation: a copy of one micro-step would time a quarter of a 4-micro-step
+run), its optimizer kind, and its optimizer groups, by parameter name (the buckets and the step's loops are
+laid out per group). Communication is not read off the line: the run's collectives are
 known exactly (the plan counts them, kind by kind), so each copy's ranks replay them as `record_run` replays
 the run's, and the fastest replay is the prediction; a line through two replays of other collectives
 extrapolated their noise (a 2-block copy's replay was at times slower than a 6-block copy's).
@@ -52,8 +54,12 @@ from zerokit.profiling.measure import AllocationTimeline, resident_bytes, reside
 TIMED_STEPS = 4  # optimizer steps each copy is timed over (per step: their mean)
 
 
-def _copy_rank(rank: int, world: int, model: Any, layers: int, precision: str, batch: int, seq: int,
-               stage: int, groups: dict[str, int] | None, replay: dict | None) -> dict:
+OPTIMIZERS = {"adamw": (torch.optim.AdamW, {}), "adam": (torch.optim.Adam, {}), "sgd": (torch.optim.SGD, {}),
+              "sgd-momentum": (torch.optim.SGD, {"momentum": 0.9})}  # the kinds a record names (optimizer_name)
+
+
+def _copy_rank(rank: int, world: int, model: Any, layers: int, batch: int, seq: int, config: dict, optimizer: str,
+               groups: dict[str, int] | None, replay: dict | None) -> dict:
     import zerokit
     from zerokit.profiling.calibrate import build_hf_model
     from zerokit.profiling.record import communication_seconds, slowest, step_collectives, timed_steps
@@ -64,9 +70,8 @@ def _copy_rank(rank: int, world: int, model: Any, layers: int, precision: str, b
     gc.collect()
     framework = resident_bytes()
     module = build_hf_model(model, layers)
-    optimizer = torch.optim.AdamW(_grouped_as_run(module, groups))
-    engine = zerokit.initialize(module, optimizer, {"zero_optimization": {"stage": stage},
-                                                    "bf16": {"enabled": precision == "bf16"}})
+    kind, settings = OPTIMIZERS[optimizer]
+    engine = zerokit.initialize(module, kind(_grouped_as_run(module, groups), **settings), config)
     vocab = module.config.vocab_size
     batches = iter(lambda: torch.randint(0, vocab, (batch, seq)), None)
 
@@ -106,18 +111,21 @@ class Copies:
     #                            collectives as "run_communication" when given), "cpu_seconds"}
 
 
-def measure_copies(model: Any, precision: str, batch: int, seq: int, layers: int = 2, stage: int = 0,
-                   world: int = 1, groups: dict[str, int] | None = None, replay: dict | None = None) -> Copies:
-    """Train copies of `model` with `layers` and 3 x `layers` blocks at `stage` on `world` gloo ranks, at the
-    target's micro-batch and sequence length, in fresh processes on this machine; measure their resident memory
-    and time their phases. `groups`: the target's optimizer group of each parameter, by name; `replay`: the
-    target's collectives of one step (as `comm_stats()` counts them), replayed on each copy's ranks
-    ("run_communication")."""
+def measure_copies(model: Any, batch: int, seq: int, layers: int = 2, world: int = 1, config: dict | None = None,
+                   optimizer: str = "adamw", groups: dict[str, int] | None = None, replay: dict | None = None) -> Copies:
+    """Train copies of `model` with `layers` and 3 x `layers` blocks on `world` gloo ranks with the target's
+    zerokit `config` (default: stage 0, fp32) and `optimizer` (a kind of OPTIMIZERS), at its micro-batch and
+    sequence length, in fresh processes on this machine; measure their resident memory and time their phases.
+    `groups`: the target's optimizer group of each parameter, by name; `replay`: the target's collectives of one
+    step (as `comm_stats()` counts them), replayed on each copy's ranks ("run_communication")."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: copies are trained with one of {sorted(OPTIMIZERS)}")
+    config = config or {"zero_optimization": {"stage": 0}}
     from zerokit.testing.spawn import spawn
 
     points, seconds = [], []
     for blocks in (layers, 3 * layers):
-        ranks = spawn(_copy_rank, world, model, blocks, precision, batch, seq, stage, groups, replay)
+        ranks = spawn(_copy_rank, world, model, blocks, batch, seq, config, optimizer, groups, replay)
         result = max(ranks, key=lambda r: r["resident_peak"])
         points.append((result["growth"], result["resident_peak"] - result["framework"] - result["states"]))
         seconds.append({"blocks": blocks, "seconds": ranks[0]["seconds"], "cpu_seconds": ranks[0]["cpu_seconds"]})

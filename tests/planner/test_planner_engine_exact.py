@@ -248,7 +248,10 @@ def test_copies_group_parameters_as_the_run_does():
 @pytest.mark.parametrize("changes", [{}, {"stage": 3, "persistence_threshold": 1000, "precision": "bf16"},
                                      {"stage": 2, "grad_accum": 4, "reduce_scatter": True, "bucket_bytes": 40_000,
                                       "reduce_every_micro_step": False, "precision": "fp16", "reduce_dtype": "bf16"},
-                                     {"stage": 1, "sub_group_size": 4096, "broadcast_buffers": False}])
+                                     {"stage": 1, "sub_group_size": 4096, "broadcast_buffers": False},
+                                     {"stage": 2, "offload_optimizer": "cpu"},
+                                     {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme",
+                                      "max_in_cpu": 1000}])
 def test_a_recorded_setup_gives_back_the_config_it_was_recorded_from(changes):
     """Copies of a recorded run are built with engine_config(setup): every setting the record holds survives."""
     from dataclasses import asdict
@@ -265,3 +268,24 @@ def test_a_recorded_setup_gives_back_the_config_it_was_recorded_from(changes):
         setup["stage"], setup["precision"], setup["reduce_dtype"], setup["bucket_bytes"], setup["grad_accum"],
         setup["reduce_scatter"], setup["sub_group_size"], setup["reduce_every_micro_step"], setup["broadcast_buffers"])
     assert config.stage3.persistence_threshold == setup["persistence_threshold"]
+    assert (config.offload_optimizer.device, config.offload_param.device) == (setup["offload_optimizer"],
+                                                                              setup["offload_param"])
+    if setup["offload_param"] != "none":
+        assert config.offload_param.max_in_cpu == setup["max_in_cpu"]
+
+
+def _offloaded_setup(rank: int, world: int) -> dict:
+    from dataclasses import asdict
+
+    from zerokit.profiling.record import engine_setup
+
+    net = TinyGPT(TinyGPTConfig(with_test_features=False))
+    engine = zerokit.initialize(net, torch.optim.AdamW(net.parameters()), {"zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}})
+    return asdict(engine_setup(engine, "adamw"))
+
+
+def test_a_record_names_the_run_offload():
+    """The plan of a recorded offloaded run prices its offload: engine_setup reads it from the engine."""
+    setup = spawn(_offloaded_setup, 1)[0]
+    assert (setup["offload_optimizer"], setup["offload_param"]) == ("cpu", "cpu")

@@ -19,6 +19,7 @@ config, module, world_size, rank, comm.backend.
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -76,7 +77,8 @@ def engine_setup(engine: Any, optimizer_name: str) -> EngineSetup:
                        sub_group_size=config.sub_group_size, reduce_every_micro_step=config.reduce_every_micro_step,
                        grad_accum=config.gradient_accumulation_steps,
                        persistence_threshold=config.stage3.persistence_threshold,
-                       broadcast_buffers=config.broadcast_buffers)
+                       offload_optimizer=config.offload_optimizer.device, offload_param=config.offload_param.device,
+                       max_in_cpu=config.offload_param.max_in_cpu, broadcast_buffers=config.broadcast_buffers)
 
 
 def engine_config(setup: dict) -> dict:
@@ -89,6 +91,13 @@ def engine_config(setup: dict) -> dict:
         zero["reduce_every_micro_step"] = False
     if setup["stage"] == 3:
         zero["stage3_param_persistence_threshold"] = setup["persistence_threshold"]
+    for kind in ("optimizer", "param"):
+        device = setup[f"offload_{kind}"]
+        if device != "none":  # NVMe swap files go to the temporary folder: a record does not keep the run's path
+            zero[f"offload_{kind}"] = {"device": device, **({"nvme_path": tempfile.gettempdir()} if device == "nvme"
+                                                            else {})}
+    if setup["offload_param"] != "none":
+        zero["offload_param"]["max_in_cpu"] = setup["max_in_cpu"]
     config = {"zero_optimization": zero, "gradient_accumulation_steps": setup["grad_accum"],
               "communication_data_type": setup["reduce_dtype"], "broadcast_buffers": setup["broadcast_buffers"]}
     if setup["precision"] != "fp32":

@@ -85,19 +85,20 @@ def engine_config(setup: dict) -> dict:
     """The config of `zerokit.initialize` for a recorded setup, as far as engine_setup records one (its inverse):
     copies of a recorded run are built with it."""
     zero = {"stage": setup["stage"], "reduce_bucket_bytes": setup["bucket_bytes"]}
-    zero.update({key: setup[name] for key, name in (("reduce_scatter", "reduce_scatter"),
-                                                     ("sub_group_size", "sub_group_size")) if setup[name] is not None})
+    zero.update({name: setup[name] for name in ("reduce_scatter", "sub_group_size") if setup[name] is not None})
     if not setup["reduce_every_micro_step"]:
         zero["reduce_every_micro_step"] = False
     if setup["stage"] == 3:
         zero["stage3_param_persistence_threshold"] = setup["persistence_threshold"]
     for kind in ("optimizer", "param"):
         device = setup[f"offload_{kind}"]
-        if device != "none":  # NVMe swap files go to the temporary folder: a record does not keep the run's path
-            zero[f"offload_{kind}"] = {"device": device, **({"nvme_path": tempfile.gettempdir()} if device == "nvme"
-                                                            else {})}
-    if setup["offload_param"] != "none":
-        zero["offload_param"]["max_in_cpu"] = setup["max_in_cpu"]
+        if device == "none":
+            continue
+        block = zero[f"offload_{kind}"] = {"device": device}
+        if device == "nvme":  # swap files in the temporary folder: a record does not keep the run's path
+            block["nvme_path"] = tempfile.gettempdir()
+        if kind == "param":
+            block["max_in_cpu"] = setup["max_in_cpu"]
     config = {"zero_optimization": zero, "gradient_accumulation_steps": setup["grad_accum"],
               "communication_data_type": setup["reduce_dtype"], "broadcast_buffers": setup["broadcast_buffers"]}
     if setup["precision"] != "fp32":

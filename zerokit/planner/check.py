@@ -221,13 +221,14 @@ def time_rows(record: dict, setup: EngineSetup, inventory: ParamInventory, comm:
     if line is not None:
         wall, cpu = line
         note = f"line through copies of {' and '.join(str(c['blocks']) for c in calibration.copy_seconds)} blocks"
+        notes = dict.fromkeys(PHASE_TIMES, note)
         replayed = [copy["seconds"]["run_communication"] for copy in calibration.copy_seconds
                     if "run_communication" in copy["seconds"]]
         if replayed:  # the run's own collectives (as the plan counts them), replayed on the copies' ranks
             wall["communication"] = min(replayed)  # the fastest, as replay_collectives takes within one copy
-        rows = [Row(f"time.{phase}", "seconds", wall.get(phase), measured["seconds"].get(phase),
-                    "the run's collectives replayed on the copies' ranks" if phase == "communication" and replayed
-                    else note) for phase in PHASE_TIMES]
+            notes["communication"] = "the run's collectives replayed on the copies' ranks"
+        rows = [Row(f"time.{phase}", "seconds", wall.get(phase), measured["seconds"].get(phase), notes[phase])
+                for phase in PHASE_TIMES]
         return rows + [Row(f"cpu_time.{phase}", "seconds", cpu.get(phase), value, note + ", CPU seconds")
                        for phase, value in measured.get("cpu_seconds", {}).items()]
     used_mfu = mfu or calibrated_mfu(calibration, model_spec(record), device, setup.precision) or 0.4

@@ -12,7 +12,7 @@ import gc
 import importlib.util
 import os
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -50,9 +50,23 @@ def optimizer_seconds(kind: str, numel: int = 2 * 2**20) -> float:
     pieces = [torch.nn.Parameter(torch.randn(CPU_OPTIMIZER_PIECE_NUMEL)) for _ in range(numel // CPU_OPTIMIZER_PIECE_NUMEL)]
     for piece in pieces:
         piece.grad = torch.randn_like(piece)
-    optimizer = torch.optim.AdamW(pieces) if kind in ("adamw", "adam") else torch.optim.SGD(
-        pieces, lr=0.01, momentum=0.9 if kind == "sgd-momentum" else 0.0)
-    return _best_of(3, optimizer.step) / numel
+    return _best_of(3, torch_optimizer(kind, pieces).step) / numel
+
+
+OPTIMIZER_KINDS = ("adamw", "adam", "sgd", "sgd-momentum")  # what a run record names (record.optimizer_name)
+
+
+def torch_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
+    """torch's optimizer for one of OPTIMIZER_KINDS."""
+    check_optimizer_kind(kind)
+    if kind in ("adamw", "adam"):
+        return (torch.optim.AdamW if kind == "adamw" else torch.optim.Adam)(params)
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9 if kind == "sgd-momentum" else 0.0)
+
+
+def check_optimizer_kind(kind: str) -> None:
+    if kind not in OPTIMIZER_KINDS:
+        raise ValueError(f"optimizer={kind!r} is not timed here; use one of {', '.join(OPTIMIZER_KINDS)}")
 
 
 def _link_rank(rank: int, world: int) -> dict:

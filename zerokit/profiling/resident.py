@@ -48,14 +48,11 @@ from typing import Any
 
 import torch
 
-from zerokit.profiling.measure import AllocationTimeline, resident_bytes, resident_peak
+from zerokit.profiling.device import check_optimizer_kind, torch_optimizer
+from zerokit.profiling.measure import AllocationTimeline, resident_bytes
 
 
 TIMED_STEPS = 4  # optimizer steps each copy is timed over (per step: their mean)
-
-
-OPTIMIZERS = {"adamw": (torch.optim.AdamW, {}), "adam": (torch.optim.Adam, {}), "sgd": (torch.optim.SGD, {}),
-              "sgd-momentum": (torch.optim.SGD, {"momentum": 0.9})}  # the kinds a record names (optimizer_name)
 
 
 def _copy_rank(rank: int, world: int, model: Any, layers: int, batch: int, seq: int, config: dict, optimizer: str,
@@ -70,8 +67,7 @@ def _copy_rank(rank: int, world: int, model: Any, layers: int, batch: int, seq: 
     gc.collect()
     framework = resident_bytes()
     module = build_hf_model(model, layers)
-    kind, settings = OPTIMIZERS[optimizer]
-    engine = zerokit.initialize(module, kind(_grouped_as_run(module, groups), **settings), config)
+    engine = zerokit.initialize(module, torch_optimizer(optimizer, _grouped_as_run(module, groups)), config)
     vocab = module.config.vocab_size
     batches = iter(lambda: torch.randint(0, vocab, (batch, seq)), None)
 
@@ -114,12 +110,11 @@ class Copies:
 def measure_copies(model: Any, batch: int, seq: int, layers: int = 2, world: int = 1, config: dict | None = None,
                    optimizer: str = "adamw", groups: dict[str, int] | None = None, replay: dict | None = None) -> Copies:
     """Train copies of `model` with `layers` and 3 x `layers` blocks on `world` gloo ranks with the target's
-    zerokit `config` (default: stage 0, fp32) and `optimizer` (a kind of OPTIMIZERS), at its micro-batch and
+    zerokit `config` (default: stage 0, fp32) and `optimizer` (one of OPTIMIZER_KINDS), at its micro-batch and
     sequence length, in fresh processes on this machine; measure their resident memory and time their phases.
     `groups`: the target's optimizer group of each parameter, by name; `replay`: the target's collectives of one
     step (as `comm_stats()` counts them), replayed on each copy's ranks ("run_communication")."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r}: copies are trained with one of {sorted(OPTIMIZERS)}")
+    check_optimizer_kind(optimizer)  # here, not in a spawned rank
     config = config or {"zero_optimization": {"stage": 0}}
     from zerokit.testing.spawn import spawn
 

@@ -1,12 +1,17 @@
 # The two commands of the README: `make demo` (the main job) and `make test`.
-# Each does the whole set-up first, once: torch's CPU build, then zerokit itself.
-PY ?= python3
-STAMP := .setup-done
+# Each does the whole set-up first, once, in a virtual environment of its own (.venv, or VENV=...):
+# torch's CPU build, then zerokit with the extras its tests and plots use. .ci/run removes .venv before
+# `make test`, so that a dependency declared nowhere fails CI instead of a user's fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-done
 
 .PHONY: setup demo test bench
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test,plot]"
 	touch $(STAMP)
@@ -18,4 +23,5 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
+	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) benchmarks/bench_stages.py

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -283,9 +284,7 @@ def test_hidden_size_of_reads_model_configs():
 
 
 def test_tensorboard_needs_its_package(monkeypatch):
-    from zerokit.dsconfig import blocks
-
-    monkeypatch.setattr(blocks.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match="tensorboard.enabled=true needs the tensorboard package"):
         load_config({"tensorboard": {"enabled": True}})
     assert not load_config({"tensorboard": {"enabled": False, "output_path": "tb"}}).tensorboard.enabled

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import subprocess
 import sys
 
@@ -260,7 +261,7 @@ def test_offload_rules(offload, message):
 
 
 def test_wandb_needs_its_package(monkeypatch):
-    monkeypatch.setattr(blocks.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match="wandb.enabled=true needs the wandb package, which is not installed"):
         blocks.Wandb(enabled=True)
     assert not blocks.Wandb(enabled=False).enabled

@@ -140,7 +140,7 @@ def test_a_missing_monitor_package_is_one_line(monkeypatch) -> None:
     with pytest.raises(ValueError) as error:
         load_config({"tensorboard": {"enabled": True}})
     assert str(error.value) == ("tensorboard.enabled=true needs the tensorboard package, which is not installed; pip "
-                                "install tensorboard or set tensorboard.enabled to false")
+                                "install 'zerokit[tensorboard]' or set tensorboard.enabled to false")
 
 
 def test_wandb_logs_deepspeeds_events(one_process, monkeypatch) -> None:

@@ -179,8 +179,22 @@ def test_emitted_deepspeed_config_translates_back_to_the_pick():
     # Changed deliberately: the engine's config reads the offload blocks now, so they translate exactly.
     there = deepspeed_to_zerokit(emitted.config)
     assert there.config["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
-    with pytest.raises(ValueError, match="does not offload yet"):  # planner/emit.py still says so
-        emit(result, "zerokit")
+
+
+@pytest.mark.parametrize("optimizer,params", [("cpu", "none"), ("cpu", "cpu"), ("nvme", "none"), ("nvme", "nvme")])
+def test_emitted_zerokit_config_offloads_as_the_pick_does(optimizer, params):
+    """The engine offloads to both tiers, so an offloaded pick is emitted with its blocks, which the engine's
+    own config reader turns back into the pick's tiers."""
+    config = pytest.importorskip("zerokit.config")
+    result = estimate(make_scenario("llama2-70b", seq_len=4096), 3, Offload(optimizer=optimizer, params=params))
+    emitted = emit(result, "zerokit")
+    zero = emitted.config["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == optimizer
+    assert ("offload_param" in zero) == (params != "none")
+    read = config.load_config(emitted.config)
+    assert read.offload_optimizer.device == optimizer
+    assert read.offload_param.device == ("none" if params == "none" else params)
+    assert any("nvme_path" in note for note in emitted.notes) == ("nvme" in (optimizer, params))
 
 
 def test_translator_and_engine_read_one_format():

@@ -7,12 +7,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import numpy
 import torch
-
-try:
-    import numpy
-except ImportError:  # torch runs without numpy; then there is no numpy generator to keep
-    numpy = None
 
 
 def capture_rng() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -22,11 +18,9 @@ def capture_rng() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors["rng/torch_cuda"] = torch.cuda.get_rng_state()
     version, words, gauss = random.getstate()
     tensors["rng/python"] = torch.tensor(words, dtype=torch.int64)
-    meta: dict[str, Any] = {"python": [version, gauss]}
-    if numpy is not None:
-        kind, keys, position, has_gauss, cached = numpy.random.get_state()
-        tensors["rng/numpy"] = torch.from_numpy(keys.astype(numpy.int64))
-        meta["numpy"] = [kind, int(position), int(has_gauss), float(cached)]
+    kind, keys, position, has_gauss, cached = numpy.random.get_state()
+    tensors["rng/numpy"] = torch.from_numpy(keys.astype(numpy.int64))
+    meta: dict[str, Any] = {"python": [version, gauss], "numpy": [kind, int(position), int(has_gauss), float(cached)]}
     return tensors, meta
 
 
@@ -36,7 +30,7 @@ def restore_rng(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(tensors["rng/torch_cuda"])
     version, gauss = meta["python"]
     random.setstate((version, tuple(int(w) for w in tensors["rng/python"].tolist()), gauss))
-    if numpy is not None and "numpy" in meta and "rng/numpy" in tensors:
+    if "numpy" in meta and "rng/numpy" in tensors:
         kind, position, has_gauss, cached = meta["numpy"]
         numpy.random.set_state((kind, tensors["rng/numpy"].numpy().astype(numpy.uint32), position, has_gauss, cached))
 

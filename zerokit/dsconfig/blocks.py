@@ -5,7 +5,6 @@ field's default is DeepSpeed's (tests/test_dsconfig.py checks them against the s
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -13,6 +12,7 @@ from zerokit.dsconfig import values as v
 from zerokit.dsconfig.keys import KeyClass
 from zerokit.dsconfig.schema_optim import (OPTIMIZER_TYPES, REQUIRED_PARAMS, SCHEDULER_TYPES, canonical_type,
                                            params_table)
+from zerokit.extras import installed, monitor_missing
 
 DEVICES = ("none", "cpu", "nvme")
 
@@ -206,9 +206,8 @@ class FlopsProfiler:
 
 
 def _require_package(package: str, key: str) -> None:
-    if importlib.util.find_spec(package) is None:
-        raise ValueError(f"{key}.enabled=true needs the {package} package, which is not installed; "
-                         f"pip install {package} or set {key}.enabled to false")
+    if not installed(package):
+        raise ValueError(monitor_missing(package, key))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import csv
 import importlib
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any, Protocol
 
 from zerokit.config import ZeroConfig
+from zerokit.extras import installed, monitor_missing
 
 Event = tuple[str, float, int]
 
@@ -28,9 +28,8 @@ class EventWriter(Protocol):
 
 def require(package: str, key: str) -> Any:
     """Import an optional package a monitor needs, or say in one line which one to install."""
-    if importlib.util.find_spec(package) is None:
-        raise ValueError(f"{key}.enabled=true needs the {package} package, which is not installed; pip install "
-                         f"{package} or set {key}.enabled to false")
+    if not installed(package):
+        raise ValueError(monitor_missing(package, key))
     return importlib.import_module(package)
 
 

@@ -73,10 +73,8 @@ def emit_zerokit(result: Estimate, clipping: float = DEFAULT_CLIPPING) -> dict:
             "overlap_comm": t.overlap_comm}
     if result.stage == 2 and not t.reduce_every_micro_step:
         zero["reduce_every_micro_step"] = False
-    if result.offload.any:
-        raise ValueError("zerokit's engine does not offload yet (CPU/NVMe tiers are planned); "
-                         "use --emit deepspeed for this pick")
     zero.update(_stage3_limits(result))
+    zero.update(_offload_blocks(result, {"pin_memory": True}))
     return {**_common(result, clipping), "zero_optimization": zero}
 
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from zerokit.extras import require
 from zerokit.planner.calibration import RELATIVE_PHASES, Calibration, Fit
 from zerokit.planner.models import ModelSpec, resolve_model
 from zerokit.profiling.inventory import blocks_of
@@ -31,7 +32,7 @@ BATCHES = (1, 2, 4, 8)  # with two lengths: enough shapes for the logits' gradie
 
 def hf_config(model: str | ModelSpec, layers: int | None = None):
     """A transformers config for a config.json path or a planner preset, with `layers` blocks if given."""
-    import transformers
+    transformers = require("transformers", "calibrating a model's activations (zerokit plan --calibrate)")
 
     if isinstance(model, str) and (model.endswith(".json") or Path(model).is_file()):
         raw = json.loads(Path(model).read_text())
@@ -59,7 +60,7 @@ def _preset_config(spec: ModelSpec, transformers: Any):
 
 
 def build_hf_model(model: str | ModelSpec, layers: int | None = None, seed: int = 0) -> nn.Module:
-    import transformers
+    transformers = require("transformers", "building a Hugging Face model to measure")
 
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(hf_config(model, layers))

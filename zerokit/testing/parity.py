@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from zerokit.config import DTYPES_BY_NAME, LossScaling, load_config
+from zerokit.extras import require
 from zerokit.precision import make_loss_scaler
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, TinyMoE, lm_loss, param_groups, seeded_init
 
@@ -83,7 +84,7 @@ def make_model(case: Case) -> torch.nn.Module:
                     init(module)
         freeze(model, case)
         return model
-    import transformers  # an optional test dependency
+    transformers = require("transformers", f"the parity case {case.model!r}")
 
     if case.model == "hf-gpt2":
         config = transformers.GPT2Config(vocab_size=67, n_positions=16, n_embd=32, n_layer=2, n_head=2,

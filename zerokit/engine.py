@@ -46,6 +46,7 @@ class Progress:
     consecutive_skips: int = 0
     total_skips: int = 0
     backward_since_step: bool = False  # a second step() after one backward() would step on stale gradients
+    window_ended: bool = False  # the last backward ended an accumulation window, so the step() after it steps
 
 
 class Engine:
@@ -120,16 +121,19 @@ class Engine:
         """The next backward ends an accumulation window."""
         return (self.progress.micro_step + 1) % self.config.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, average_window: bool = True) -> None:
         """Backward of `loss / gradient_accumulation_steps` (times the fp16 loss scale), with the
-        gradient reductions this micro-step needs overlapped with it."""
-        self.safeguards.before_backward(self.progress.backward_since_step, self.progress.micro_step)
-        must_reduce = self.at_boundary or self.stage.reduces_every_micro_step
+        gradient reductions this micro-step needs overlapped with it. average_window=False: of `loss` as it is
+        (a caller that divided it already, as Hugging Face's Trainer does)."""
+        self.safeguards.before_backward(self.progress.backward_since_step, self.progress.window_ended)
+        final = self.at_boundary
+        must_reduce = final or self.stage.reduces_every_micro_step
         with self.monitor.backward(loss) as lap:  # observability (zerokit/observe): the loss, phase times, FLOPs
             self.stage.prepare_backward()
-            scaled = loss * (self.loss_scaler.scale / self.config.gradient_accumulation_steps)
+            divisor = self.config.gradient_accumulation_steps if average_window else 1
+            scaled = loss * (self.loss_scaler.scale / divisor)
             if must_reduce:
-                self.reducer.arm(scaled, final=self.at_boundary)
+                self.reducer.arm(scaled, final=final)
             scaled.backward()
             if self.stage.unit_hooks is not None:  # stage 3: agree that every rank is done gathering
                 self.stage.unit_hooks.end_of_autograd()
@@ -139,6 +143,7 @@ class Engine:
             self.stage.finish_backward()
         self.progress.micro_step += 1
         self.progress.backward_since_step = True
+        self.progress.window_ended = final
 
     def step(self) -> StepResult:
         """Step the optimizer if this micro-step ended an accumulation window; report either way."""
@@ -152,7 +157,7 @@ class Engine:
                                "call engine.backward(loss) once before each engine.step()")
         progress.backward_since_step = False
         self.safeguards.at_step()  # broadcast_buffers: equal on every rank between steps too
-        if progress.micro_step % self.config.gradient_accumulation_steps != 0:
+        if not progress.window_ended:
             return self._result(boundary=False, stepped=False, norm=None, clipped=False)
         stage, masters = self.stage, self.stage.masters
         norm = self._norm_and_usage(masters.unscaled_square_sum(self.loss_scaler.scale))

@@ -9,18 +9,23 @@
                                                                 model_parameters=model.parameters(),
                                                                 training_data=dataset)
 
-Launch with torchrun (the deepspeed launcher is out of scope). What each module covers: start.py (initialize,
+Launch with torchrun (the deepspeed launcher is out of scope). For frameworks that import deepspeed themselves
+(Hugging Face Trainer, accelerate, Lightning), install() (aliases.py) makes `import deepspeed` resolve here.
+What each module covers: start.py (initialize,
 add_config_arguments), distributed.py (init_distributed), engine.py (the engine's DeepSpeed methods), comm.py,
 accelerator.py, zero.py (Init, GatheredParameters), utils.py, ops/adam.py. Pipeline parallelism, MoE layers,
 the inference engine and DeepSpeed's kernels are refused in one line naming them.
 """
 
-from zerokit.deepspeed import comm, zero
+from zerokit.deepspeed import checkpointing, comm, zero
 from zerokit.deepspeed.accelerator import get_accelerator
+from zerokit.deepspeed.aliases import distribution_version, install
 from zerokit.deepspeed.distributed import init_distributed
 from zerokit.deepspeed.engine import DeepSpeedEngine
 from zerokit.deepspeed.start import add_config_arguments, initialize
 from zerokit.deepspeed.utils import log_dist, logger
+
+__version__ = distribution_version()  # DeepSpeed's version with zerokit's as its local part (frameworks read it)
 
 OUT_OF_SCOPE = {
     "PipelineModule": "pipeline parallelism", "PipelineEngine": "pipeline parallelism",
@@ -30,8 +35,6 @@ OUT_OF_SCOPE = {
     "DeepSpeedHybridEngine": "DeepSpeed's RLHF hybrid engine",
     "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernels",
     "DeepSpeedTransformerConfig": "DeepSpeed's fused transformer kernels",
-    "checkpointing": "DeepSpeed's activation checkpointing API (use torch.utils.checkpoint.checkpoint(..., "
-                     "use_reentrant=False), which zerokit supports)",
     "launcher": "the deepspeed launcher (launch with torchrun)",
 }
 
@@ -42,5 +45,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'zerokit.deepspeed' has no attribute {name!r}")
 
 
-__all__ = ["initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "comm", "zero",
+__all__ = ["install", "initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "comm", "zero",
+           "checkpointing",
            "get_accelerator", "log_dist", "logger"]

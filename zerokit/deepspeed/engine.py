@@ -8,7 +8,15 @@ unsharded(), ...) plus DeepSpeed's names, counters and conventions:
   it as DeepSpeed does, so it is True between the last micro-step's backward and its step().
 - global_steps counts accumulation boundaries, skipped ones included; skipped_steps the skipped ones.
 - An lr_scheduler passed to initialize() is stepped by the engine at every optimizer step it does not skip,
-  as DeepSpeed steps it (See [Note: a scheduler passed to initialize]).
+  as DeepSpeed steps it (See [Note: a scheduler passed to initialize]); assigning engine.lr_scheduler replaces it.
+- set_gradient_accumulation_boundary(is_boundary) decides, from then on, whether the next backward ends the
+  accumulation window (a short last window at an epoch's end), in place of counting micro-steps; step() then
+  steps the optimizer after a backward that ended one. backward(loss, scale_wrt_gas=False) takes the loss as
+  already divided. Hugging Face's Trainer (through accelerate) does both, calling step() at boundaries only.
+- Learning rates and other hyperparameters a caller sets on the optimizer it passed reach the optimizer that
+  trains at the next step (See [Note: a scheduler passed to initialize]): accelerate steps the Trainer's own
+  schedule on the optimizer the Trainer built.
+- engine.config is the typed config and the DeepSpeed dict given (See [Note: engine.config is both configs]).
 
 [Note: a scheduler passed to initialize]
 zerokit rebuilds the user's optimizer over this rank's master pieces, so a scheduler built over the user's
@@ -17,11 +25,16 @@ scheduler where DeepSpeed would and then copies every param group's hyperparamet
 ...) from the user's optimizer to its rebuilt twin, group by group (rebuilding keeps the groups in order):
 any scheduler (chained, sequential, one that cycles momentum) then drives the optimizer that trains. A
 callable lr_scheduler is called with the rebuilt optimizer, as DeepSpeed calls it with its basic optimizer.
+A schedule the engine does not step (accelerate steps the Trainer's LambdaLR itself, on the Trainer's optimizer)
+reaches the rebuilt twin the same way: before each optimizer step, every hyperparameter that changed in the
+user's optimizer since the last step is copied to its twin (only changed ones, so that a script that sets
+engine.optimizer's learning rate itself is not overridden by the user's stale value).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import warnings
 import weakref
@@ -32,12 +45,14 @@ import torch
 from torch import nn
 
 from zerokit.config import ZeroConfig
+from zerokit.deepspeed.config_view import EngineConfig
 from zerokit.deepspeed.data import training_loader
 from zerokit.engine import Engine
 from zerokit.precision import StepResult
 from zerokit.reliability.compiled import compile_model
 from zerokit.stages.construction import ParamInit
 
+logger = logging.getLogger("zerokit")
 _ENGINES: "weakref.WeakSet[DeepSpeedEngine]" = weakref.WeakSet()
 _CREATED = itertools.count()
 SCHEDULES_KEY = "zerokit.lr_schedules"  # where save_checkpoint keeps the engine's LR schedules (client state)
@@ -80,10 +95,32 @@ class ClientSchedule:
         self.mirror()
 
 
+class HyperparameterMirror:
+    """Copies what changed in the user's optimizers' param groups to their rebuilt twins. See [Note: a scheduler
+    passed to initialize]."""
+
+    def __init__(self, pairs: list[tuple[torch.optim.Optimizer, torch.optim.Optimizer]]) -> None:
+        self.pairs = pairs
+        self.seen = [self._settings(user) for user, _ in pairs]
+
+    @staticmethod
+    def _settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+    def sync(self) -> None:
+        for index, (user, twin) in enumerate(self.pairs):
+            now = self._settings(user)
+            for before, after, rebuilt in zip(self.seen[index], now, twin.param_groups, strict=True):
+                rebuilt.update({key: value for key, value in after.items() if before.get(key, object()) != value})
+            self.seen[index] = now
+
+
 class DeepSpeedEngine(Engine):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None,
                  config: ZeroConfig, model_parameters: Iterable[Any] | None = None, lr_scheduler: Any = None,
-                 collate_fn: Callable | None = None, param_init: ParamInit | None = None) -> None:
+                 collate_fn: Callable | None = None, param_init: ParamInit | None = None,
+                 given_config: dict[str, Any] | None = None) -> None:
+        self._given_config = dict(given_config or {})  # before Engine sets self.config; See the config property
         super().__init__(model, optimizer, config, param_init=param_init, model_parameters=model_parameters)
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.global_rank = self.rank
@@ -93,6 +130,11 @@ class DeepSpeedEngine(Engine):
         self._last_boundary: StepResult | None = None
         self._step_applied = False
         self._is_compiled = False
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's answer; None: count micro-steps
+        self._given_optimizer = optimizer
+        users = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        self._mirror = HyperparameterMirror([(user, twin) for user, twin in zip(users, self.stage.masters.optimizers)
+                                             if isinstance(user, torch.optim.Optimizer) and user is not twin])
         self._client_schedule = self._attach(lr_scheduler, optimizer)
         self.created = next(_CREATED)
         _ENGINES.add(self)
@@ -110,27 +152,47 @@ class DeepSpeedEngine(Engine):
         self.lr_schedules.append(schedule)
         return schedule
 
+    @property
+    def config(self) -> EngineConfig:
+        """The typed config, also read as the DeepSpeed dict given (See [Note: engine.config is both configs])."""
+        return self._config
+
+    @config.setter
+    def config(self, typed: ZeroConfig) -> None:
+        self._config = EngineConfig.of(typed, self._given_config)
+
     # --- DeepSpeed's training calls --------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         return self(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Backward of `loss`, divided by gradient_accumulation_steps; returns that divided loss, as DeepSpeed."""
+        """Backward of `loss`, divided by gradient_accumulation_steps unless scale_wrt_gas=False (the caller
+        divided it); returns the loss backpropagated, as DeepSpeed."""
         if retain_graph:
             raise ValueError("engine.backward(loss, retain_graph=True) is not offered: zerokit frees the graph as it "
                              "reduces each micro-step's gradients; run a second forward instead")
-        if not scale_wrt_gas:
-            raise ValueError("engine.backward(loss, scale_wrt_gas=False) is not offered: zerokit always divides the "
-                             "loss by gradient_accumulation_steps")
         if loss.numel() != 1:
             raise ValueError(f"engine.backward(loss) needs a scalar loss, not one of shape {tuple(loss.shape)}")
-        super().backward(loss)
-        return loss.detach() / self.config.gradient_accumulation_steps
+        super().backward(loss, average_window=scale_wrt_gas)
+        return loss.detach() / self.config.gradient_accumulation_steps if scale_wrt_gas else loss.detach()
+
+    @property
+    def at_boundary(self) -> bool:
+        """The next backward ends an accumulation window: as set_gradient_accumulation_boundary said last, else
+        counted from micro-steps."""
+        return super().at_boundary if self._boundary is None else self._boundary
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """From now on, whether the next backward ends the accumulation window (DeepSpeed keeps the setting until
+        it is set again). A short window (an epoch's last) steps on the micro-steps it has."""
+        self._boundary = bool(is_boundary)
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> StepResult:
         """Call after every micro-step's backward; the optimizer steps at accumulation boundaries."""
         if self._client_schedule is not None:
             self._client_schedule.kwargs = dict(lr_kwargs or {})
+        if self.progress.window_ended:
+            self._mirror.sync()  # See [Note: a scheduler passed to initialize]
         result = super().step()
         self.micro_steps += 1
         self._step_applied = result.stepped
@@ -141,11 +203,13 @@ class DeepSpeedEngine(Engine):
     def zero_grad(self) -> None:
         """Nothing to zero between optimizer steps: zerokit releases gradients after each one. Inside an
         accumulation window it would drop gradients already accumulated (or reduced), so it refuses."""
-        if self.progress.micro_step % self.config.gradient_accumulation_steps:
+        if self.progress.micro_step and not self.progress.window_ended:
             raise RuntimeError("engine.zero_grad() inside an accumulation window would drop the gradients of its "
                                "micro-steps so far; zerokit clears gradients itself after each optimizer step")
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def was_step_applied(self) -> bool:
@@ -162,8 +226,14 @@ class DeepSpeedEngine(Engine):
 
     @property
     def lr_scheduler(self) -> Any:
-        """The scheduler passed to initialize(), else the `scheduler` block's (None without either)."""
+        """The scheduler passed to initialize() (or assigned), else the `scheduler` block's (None without either)."""
         return self._client_schedule.scheduler if self._client_schedule is not None else super().lr_scheduler
+
+    @lr_scheduler.setter
+    def lr_scheduler(self, scheduler: Any) -> None:
+        """Replace the schedule the engine steps (None: the engine steps none), as assigning DeepSpeed's does."""
+        self.lr_schedules.clear()
+        self._client_schedule = self._attach(scheduler, self._given_optimizer)
 
     # --- counters and settings -----------------------------------------------------------------------
     @property
@@ -250,10 +320,11 @@ class DeepSpeedEngine(Engine):
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict[str, Any] | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False, **zerokit: Any) -> bool:
         """DeepSpeed's save_checkpoint on zerokit's (every rank calls it); the LR schedules the engine steps
-        travel in the client state."""
-        if exclude_frozen_parameters:
-            raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not offered: a zerokit checkpoint "
-                             "holds every parameter, so that it resumes at any world size and stage")
+        travel in the client state. exclude_frozen_parameters only makes DeepSpeed's files smaller: a zerokit
+        checkpoint holds every parameter, so that it resumes at any world size and stage, and says so."""
+        if exclude_frozen_parameters and any(not param.requires_grad for param in self.module.parameters()):
+            logger.info("save_checkpoint(exclude_frozen_parameters=True): zerokit keeps the frozen parameters in the "
+                        "checkpoint too (it resumes at any world size and stage)")
         state = dict(client_state or {})
         if self.lr_schedules:
             state[SCHEDULES_KEY] = [schedule.state_dict() for schedule in self.lr_schedules]
@@ -275,6 +346,22 @@ class DeepSpeedEngine(Engine):
             for schedule, state in zip(self.lr_schedules, saved, strict=True):
                 schedule.load_state_dict(state)
         return path, client_state
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether saving the model gathers its full weights: always, at every stage (engine.full_state_dict()
+        gathers one unit at a time), so stage3_gather_16bit_weights_on_model_save needs no setting."""
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+        """The whole model's state dict at the compute precision, on every rank (DeepSpeed fills it on rank 0;
+        callers save it there). What accelerate's get_state_dict and the Trainer's save_model read."""
+        dtype = self.config.precision.param_dtype
+        state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+                 for name, tensor in self.full_state_dict().items()}
+        if exclude_frozen_parameters:
+            frozen = {name for name, param in self.module.named_parameters() if not param.requires_grad}
+            state = {name: tensor for name, tensor in state.items() if name not in frozen}
+        return state
 
     def offload_states(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("engine.offload_states() is out of scope for zerokit: it keeps model states where "

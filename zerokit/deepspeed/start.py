@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from zerokit.config import ZeroConfig, load_config
+from zerokit.deepspeed.config_view import config_dict
 from zerokit.deepspeed.distributed import init_distributed
 from zerokit.deepspeed.engine import DeepSpeedEngine
 from zerokit.schedules import both_given_error
@@ -95,7 +96,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         raise ValueError("deepspeed.initialize(mpu=/mesh_param=) asks for model or sequence parallelism, which "
                          "zerokit does not offer: it is data parallel over all ranks")
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    typed = load_config(config_source(args, config, config_params))
+    source = config_source(args, config, config_params)
+    typed = load_config(source)
     check_local_rank(args)
     if optimizer is not None and typed.optimizer is not None:
         raise both_given_error("optimizer")
@@ -106,7 +108,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if optimizer is not None and not isinstance(optimizer, (torch.optim.Optimizer, list, tuple)):
         optimizer = optimizer(model_parameters if model_parameters is not None else model.parameters())
     engine = DeepSpeedEngine(model, optimizer, typed, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
-                             collate_fn=collate_fn, param_init=param_init)
+                             collate_fn=collate_fn, param_init=param_init, given_config=config_dict(source))
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

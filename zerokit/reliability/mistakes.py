@@ -86,10 +86,10 @@ class TrainableGuard:
                            "initialize a new engine after changing it")
 
 
-def check_backward_order(backward_since_step: bool, micro_step: int, accumulation: int) -> None:
+def check_backward_order(backward_since_step: bool, window_ended: bool, accumulation: int) -> None:
     """A backward after the one that ended an accumulation window, with no step() between them, would add a
     second micro-step's gradients into the step (its norm, its update) without a word."""
-    if backward_since_step and micro_step % accumulation == 0:
+    if backward_since_step and window_ended:
         raise RuntimeError(f"engine.backward() was called again after the backward that ended an accumulation window "
                            f"(gradient_accumulation_steps={accumulation}) without engine.step() in between; call "
                            "engine.step() after every engine.backward() (it steps the optimizer only at accumulation "

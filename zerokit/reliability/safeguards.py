@@ -47,8 +47,8 @@ class Safeguards:
         self.buffers = BufferSync(model, comm, config.broadcast_buffers)
         self.accumulation = config.gradient_accumulation_steps
 
-    def before_backward(self, backward_since_step: bool, micro_step: int) -> None:
-        check_backward_order(backward_since_step, micro_step, self.accumulation)
+    def before_backward(self, backward_since_step: bool, window_ended: bool) -> None:
+        check_backward_order(backward_since_step, window_ended, self.accumulation)
         self.trainable.check()
 
     def at_step(self) -> None:

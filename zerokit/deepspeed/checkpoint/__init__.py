@@ -1,0 +1,2 @@
+"""`deepspeed.checkpoint` for zerokit: the helpers frameworks import from it (checkpoint.utils). zerokit's own
+checkpoints are engine.save_checkpoint / load_checkpoint (zerokit/checkpoint)."""

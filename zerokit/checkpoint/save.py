@@ -68,8 +68,10 @@ def save_checkpoint(engine: "Engine", save_dir: str | os.PathLike, tag: str | No
 
 
 def _check_boundary(engine: "Engine", save_dir: Path) -> None:
+    # A window ends where its last backward said so, not at a multiple of gradient_accumulation_steps: the
+    # Trainer ends each epoch with a short window (set_gradient_accumulation_boundary).
     progress, window = engine.progress, engine.config.gradient_accumulation_steps
-    if progress.micro_step % window or progress.backward_since_step:
+    if (progress.micro_step and not progress.window_ended) or progress.backward_since_step:
         raise ValueError(f"{save_dir}: cannot save in the middle of an accumulation window (micro-step "
                          f"{progress.micro_step}, {window} per optimizer step{', a backward not yet stepped' if progress.backward_since_step else ''}): "
                          "gradients in flight are not saved; save right after the engine.step() that ends a window")
@@ -78,7 +80,7 @@ def _check_boundary(engine: "Engine", save_dir: Path) -> None:
 def _agree_on_tag(engine: "Engine", group: CheckpointGroup, tag: str | None) -> tuple[str, str]:
     """Rank 0's tag (and a staging id) for every rank; other tags are ignored, warned about or refused as
     checkpoint.tag_validation says (Ignore, Warn (default), Fail)."""
-    boundaries = engine.progress.micro_step // engine.config.gradient_accumulation_steps
+    boundaries = engine.progress.optimizer_step + engine.progress.total_skips  # windows ended, short ones too
     tag = str(tag) if tag is not None else f"global_step{boundaries}"
     if not tag or tag.startswith(".") or "/" in tag or "\\" in tag:
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name (not empty, no '/', not starting "

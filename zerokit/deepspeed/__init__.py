@@ -25,6 +25,10 @@ from zerokit.deepspeed.engine import DeepSpeedEngine
 from zerokit.deepspeed.start import add_config_arguments, initialize
 from zerokit.deepspeed.utils import log_dist, logger
 
+# Imported with the package, as `import deepspeed` imports them: frameworks read deepspeed.runtime.* and
+# deepspeed.ops.* as attributes after `import deepspeed` alone.
+from zerokit.deepspeed import checkpoint, ops, runtime, utils  # noqa: E402,F401
+
 __version__ = distribution_version()  # DeepSpeed's version with zerokit's as its local part (frameworks read it)
 
 OUT_OF_SCOPE = {

@@ -39,7 +39,7 @@ import os
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -284,6 +284,26 @@ class DeepSpeedEngine(Engine):
 
     def dataloader_drop_last(self) -> bool:
         return self.config.dataloader_drop_last
+
+    # --- the wrapped module, as DeepSpeed's engine (an nn.Module holding it as `module`) shows it ---------
+    def parameters(self, recurse: bool = True) -> Iterable[nn.Parameter]:
+        """The model's parameters (the Trainer counts them through the engine)."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterable[tuple[str, nn.Parameter]]:
+        """The model's parameters named as DeepSpeed's engine names them: under `module.`."""
+        return self.module.named_parameters(prefix + ("." if prefix else "") + "module", recurse, remove_duplicate)
+
+    @property
+    def _modules(self) -> dict[str, nn.Module]:
+        """nn.Module's table of children: the model, as `module` (accelerate's unwrap_model walks it)."""
+        return {"module": self.module}
+
+    def modules(self) -> Iterator[Any]:
+        """The engine, then the model's modules, in nn.Module's order."""
+        yield self
+        yield from self.module.modules()
 
     # --- data, compilation, checkpoints, teardown -------------------------------------------------------
     def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,

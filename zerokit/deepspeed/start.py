@@ -10,11 +10,21 @@ the one passed (an optimizer, or a callable taking model_parameters), or the con
 model_parameters (default: the model's trainable parameters); the schedule is lr_scheduler (a scheduler, or a
 callable taking the optimizer) or the `scheduler` block's. Passing an optimizer (or lr_scheduler) and having
 a block for it too is an error: DeepSpeed 0.19.8 silently prefers the object, zerokit will not guess.
+
+[Note: the drop-in clips as DeepSpeed does]
+DeepSpeed 0.19.8 clips the global gradient norm at 1.0 when a config has no gradient_clipping
+(runtime/constants.py GRADIENT_CLIPPING_DEFAULT, applied by its ZeRO optimizers); zerokit's own default is no
+clipping. Scripts and frameworks that call deepspeed.initialize were tuned on DeepSpeed's meaning: Hugging
+Face's Trainer hands clipping to the engine (accelerate's clip_grad_norm_ only reads the engine's norm back) and
+fills gradient_clipping from max_grad_norm (default 1.0) only where the config says "auto", so a config without
+the key clips at 1.0 under DeepSpeed and under the Trainer's own DDP loop alike. So initialize() here reads an
+absent gradient_clipping as 1.0 and says so at start-up; zerokit.initialize keeps zerokit's default.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -28,6 +38,8 @@ from zerokit.deepspeed.distributed import init_distributed
 from zerokit.deepspeed.engine import DeepSpeedEngine
 from zerokit.schedules import both_given_error
 from zerokit.stages.construction import ParamInit
+
+logger = logging.getLogger("zerokit")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -60,6 +72,18 @@ def config_source(args: Any, config: Any, config_params: Any) -> dict[str, Any] 
     if config is None:
         raise ValueError("DeepSpeed requires --deepspeed_config to specify configuration file")
     return config
+
+
+def deepspeed_defaults(source: Any) -> Any:
+    """The DeepSpeed config with DeepSpeed's meaning for an absent gradient_clipping: 1.0. See [Note: the
+    drop-in clips as DeepSpeed does]. A ZeroConfig is zerokit's own and stays as it is."""
+    given = config_dict(source)
+    if not given or "gradient_clipping" in given:
+        return source
+    if int(os.environ.get("RANK", 0)) == 0:
+        logger.info("gradient_clipping not set: deepspeed.initialize clips at 1.0, as DeepSpeed 0.19.8 does "
+                    "(zerokit.initialize does not clip); set gradient_clipping: 0 for no clipping")
+    return {**given, "gradient_clipping": 1.0}
 
 
 def check_local_rank(args: Any) -> int:
@@ -96,7 +120,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         raise ValueError("deepspeed.initialize(mpu=/mesh_param=) asks for model or sequence parallelism, which "
                          "zerokit does not offer: it is data parallel over all ranks")
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    source = config_source(args, config, config_params)
+    source = deepspeed_defaults(config_source(args, config, config_params))
     typed = load_config(source)
     check_local_rank(args)
     if optimizer is not None and typed.optimizer is not None:
@@ -114,4 +138,4 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-__all__ = ["initialize", "add_config_arguments", "config_source", "check_local_rank"]
+__all__ = ["initialize", "add_config_arguments", "config_source", "check_local_rank", "deepspeed_defaults"]

@@ -3,25 +3,42 @@
 
 [Note: zero.Init is meta construction]
 DeepSpeed's zero.Init runs each module's constructor for real and partitions its parameters as soon as the
-module is built, broadcasting rank 0's values. zerokit builds the model on the meta device instead (shapes
-only, no memory), and initialize() at stage 3 materialises it one unit at a time (See [Note: sharded
-construction] in zerokit/stages/construction.py): each module's parameters come from its reset_parameters(),
-or from `param_init=` given to initialize(), run with the same seed on every rank (zerokit checks that the
-ranks agree). So a constructor's own initialisation (`self.apply(self._init_weights)`) does not run under
-zero.Init: pass it as param_init, or load weights with zerokit.safetensors_init. A config given to zero.Init
-whose stage is not 3 turns it off (the model is built as usual), since only stage 3 never holds the whole model.
+module is built, broadcasting rank 0's values. zerokit moves each parameter to the meta device as its module
+registers it (shapes only; one layer's parameters exist for a moment), and initialize() at stage 3
+materialises them one unit at a time (See [Note: sharded construction] in zerokit/stages/construction.py):
+each module's parameters come from its reset_parameters(), or from `param_init=` given to initialize(), run
+with the same seed on every rank (zerokit checks that the ranks agree). Buffers stay as the constructor made
+them: a rotary embedding's inv_freq is computed there and is in no checkpoint. So a constructor's own
+initialisation of parameters (`self.apply(self._init_weights)`) does not run under zero.Init: pass it as
+param_init, or load weights with zerokit.safetensors_init, or write them through GatheredParameters (below).
+A config given to zero.Init whose stage is not 3 turns it off (the model is built as usual), since only stage
+3 never holds the whole model.
+
+[Note: writing through GatheredParameters before initialize]
+Hugging Face's from_pretrained (and its weight initialisation) under a stage-3 config builds the model inside
+zero.Init, then, module by module, enters GatheredParameters(params, modifier_rank=0) and has rank 0 copy the
+pretrained tensors in. Parameters still on the meta device cannot hold what is written, so entering with a
+modifier_rank gives them real storage in place (torch.utils.swap_tensors: the same Parameter objects, so
+ties and optimizer groups hold), filled with NaN so that a parameter nobody writes shows in the first loss
+instead of training from garbage; on exit the modifier's values are broadcast to every rank. initialize()
+then shards these parameters as those of a model built normally, and materialises only those still on meta.
+Until initialize(), each rank holds the written parameters whole (host memory: the model's size); to load a
+checkpoint one unit at a time instead, pass param_init=zerokit.safetensors_init(model, path) to initialize().
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Any, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from zerokit.config import load_config
+from zerokit.config import ZeroConfig, load_config
+from zerokit.deepspeed.config_view import config_dict
 
 logger = logging.getLogger("zerokit")
 
@@ -39,7 +56,7 @@ class Init:
         _refuse_unoffered(remote_device, mpu, zero_param_parallel_group, sequence_data_parallel_group,
                           zero_quantized_weights or zero_quantized_nontrainable_weights, param_swapper)
         source = config_dict_or_path if config_dict_or_path is not None else config
-        stage = load_config(source).stage if source is not None else 3
+        stage = stage_of(source) if source is not None else 3
         if enabled and stage != 3:
             logger.info(f"zero.Init: zero_optimization.stage={stage} holds whole parameters, so the model is built "
                         "as usual")
@@ -49,7 +66,7 @@ class Init:
 
     def __enter__(self) -> "Init":
         if self.enabled:
-            self._device = torch.device("meta")
+            self._device = ParametersOnMeta()
             self._device.__enter__()
         return self
 
@@ -57,6 +74,36 @@ class Init:
         if self._device is not None:
             self._device.__exit__(*exc)
             self._device = None
+
+
+class ParametersOnMeta(contextlib.AbstractContextManager):
+    """While entered, a parameter registered on a module is moved to the meta device; buffers and other tensors
+    stay where they are made. See [Note: zero.Init is meta construction]."""
+
+    def __enter__(self) -> "ParametersOnMeta":
+        self.original = nn.Module.register_parameter
+        original = self.original
+
+        def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            if param is not None and not param.is_meta:
+                param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+            original(module, name, param)
+
+        nn.Module.register_parameter = register_parameter
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        nn.Module.register_parameter = self.original
+
+
+def stage_of(source: Any) -> int:
+    """The config's ZeRO stage, and nothing else of it: Hugging Face's from_pretrained hands zero.Init the config
+    before its Trainer fills the "auto" values in, some of which zerokit cannot fill alone (a schedule's
+    total_num_steps), and initialize() reads the whole config later anyway."""
+    if isinstance(source, ZeroConfig):
+        return source.stage
+    zero = config_dict(source).get("zero_optimization") or {}
+    return load_config({"zero_optimization": {"stage": zero.get("stage", 0)}}).stage
 
 
 def _refuse_unoffered(remote_device: str | None, mpu: Any, param_group: Any, sequence_group: Any, quantized: bool,
@@ -84,7 +131,8 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     engine = _engine_of(params) if enabled and params else None
     if engine is None:
-        yield
+        with _written_before_initialize(params if enabled else [], modifier_rank):
+            yield
         return
     with engine.unsharded(params, write_back=modifier_rank is not None):
         try:
@@ -94,6 +142,33 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
                 with torch.no_grad():
                     for param in params:
                         engine.comm.broadcast(param.data, src=modifier_rank)
+
+
+# Parameters given storage by _written_before_initialize: a later write (from_pretrained after the weight
+# initialisation) is broadcast from its modifier too. Weak: the set ends with the model.
+_HELD: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()  # by id
+
+
+@contextlib.contextmanager
+def _written_before_initialize(params: list[torch.Tensor], modifier_rank: int | None) -> Iterator[None]:
+    """Meta parameters get NaN-filled storage to be written into, and the modifier's values reach every rank on
+    exit. See [Note: writing through GatheredParameters before initialize]."""
+    if modifier_rank is None:
+        yield
+        return
+    written = list({id(param): param for param in params if param.is_meta or _HELD.get(id(param)) is param}.values())
+    for param in written:
+        if param.is_meta:
+            held = nn.Parameter(torch.full(param.shape, float("nan"), dtype=param.dtype),
+                                requires_grad=param.requires_grad)
+            held.__dict__.update(param.__dict__)  # swapped too: keep what callers set (_is_hf_initialized)
+            torch.utils.swap_tensors(param, held)
+            _HELD[id(param)] = param
+    yield
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        with torch.no_grad():
+            for param in written:
+                dist.broadcast(param.data, src=modifier_rank)
 
 
 def _engine_of(params: list[torch.Tensor]) -> Any:

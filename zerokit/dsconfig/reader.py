@@ -21,6 +21,7 @@ from zerokit.dsconfig.schema_zero import ZERO_REMOVED_ISSUE
 
 DOCS = "docs/deepspeed_config.md"
 STAGE = "zero_optimization.stage"
+STEPS_PER_PRINT = "steps_per_print"
 UNSET = object()
 
 
@@ -188,6 +189,8 @@ def coerce(key: Key, raw: Any, spelled: str) -> Any:
     """One value read as its kind; "auto" becomes AUTO where the key accepts it."""
     if key.path == STAGE:
         return _stage(raw)
+    if key.path == STEPS_PER_PRINT and v.is_infinity(raw):
+        return None  # accelerate writes float("inf") to silence DeepSpeed's step lines: never print
     if v.is_auto(raw):
         if not key.auto:
             raise ValueError(f"{spelled}='auto' is not accepted: zerokit does not choose this; write the value")

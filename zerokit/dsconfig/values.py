@@ -82,6 +82,11 @@ def to_int(raw: Any, key: str) -> int:
     raise ValueError(f"{key}={raw!r} must be a whole number")
 
 
+def is_infinity(raw: Any) -> bool:
+    """Positive infinity: float("inf") as accelerate writes it, or JSON's Infinity."""
+    return isinstance(raw, float) and math.isinf(raw) and raw > 0
+
+
 def to_float(raw: Any, key: str) -> float:
     value = raw
     if isinstance(raw, str):

@@ -1,0 +1,83 @@
+"""accelerate runs zerokit end to end (issue 23): tests/scripts/accelerate_loop.py, an `Accelerator` with a
+`DeepSpeedPlugin(hf_ds_config=...)` and an `accumulate()` loop (clipping, a warm-up schedule, a short last
+window each epoch), launched with torchrun on 2 gloo ranks through `python -m zerokit.deepspeed.install` at
+stages 2 and 3, against the same loop under accelerate's own DDP. Per micro-step losses, and grad norms and
+learning rates at each optimizer step, equal DDP's within the tolerance of tests/test_hf_trainer.py (fp32; sums
+in another order). Also what accelerate needs of the drop-in before any training: `steps_per_print` set to
+infinity, and `deepspeed.runtime.*` read as attributes after `import deepspeed` alone."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_hf_trainer import ZEROKIT_ENGINE, assert_zerokit_trained, environment, launch
+
+TOLERANCE = 2e-6  # See tests/test_hf_trainer.py
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    """accelerate's DDP, then zerokit at stages 2 and 3 (one launch each)."""
+    root = tmp_path_factory.mktemp("accelerate")
+    pretrained = root / "pretrained"
+    code = f"import hf_trainer; hf_trainer.save_pretrained_model({str(pretrained)!r})"
+    subprocess.run([sys.executable, "-c", code], env=environment(), check=True, timeout=300)
+    out = {}
+    for name, stage in (("ddp", None), ("zero2", 2), ("zero3", 3)):
+        args = ["--out", str(root / name), "--pretrained", str(pretrained)]
+        launch("accelerate_loop.py", args + (["--stage", str(stage)] if stage else []), zerokit=stage is not None)
+        out[name] = [json.loads((root / name / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return out
+
+
+def relative(expected: list[float], got: list[float]) -> float:
+    assert len(expected) == len(got)
+    return max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(expected, got))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_accumulate_loop_trains_as_accelerates_ddp(runs: dict[str, list[dict]], stage: int) -> None:
+    for rank in range(2):
+        ddp, zerokit = runs["ddp"][rank], runs[f"zero{stage}"][rank]
+        assert ddp["engine"] == "torch.nn.parallel.distributed.DistributedDataParallel"
+        assert len(ddp["losses"]) == 20 and len(ddp["grad_norms"]) == 8  # 2 epochs: windows of 3, 3, 3 and 1
+        assert max(ddp["grad_norms"]) > 0.5 and ddp["lrs"][0] == 0.0  # clipping bites; warm-up from 0
+        assert_zerokit_trained(zerokit, stage)
+        assert zerokit["engine"] == ZEROKIT_ENGINE and zerokit["gradient_clipping"] == 0.5
+        for key in ("losses", "grad_norms", "lrs"):
+            assert relative(ddp[key], zerokit[key]) <= TOLERANCE, key
+        if stage == 3:  # from_pretrained under the plugin's zero.Init loads the file's weights
+            assert zerokit["loaded_difference"] == 0.0
+
+
+def test_steps_per_print_infinity_means_never() -> None:
+    """accelerate's DeepSpeedPlugin writes float("inf") to silence DeepSpeed's step lines."""
+    from zerokit.config import load_config
+
+    config = {"train_micro_batch_size_per_gpu": 1}
+    assert load_config({**config, "steps_per_print": math.inf}).steps_per_print is None
+    for bad in (-math.inf, math.nan, 2.5):
+        with pytest.raises(ValueError, match="must be a whole number"):
+            load_config({**config, "steps_per_print": bad})
+
+
+def test_deepspeed_runtime_is_an_attribute_after_import_deepspeed() -> None:
+    """accelerate reads deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES with no import of its own, as DeepSpeed's
+    `import deepspeed` imports its runtime and ops."""
+    code = ("import zerokit.deepspeed; zerokit.deepspeed.install()\nimport deepspeed\n"
+            "print(deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES[2], deepspeed.ops.adam.__name__,\n"
+            "      deepspeed.runtime.zero.partition_parameters.__name__, deepspeed.checkpoint.utils.__name__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["WarmupLR", "zerokit.deepspeed.ops.adam",
+                                   "zerokit.deepspeed.runtime.zero.partition_parameters",
+                                   "zerokit.deepspeed.checkpoint.utils"]

@@ -48,6 +48,8 @@ class OffloadCase:
     """Stage 3: 0 gathers every block before its forward and backward; the default keeps one root gathered."""
     frozen_attention: bool = False
     """Freeze the blocks' attention: stage 3 then fetches a frozen buffer per block too."""
+    sub_group_size: int | None = None
+    buffer_size: int = 100_000_000
 
 
 CASES = {
@@ -62,6 +64,11 @@ CASES = {
     # one persistent root, gathered again only after the step: the read-ahead reads one record for nothing
     "params-nvme-stage3-persistent": OffloadCase(3, params="nvme", max_in_cpu=0, persistence_threshold=100_000),
     "infinity-stage3": OffloadCase(3, optimizer="nvme", params="nvme", max_in_cpu=0),
+    # records smaller than a master and than a shard: several sub-groups per master (pieces of several small
+    # parameters in one), several chunks per shard, each filled by the sub-groups' publishes
+    "optimizer-nvme-stage2-sub-groups": OffloadCase(2, optimizer="nvme", sub_group_size=700),
+    "infinity-stage3-small-records": OffloadCase(3, precision="fp32", optimizer="nvme", params="nvme", max_in_cpu=0,
+                                                 sub_group_size=700, buffer_size=1000, grad_accum=2),
 }
 
 
@@ -70,8 +77,11 @@ def _config(case: OffloadCase, nvme_path: str) -> dict:
                   "offload_optimizer": {"device": case.optimizer, "nvme_path": nvme_path}}
     if case.stage == 3:
         zero.update(stage3_unit_classes=["Block"], stage3_param_persistence_threshold=case.persistence_threshold)
+    if case.sub_group_size is not None:
+        zero["sub_group_size"] = case.sub_group_size
     if case.params != "none":
-        zero["offload_param"] = {"device": case.params, "nvme_path": nvme_path, "max_in_cpu": case.max_in_cpu}
+        zero["offload_param"] = {"device": case.params, "nvme_path": nvme_path, "max_in_cpu": case.max_in_cpu,
+                                 "buffer_size": case.buffer_size}
     return {"zero_optimization": zero, "bf16": {"enabled": case.precision == "bf16"},
             "gradient_accumulation_steps": case.grad_accum}
 
@@ -112,7 +122,8 @@ def measure(case: OffloadCase, nvme_path: str, rank: int = 0) -> dict:
 def exact_setup(case: OffloadCase, world: int) -> EngineSetup:
     return EngineSetup(stage=case.stage, world=world, precision=case.precision, bucket_bytes=BUCKET_BYTES,
                        grad_accum=case.grad_accum, persistence_threshold=case.persistence_threshold,
-                       offload_optimizer=case.optimizer, offload_param=case.params, max_in_cpu=case.max_in_cpu)
+                       offload_optimizer=case.optimizer, offload_param=case.params, max_in_cpu=case.max_in_cpu,
+                       sub_group_size=case.sub_group_size, buffer_size=case.buffer_size)
 
 
 # --- exact, one process -------------------------------------------------------------------------------------

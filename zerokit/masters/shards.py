@@ -96,6 +96,9 @@ class ShardMasters:
         self.sub_group_size = sub_group_size
         self.pieces: list[list[Piece]] = [
             self._cut(master, parts, plan.refs[group].whole_tensor) for master, parts, group in zip(self.masters, slices, groups)]
+        for home, pieces in zip(homes, self.pieces):
+            if _paged(home):  # its records are runs of pieces (See [Note: paging a master through a bounded pool])
+                home.divide([(piece.offset, piece.offset + piece.param.numel()) for piece in pieces])
         by_group: list[list[nn.Parameter]] = [[] for _ in plan.refs]
         for pieces, group in zip(self.pieces, groups):
             by_group[group] += [piece.param for piece in pieces]
@@ -174,20 +177,25 @@ class ShardMasters:
             self._step_paged(paged)
 
     def _step_paged(self, paged: list[int]) -> None:
+        """Sub-group by sub-group, master by master; See [Note: paging a master through a bounded pool]."""
         optimizer_of = self._optimizer_of()
-        self.homes[paged[0]].start_reading()
-        for position, index in enumerate(paged):
+        order = [(index, sub) for index in paged for sub in range(len(self.homes[index].sub_groups))]
+        params = {index: [p.param for p in self.pieces[index]] for index in paged}
+        offsets = {index: [p.offset for p in self.pieces[index]] for index in paged}
+        if order:
+            self.homes[order[0][0]].start_reading(order[0][1])
+        for position, (index, sub) in enumerate(order):
             home, pieces = self.homes[index], self.pieces[index]
-            home.page_in([p.param for p in pieces], [p.offset for p in pieces], optimizer_of, with_grad=True)
-            for piece in pieces:
+            home.page_in(sub, params[index], offsets[index], optimizer_of, with_grad=True)
+            for piece in (pieces[k] for k in home.sub_groups[sub].pieces):
                 if not self._used[piece.param_index]:
                     piece.param.grad = None
-            if position + 1 < len(paged):
-                self.homes[paged[position + 1]].start_reading()  # read the next one while this one steps
+            if position + 1 < len(order):  # read the next one while this one steps
+                self.homes[order[position + 1][0]].start_reading(order[position + 1][1])
             for optimizer in self.optimizers:
                 optimizer.step()
-            home.publish_paged()
-            home.page_out([p.param for p in pieces], optimizer_of)
+            home.publish_paged(sub)
+            home.page_out(sub, params[index], optimizer_of)
         self.homes[paged[0]].pool.drain()
 
     def _optimizer_of(self) -> dict[int, torch.optim.Optimizer]:
@@ -259,11 +267,14 @@ class ShardMasters:
             yield
             return
         pieces, optimizer_of = self.pieces[index], self._optimizer_of()
-        home.page_in([p.param for p in pieces], [p.offset for p in pieces], optimizer_of, with_grad=False)
+        params, offsets = [p.param for p in pieces], [p.offset for p in pieces]
+        for sub in range(len(home.sub_groups)):  # all at once: the pool lends beyond its count until they are back
+            home.page_in(sub, params, offsets, optimizer_of, with_grad=False)
         try:
             yield
         finally:
-            home.page_out([p.param for p in pieces], optimizer_of)
+            for sub in range(len(home.sub_groups)):
+                home.page_out(sub, params, optimizer_of)
             home.pool.drain()
 
     def state_dict(self) -> dict[str, Any]:
@@ -271,7 +282,8 @@ class ShardMasters:
         masters, paged_state = [], {}
         for index, master in enumerate(self.masters):
             with self.resident(index):
-                masters.append(master.detach().clone() if _paged(self.homes[index]) else master.detach())
+                # a paged master's tensor is its placeholder: its values are in the records paged in
+                masters.append(self.homes[index].resident_values() if _paged(self.homes[index]) else master.detach())
                 if _paged(self.homes[index]):
                     paged_state[index] = [_clone(self._state_of(piece.param)) for piece in self.pieces[index]]
         return {"masters": masters, "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],

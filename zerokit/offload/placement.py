@@ -15,6 +15,7 @@ import torch
 
 from zerokit.comm import CommStats
 from zerokit.config import ZeroConfig
+from zerokit.defaults import NVME_SUB_GROUP_NUMEL
 from zerokit.masters import DeviceHome, HostHome
 from zerokit.masters.homes import ShardIO
 from zerokit.masters.nvme import NvmeHome
@@ -34,13 +35,21 @@ def master_homes(compute: list[torch.Tensor], config: ZeroConfig, stats: CommSta
     offload, key = config.offload_optimizer, "zero_optimization.offload_optimizer"
     per_element = 8 + state_bytes_per_element(optimizer_names)  # fp32 master and gradient, and the state
     if offload.device == "nvme":
+        # 0 makes every piece (whole parameters then) a sub-group, as DeepSpeed's 0 does
+        sub_group = config.sub_group_size if config.sub_group_size is not None else NVME_SUB_GROUP_NUMEL
         largest = max((shard.numel() for shard in compute), default=0)
-        check_host_memory(key, offload.buffer_count * largest * per_element)
+        largest = min(sub_group, largest) if sub_group else largest
+        pool = BufferPool(offload.buffer_count, offload.pin_memory)
+        check_host_memory(key, pool.count * largest * per_element)
         speed = check_nvme(key, offload.nvme_path, aligned(sum(shard.numel() for shard in compute) * per_element))
         swap = SwapDirectory(offload.nvme_path, rank, "optimizer")
         _log_swap(key, swap, speed)
-        pool = BufferPool(offload.buffer_count, offload.pin_memory)
-        return [NvmeHome(shard, f"master{index}", swap, pool, stats, io) for index, shard in enumerate(compute)]
+        if rank == 0:
+            logger.info("%s: host memory holds %d swap buffers of a sub-group of up to %s elements each (about "
+                        "%.1f MiB in all; zero_optimization.sub_group_size sets it)", key, pool.count,
+                        f"{largest:,}", pool.count * largest * per_element / 2**20)
+        return [NvmeHome(shard, f"master{index}", swap, pool, stats, io, sub_group)
+                for index, shard in enumerate(compute)]
     on_host = _host_share(compute, offload.ratio) if offload.enabled else [False] * len(compute)
     check_host_memory(key, sum(shard.numel() for shard, host in zip(compute, on_host) if host) * per_element)
     return [HostHome(shard, offload.pin_memory, stats, io) if host else DeviceHome(shard, device, io)

@@ -117,6 +117,9 @@ class EngineSetup:
     """none | cpu | nvme: where stage 3's parameter shards live between gathers."""
     max_in_cpu: int = 1_000_000_000
     """offload_param=nvme: shard elements kept in host memory (the engine's default, DeepSpeed's 1e9)."""
+    buffer_size: int = 100_000_000
+    """offload_param=nvme: elements per swap record of a shard outside the host cache (DeepSpeed's 1e8; 0: a
+    shard is one record)."""
     broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
@@ -138,6 +141,8 @@ class EngineSetup:
             raise ValueError("parameter offload needs stage 3, the only stage that shards parameters")
         if isinstance(self.max_in_cpu, bool) or not isinstance(self.max_in_cpu, int) or self.max_in_cpu < 0:
             raise ValueError(f"max_in_cpu={self.max_in_cpu!r} must be an integer >= 0")
+        if isinstance(self.buffer_size, bool) or not isinstance(self.buffer_size, int) or self.buffer_size < 0:
+            raise ValueError(f"buffer_size={self.buffer_size!r} must be an integer >= 0")
 
     @property
     def reduces_by_scatter(self) -> bool:

@@ -8,28 +8,35 @@ bytes, r = reduce-dtype bytes:
   gradient down, once per step (each bucket's reduction at the accumulation boundary hands it over; the
   micro-steps before it accumulate on the device, so m does not multiply it):
       masters in host memory (offload_optimizer=cpu): device_to_host n elements of r bytes;
-      masters on NVMe: the reduced shard is widened to fp32 on the device first: n elements of 4 bytes.
+      masters on NVMe: the reduced shard is widened to fp32 on the device first, and each sub-group's part
+      of it copied down as the sub-group is paged in: a call of s elements of 4 bytes per sub-group.
   updated shard up, once per step, only where the parameter shards live on the device:
-      host_to_device n elements of p bytes (host or NVMe masters; on CUDA the host casts to p first).
+      host_to_device n elements of p bytes (host masters; on CUDA the host casts to p first); NVMe masters
+      publish each sub-group's part as it is stepped, a call of s elements each.
       Shards in host memory take the update there (nothing crosses); shards on NVMe are written:
-      nvme_write round_up(n p, 4096) for each shard the host cache (max_in_cpu) did not take.
+      nvme_write round_up(c p, 4096) for each chunk of each shard the host cache (max_in_cpu) did not
+      take (NVMe masters fill a chunk sub-group by sub-group, and it is written once, when whole).
       Masters left on the device with offloaded shards count device_to_host n elements of p bytes
       (shards in host memory) or of 4 bytes, the fp32 master (shards on NVMe), as the two homes count.
-  optimizer on NVMe, each master once per step: nvme_read and nvme_write of its whole record, counted
-      in bytes (uint8 elements): round_up(4 n, 64) of fp32 values, then each piece's state tensors (keys
+  optimizer on NVMe, each sub-group once per step: nvme_read and nvme_write of its whole record, counted
+      in bytes (uint8 elements): round_up(4 s, 64) of fp32 values, then each piece's state tensors (keys
       sorted, STATE_TENSORS) each at a 64-byte boundary, the whole rounded up to 4096. A master's
       pieces are its parameter parts cut to piece_numel elements (64K: it lives in host memory), each
-      with its own 4-byte step count. (The first step reads the record before the state exists.)
+      with its own 4-byte step count; its sub-groups are runs of them of at most sub_group_size
+      elements (unset: NVME_SUB_GROUP_NUMEL; a larger piece alone), the last to the master's end (See
+      [Note: paging a master through a bounded pool]). (The first step reads records before the state
+      exists.)
   stage-3 parameter fetches (offload_param=cpu|nvme): every gather of a bucket's shard copies it to the
       device, host_to_device n elements of p bytes, trainable buckets and each unit's frozen buffer alike:
       per micro-step each unit before its forward and, except the root, before its backward; a
       persistent unit only when the step publishes it (its trainable buckets; its frozen buffer never
       changes). Units are assumed to run in their index order, as they do in a model whose modules are
-      registered in the order they run. A shard on NVMe outside the host cache is also read,
-      nvme_read round_up(n p, 4096), and each read starts reading the record that was read after it the
-      time before (See [Note: parameter shards on NVMe]); such a read-ahead that the step's write of the
-      record overtakes is read for nothing: the last fetch of a step reads ahead the step's first record,
-      which the publish rewrites. `_ReadAhead` replays this, so the count is the engine's, waste included.
+      registered in the order they run. A shard on NVMe outside the host cache is also read, chunk by
+      chunk (c: at most buffer_size elements), nvme_read round_up(c p, 4096) each, and each read starts
+      reading the chunk that was read after it the time before (See [Note: parameter shards on NVMe]);
+      such a read-ahead that the step's write of the chunk overtakes is read for nothing: the last fetch
+      of a step reads ahead the step's first chunk, which the publish rewrites. `_ReadAhead` replays this,
+      so the count is the engine's, waste included.
 The host cache (max_in_cpu elements) takes shards in bucket order, trainable first, each one that still
 fits, then the frozen buffers with what is left.
 """
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from zerokit.defaults import NVME_SUB_GROUP_NUMEL
 from zerokit.planner.engine_model import (BucketPlan, EngineSetup, ParamInventory, UnitPlan, add_count, engine_buckets,
                                           persistent_units, round_up, stage3_units)
 from zerokit.planner.spec import BYTES_PER_ELEMENT
@@ -60,45 +68,75 @@ def engine_transfers(inventory: ParamInventory, setup: EngineSetup, rank: int = 
     if setup.offload_optimizer == "none" and setup.offload_param == "none":
         return stats
     buckets = engine_buckets(inventory, setup)
-    _gradients_down(stats, buckets, setup)
-    _updates_out(stats, buckets, setup)
+    _gradients_down(stats, buckets, setup, rank)
+    _updates_out(stats, buckets, setup, rank)
     if setup.offload_optimizer == "nvme":
         for bucket in buckets:
-            record = optimizer_record_bytes(bucket.shard_numel, bucket.slices(rank), setup)
-            add_count(stats, "nvme_read", 1, record, 1)
-            add_count(stats, "nvme_write", 1, record, 1)
+            for record in optimizer_records(bucket.shard_numel, bucket.slices(rank), setup):
+                add_count(stats, "nvme_read", 1, record.nbytes, 1)
+                add_count(stats, "nvme_write", 1, record.nbytes, 1)
     if setup.offload_param != "none":
         _parameter_fetches(stats, inventory, setup, buckets)
     return {kind: stats[kind] for kind in TRANSFERS if kind in stats}
 
 
-def _gradients_down(stats: dict, buckets: tuple[BucketPlan, ...], setup: EngineSetup) -> None:
-    """Each master's reduced gradient shard to the host, once per step."""
+def _gradients_down(stats: dict, buckets: tuple[BucketPlan, ...], setup: EngineSetup, rank: int) -> None:
+    """Each master's reduced gradient shard to the host, once per step (NVMe: sub-group by sub-group)."""
     if setup.offload_optimizer == "none":
         return
-    element = 4 if setup.offload_optimizer == "nvme" else BYTES_PER_ELEMENT[setup.reduce_dtype]
     for bucket in buckets:
-        add_count(stats, "device_to_host", 1, bucket.shard_numel, element)
+        if setup.offload_optimizer == "nvme":
+            for record in optimizer_records(bucket.shard_numel, bucket.slices(rank), setup):
+                add_count(stats, "device_to_host", 1, record.numel, 4)
+        else:
+            add_count(stats, "device_to_host", 1, bucket.shard_numel, BYTES_PER_ELEMENT[setup.reduce_dtype])
 
 
-def _updates_out(stats: dict, buckets: tuple[BucketPlan, ...], setup: EngineSetup) -> None:
+def _updates_out(stats: dict, buckets: tuple[BucketPlan, ...], setup: EngineSetup, rank: int) -> None:
     """Updated masters -> compute shards, where that crosses a tier (NVMe shards: in `_parameter_fetches`)."""
     p = BYTES_PER_ELEMENT[setup.precision]
     for bucket in buckets:
-        if setup.offload_param == "none" and setup.offload_optimizer != "none":
+        if setup.offload_param == "none" and setup.offload_optimizer == "nvme":
+            for record in optimizer_records(bucket.shard_numel, bucket.slices(rank), setup):
+                add_count(stats, "host_to_device", 1, record.numel, p)
+        elif setup.offload_param == "none" and setup.offload_optimizer != "none":
             add_count(stats, "host_to_device", 1, bucket.shard_numel, p)
         elif setup.offload_param != "none" and setup.offload_optimizer == "none":
             add_count(stats, "device_to_host", 1, bucket.shard_numel, p if setup.offload_param == "cpu" else 4)
 
 
-def optimizer_record_bytes(numel: int, parts: list[int], setup: EngineSetup) -> int:
-    """Bytes of one NVMe optimizer record: a master of `numel` elements holding parameter parts `parts`,
-    with its optimizer state (See [Note: paging a master through a bounded pool] in zerokit/masters/nvme.py)."""
+@dataclass(frozen=True)
+class OptimizerRecord:
+    """One NVMe optimizer record: a sub-group of `numel` master elements, `nbytes` with its optimizer state."""
+
+    numel: int
+    nbytes: int
+
+
+def optimizer_records(numel: int, parts: list[int], setup: EngineSetup) -> list[OptimizerRecord]:
+    """The NVMe records of a master of `numel` elements holding parameter parts `parts`, with their optimizer
+    state (See [Note: paging a master through a bounded pool] in zerokit/masters/nvme.py)."""
+    size = setup.sub_group_size if setup.sub_group_size is not None else NVME_SUB_GROUP_NUMEL
+    runs: list[list[int]] = []  # runs of consecutive pieces of at most `size` elements (a larger piece alone)
+    for piece in (piece for part in parts for piece in _pieces(part, setup.piece_numel)):
+        if runs and runs[-1] and sum(runs[-1]) + piece <= size:
+            runs[-1].append(piece)
+        else:
+            runs.append([piece])
+    if not numel:
+        return []
+    if not runs:
+        runs.append([])  # a shard of padding alone
+    sizes = [sum(run) for run in runs]
+    sizes[-1] = numel - sum(sizes[:-1])  # the last one runs to the master's end, padding included
+    return [OptimizerRecord(size, _record_bytes(size, run, setup)) for size, run in zip(sizes, runs)]
+
+
+def _record_bytes(numel: int, pieces: list[int], setup: EngineSetup) -> int:
     offset = round_up(4 * numel, NVME_TENSOR_ALIGN)
-    for part in parts:
-        for piece in _pieces(part, setup.piece_numel):
-            for _key, per_element, per_piece in STATE_TENSORS[setup.optimizer]:
-                offset = round_up(offset + per_element * piece + per_piece, NVME_TENSOR_ALIGN)
+    for piece in pieces:
+        for _key, per_element, per_piece in STATE_TENSORS[setup.optimizer]:
+            offset = round_up(offset + per_element * piece + per_piece, NVME_TENSOR_ALIGN)
     return round_up(offset, NVME_BLOCK)
 
 
@@ -164,18 +202,21 @@ def _on_file(numels: dict[RecordKey, int], setup: EngineSetup) -> set[RecordKey]
     return outside
 
 
+ChunkKey = tuple[RecordKey, int]  # a shard's record, and which of its chunks
+
+
 class _ReadAhead:
-    """NvmeShards' reads of records (zerokit/offload/nvme_params.py): a fetch takes the read already started
-    for its record or starts one, then starts reading the record that followed it last time; a write drops
-    a read still pending for its record (its bytes were read all the same)."""
+    """NvmeShards' reads of chunks (zerokit/offload/nvme_params.py): a fetch takes the read already started
+    for its chunk or starts one, then starts reading the chunk that followed it last time; a write drops
+    a read still pending for its chunk (its bytes were read all the same)."""
 
     def __init__(self) -> None:
-        self.following: dict[RecordKey, RecordKey] = {}
-        self.last: RecordKey | None = None
-        self.pending: set[RecordKey] = set()
-        self.reads: list[RecordKey] = []
+        self.following: dict[ChunkKey, ChunkKey] = {}
+        self.last: ChunkKey | None = None
+        self.pending: set[ChunkKey] = set()
+        self.reads: list[ChunkKey] = []
 
-    def fetch(self, key: RecordKey) -> None:
+    def fetch(self, key: ChunkKey) -> None:
         if key in self.pending:
             self.pending.discard(key)
         else:
@@ -188,8 +229,14 @@ class _ReadAhead:
             self.pending.add(ahead)
             self.reads.append(ahead)
 
-    def write(self, key: RecordKey) -> None:
+    def write(self, key: ChunkKey) -> None:
         self.pending.discard(key)
+
+
+def _chunks(numel: int, setup: EngineSetup) -> list[int]:
+    """A shard's chunks on NVMe: at most buffer_size elements each (0: the whole shard)."""
+    size = setup.buffer_size or max(numel, 1)
+    return [min(size, numel - start) for start in range(0, numel, size)]
 
 
 def _parameter_fetches(stats: dict, inventory: ParamInventory, setup: EngineSetup,
@@ -199,28 +246,29 @@ def _parameter_fetches(stats: dict, inventory: ParamInventory, setup: EngineSetu
     start-up and two steps are replayed uncounted, then one step counted."""
     events = _stage3_events(inventory, setup, buckets)
     numels = _shard_numels(inventory, setup, buckets)
-    on_file = _on_file(numels, setup)
+    chunks = {key: _chunks(numel, setup) for key, numel in numels.items() if key in _on_file(numels, setup)}
     reader = _ReadAhead()
     for phase in (events.start, events.step, events.step):
-        _replay(phase, numels, on_file, reader, None, setup)
-    _replay(events.step, numels, on_file, reader, stats, setup)
+        _replay(phase, numels, chunks, reader, None, setup)
+    _replay(events.step, numels, chunks, reader, stats, setup)
 
 
-def _replay(events: list[tuple[str, RecordKey]], numels: dict[RecordKey, int], on_file: set[RecordKey],
+def _replay(events: list[tuple[str, RecordKey]], numels: dict[RecordKey, int], chunks: dict[RecordKey, list[int]],
             reader: _ReadAhead, stats: dict | None, setup: EngineSetup) -> None:
-    """Run `events` through the shard home, counting its transfers into `stats` (None: not counted)."""
+    """Run `events` through the shard home, counting its transfers into `stats` (None: not counted). `chunks`:
+    those of the shards on NVMe."""
     p = BYTES_PER_ELEMENT[setup.precision]
     reads_before = len(reader.reads)
     for action, key in events:
-        if action == "fetch":
-            if stats is not None:
-                add_count(stats, "host_to_device", 1, numels[key], p)
-            if key in on_file:
-                reader.fetch(key)
-        elif key in on_file:
-            reader.write(key)
-            if stats is not None:
-                add_count(stats, "nvme_write", 1, round_up(numels[key] * p, NVME_BLOCK), 1)
+        if action == "fetch" and stats is not None:
+            add_count(stats, "host_to_device", 1, numels[key], p)
+        for index, size in enumerate(chunks.get(key, ())):
+            if action == "fetch":
+                reader.fetch((key, index))
+            else:
+                reader.write((key, index))
+                if stats is not None:
+                    add_count(stats, "nvme_write", 1, round_up(size * p, NVME_BLOCK), 1)
     if stats is not None:
-        for key in reader.reads[reads_before:]:
-            add_count(stats, "nvme_read", 1, round_up(numels[key] * p, NVME_BLOCK), 1)
+        for key, index in reader.reads[reads_before:]:
+            add_count(stats, "nvme_read", 1, round_up(chunks[key][index] * p, NVME_BLOCK), 1)

@@ -78,7 +78,8 @@ def engine_setup(engine: Any, optimizer_name: str) -> EngineSetup:
                        grad_accum=config.gradient_accumulation_steps,
                        persistence_threshold=config.stage3.persistence_threshold,
                        offload_optimizer=config.offload_optimizer.device, offload_param=config.offload_param.device,
-                       max_in_cpu=config.offload_param.max_in_cpu, broadcast_buffers=config.broadcast_buffers)
+                       max_in_cpu=config.offload_param.max_in_cpu, buffer_size=config.offload_param.buffer_size,
+                       broadcast_buffers=config.broadcast_buffers)
 
 
 def engine_config(setup: dict) -> dict:
@@ -99,6 +100,8 @@ def engine_config(setup: dict) -> dict:
             block["nvme_path"] = tempfile.gettempdir()
         if kind == "param":
             block["max_in_cpu"] = setup["max_in_cpu"]
+            if "buffer_size" in setup:  # records written before it was recorded: the default
+                block["buffer_size"] = setup["buffer_size"]
     config = {"zero_optimization": zero, "gradient_accumulation_steps": setup["grad_accum"],
               "communication_data_type": setup["reduce_dtype"], "broadcast_buffers": setup["broadcast_buffers"]}
     if setup["precision"] != "fp32":

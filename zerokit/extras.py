@@ -20,6 +20,7 @@ EXTRA_OF = {
     "wandb": "wandb",            # the wandb monitor
     "deepspeed": "bench",        # benchmarks/ and comparisons against real DeepSpeed
     "accelerate": "bench",       # benchmarks/bench_planner.py: accelerate's memory estimator beside ours
+    "lightning": "lightning",    # zerokit.integrations.lightning: ZerokitStrategy
 }
 
 

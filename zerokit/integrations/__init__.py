@@ -1,0 +1,8 @@
+"""zerokit inside training frameworks that are not DeepSpeed-shaped: each module here is one framework's plug-in,
+importable only where that framework is installed (its extra: see zerokit/extras.py).
+
+    lightning.py   ZerokitStrategy for Lightning's Trainer ("zerokit_stage_1" .. "zerokit_stage_3")
+
+Hugging Face's Trainer and accelerate reach zerokit through zerokit.deepspeed.install() instead: they call
+DeepSpeed by name.
+"""

@@ -43,8 +43,8 @@ def deepspeed_config(monkeypatch):
 
 def as_deepspeed_reads_it(raw: dict, config) -> dict:
     """The fixture as DeepSpeed is given it: "auto" filled in with zerokit's choices (as Hugging Face's Trainer
-    fills it in), and the spellings DeepSpeed 0.19.8 does not parse itself ("5e7" as a string, "bfp16", numbers
-    as strings at the top level, which it reads without coercion) written as the values zerokit read."""
+    fills it in), and the spellings DeepSpeed 0.19.8 does not parse itself ("5e7" as a string, numbers as strings
+    at the top level, which it reads without coercion) written as the values zerokit read."""
     out = copy.deepcopy(raw)
     written = {spelled: path for path, spelled in read(raw).spelled.items()}
     for spelled, path in written.items():

@@ -151,6 +151,20 @@ def test_optimizer_blocks_build_torch_optimizers(block, cls, settings):
     assert group_settings(optimizers[0], *settings) == settings
 
 
+@pytest.mark.parametrize("block, fused", [
+    ({"type": "AdamW"}, True), ({"type": "Adam", "params": {"adam_w_mode": False}}, True), ({"type": "SGD"}, True),
+    ({"type": "Adagrad"}, None),  # torch's fused Adagrad is CPU-only; the masters may live on a GPU
+    ({"type": "AdamW", "params": {"foreach": True}}, None), ({"type": "AdamW", "params": {"fused": False}}, False),
+    ({"type": "SGD", "params": {"differentiable": True}}, None),
+])
+def test_blocks_use_torchs_fused_kernel_unless_they_choose_another(block, fused):
+    """See [Note: fused optimizer kernels] in zerokit/schedules.py."""
+    optimizers = build_optimizer(OptimizerSpec(**block), model())
+    assert [group["fused"] for group in optimizers[0].param_groups] == [fused]
+    muon, adam = build_optimizer(OptimizerSpec(type="Muon"), model())
+    assert adam.param_groups[0]["fused"] and "fused" not in muon.defaults
+
+
 def test_muon_takes_the_hidden_matrices_and_adamw_the_rest():
     net = model()
     muon, adam = build_optimizer(OptimizerSpec(type="Muon", params={"lr": 0.05, "adam_lr": 1e-3,

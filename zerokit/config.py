@@ -23,7 +23,7 @@ from typing import Any, Mapping
 import torch
 
 from zerokit.defaults import DEFAULT_BUCKET_BYTES
-from zerokit.dsconfig import AUTO, SCHEMA, DeepSpeedConfig, read
+from zerokit.dsconfig import AUTO, DeepSpeedConfig, read
 from zerokit.dsconfig.auto import (GAS, MICRO, TBS, Choice, default_differences, derive_batch, hidden_size_of,
                                    pending)
 from zerokit.dsconfig.auto import resolve as resolve_auto
@@ -158,13 +158,16 @@ class ZeroConfig:
     """Gradients are reduced in buckets of about this many bytes (in reduce_dtype)."""
     sub_group_size: int | None = None
     """The optimizer steps each fp32 master in pieces of at most this many elements (DeepSpeed's
-    sub_group_size). None: 65536 on the CPU, whole masters on a GPU. See [Note: optimizer pieces]."""
+    sub_group_size). None: 65536 on the CPU, whole parameters on a GPU; 0: whole parameters everywhere, as
+    DeepSpeed's 0 makes every parameter its own sub-group. See [Note: optimizer pieces]."""
     reduce_scatter: bool | None = None
     """Stages 1-3: True reduce-scatters each gradient bucket; False all-reduces it and keeps this rank's
     shard (DeepSpeed's reduce_scatter key). None: reduce-scatter, except on gloo, whose reduce-scatter
     is slower than its all-reduce. See [Note: reducing a bucket to a shard]."""
     overlap_comm: bool = True
-    """Launch each bucket's reduction during backward as soon as it is full."""
+    """Stages 0-2: launch each bucket's reduction during backward as soon as it is full (false: after backward).
+    Stage 3 always reduces each unit during backward, as it frees the unit's gradients; false is accepted and
+    logged there, as it changes only when a reduction starts, never what it sums."""
     reduce_every_micro_step: bool = True
     """Stage 2 only. True: reduce-scatter on every micro-step, so a rank never holds more than its
     gradient shard plus in-flight buckets (the ZeRO-2 memory promise; costs one reduce-scatter per
@@ -184,7 +187,8 @@ class ZeroConfig:
     """DeepSpeed's all-gather staging size, read and checked only: zerokit gathers each bucket's updated
     parameters in place into the flat buffer, so there is no staging buffer for it to bound."""
     allgather_partitions: bool = True
-    """Gather updated parameters with collectives (the only way zerokit offers; False is refused)."""
+    """DeepSpeed's choice of all-gather (true) or broadcasts (false) for updated parameters, read and logged
+    only: zerokit picks the gather per back-end, and either way every rank ends with the same values."""
     allow_untested_optimizer: bool = False
     """Accept a passed optimizer zerokit's tests do not cover (DeepSpeed's zero_allow_untested_optimizer)."""
     optimizer_kinds: Mapping[Any, str] = field(default_factory=dict)
@@ -219,6 +223,8 @@ class ZeroConfig:
     """Broadcast rank 0's module buffers to every rank, as torch DDP does."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Start-up log lines from reading the config: keys accepted because zerokit always does that, aliases."""
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+    """Start-up warnings from reading the config: keys ignored, as DeepSpeed ignores them."""
     auto_choices: tuple[Choice, ...] = field(default=(), compare=False)
     """What "auto" (and absent batch keys) resolved to."""
     pending_auto: tuple[str, ...] = field(default=(), compare=False)
@@ -235,8 +241,9 @@ class ZeroConfig:
             raise ValueError(f"gradient_clipping={self.gradient_clipping} must be >= 0 (0 disables clipping)")
         if self.reduce_bucket_bytes < 1:
             raise ValueError(f"reduce_bucket_bytes={self.reduce_bucket_bytes} must be a positive byte count")
-        if self.sub_group_size is not None and self.sub_group_size < 1:
-            raise ValueError(f"zero_optimization.sub_group_size={self.sub_group_size} must be a positive element count")
+        if self.sub_group_size is not None and self.sub_group_size < 0:
+            raise ValueError(f"zero_optimization.sub_group_size={self.sub_group_size} must be an element count >= 0 "
+                             "(0: one optimizer piece per parameter)")
         if self.max_consecutive_skipped_steps < 1:
             raise ValueError("max_consecutive_skipped_steps must be >= 1")
         is_fp16 = self.precision.param_dtype == torch.float16
@@ -244,8 +251,6 @@ class ZeroConfig:
             object.__setattr__(self, "loss_scaling", LossScaling())
         if not is_fp16 and self.loss_scaling is not None:
             raise ValueError("loss scaling is only for fp16; bf16 and fp32 gradients do not underflow that way")
-        if self.stage == 3 and not self.overlap_comm:
-            raise ValueError("overlap_comm=false is not supported at stage 3, which reduces each unit in backward")
         if not self.reduce_every_micro_step and self.stage != 2:
             raise ValueError("reduce_every_micro_step=False is a stage-2 choice; stages 0-1 never reduce "
                              "before the accumulation boundary and stage 3 always reduces every micro-step")
@@ -263,9 +268,6 @@ class ZeroConfig:
                              "which shard the optimizer state it moves")
 
     def _check_new_fields(self) -> None:
-        if not self.allgather_partitions:
-            raise ValueError("zero_optimization.allgather_partitions=false is not supported; "
-                             + SCHEMA[Z + "allgather_partitions"].why)
         if self.allgather_bucket_size < 1:
             raise ValueError(f"zero_optimization.allgather_bucket_size={self.allgather_bucket_size} must be > 0")
         if self.steps_per_print is not None and self.steps_per_print < 1:
@@ -279,6 +281,11 @@ class ZeroConfig:
                              "or fp16")
         if self.tensorboard.enabled:
             tensorboard_available()
+
+    @property
+    def overlaps_reduction(self) -> bool:
+        """Whether each bucket is reduced during backward: overlap_comm, except at stage 3, which always is."""
+        return self.overlap_comm or self.stage == 3
 
     @property
     def is_fp16(self) -> bool:
@@ -324,12 +331,23 @@ class ZeroConfig:
     def startup_log_lines(self) -> list[str]:
         """What the start-up log should say about the config: keys accepted because zerokit always does that,
         aliases read as their key, what "auto" resolved to, and zerokit defaults that differ from DeepSpeed's."""
-        lines = [*self.notes, *(choice.line() for choice in self.auto_choices)]
+        lines = [*self.notes, *(choice.line() for choice in self.auto_choices), *self._meaning_lines()]
         if self.pending_auto:
             lines.append(f"still to resolve with the world size and the model: {', '.join(self.pending_auto)}")
         if self.source is not None:
             lines += default_differences(self.source, _dtype_name(self.precision.param_dtype),
                                          _dtype_name(self.precision.reduce_dtype), self.stage)
+        return lines
+
+    def _meaning_lines(self) -> list[str]:
+        """Settings accepted with a meaning of zerokit's own, said once at start-up."""
+        lines = []
+        if self.stage == 3 and not self.overlap_comm:
+            lines.append("zero_optimization.overlap_comm=false: stage 3 still reduces each unit during backward, "
+                         "as it frees the unit's gradients (only when a reduction starts changes, never its sum)")
+        if self.sub_group_size == 0:
+            lines.append("zero_optimization.sub_group_size=0: one optimizer piece per parameter, as DeepSpeed makes "
+                         "every parameter its own sub-group")
         return lines
 
 
@@ -407,7 +425,8 @@ def from_dict(raw: Mapping[str, Any]) -> ZeroConfig:
         stage3=Stage3Policy(**_given(config, STAGE3_FIELDS)),
         grad_accum_dtype=None if data_types is None else DTYPES_BY_NAME[data_types],
         **_given(config, SCALAR_FIELDS), **block_fields(config),
-        notes=read_config.notes, auto_choices=resolution.choices, pending_auto=pending(config), source=config,
+        notes=read_config.notes, warnings=read_config.warnings, auto_choices=resolution.choices,
+        pending_auto=pending(config), source=config,
     )
 
 

@@ -88,7 +88,7 @@ class Engine:
         self.progress = Progress()
         self.monitor = EngineMonitor(config, self)  # the observability keys; all off unless the config asks
         setup_lines += activations.configure(config.activation_checkpointing, self.comm.stats, self.device)
-        log_startup(self.stage, config.startup_log_lines() + setup_lines)
+        log_startup(self.stage, config.startup_log_lines() + setup_lines, config.warnings)
 
     def _place_model(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
                      param_init: ParamInit | None) -> Construction | None:

@@ -92,10 +92,12 @@ def configure_logging() -> None:
     logger.propagate = False
 
 
-def log_startup(stage: "ZeroStage", config_lines: list[str]) -> None:
+def log_startup(stage: "ZeroStage", config_lines: list[str], config_warnings: tuple[str, ...] = ()) -> None:
     """What a user should see once, on rank 0: the stage, its buckets, how they are reduced, the units, and
-    what the config reader accepted, derived or resolved."""
+    what the config reader accepted, derived or resolved (INFO), and what it ignored (WARNING)."""
     configure_logging()
     if stage.rank == 0:
         for line in [*stage.describe(), *config_lines]:
             logger.info(line)
+        for line in config_warnings:
+            logger.warning(line)

@@ -212,7 +212,7 @@ def test_translator_and_engine_read_one_format():
 def test_legacy_spellings_and_strings_translate_as_the_engine_reads_them():
     config = {"zero_optimization": {"stage": "3", "cpu_offload": True, "max_live_parameters": "1e9",
                                     "stage3_gather_fp16_weights_on_model_save": "true"},
-              "bfloat16": {"enabled": True}, "communication_data_type": "bfp16", "_comment": "ignored"}
+              "bfloat16": {"enabled": True}, "communication_data_type": "BFloat16", "_comment": "ignored"}
     zk = deepspeed_to_zerokit(config).config
     assert zk["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"},
                                        "stage3_max_live_parameters": 1_000_000_000}

@@ -7,7 +7,10 @@ itself, once the world size and the model's hidden size are known:
   unknown ones from the known ones exactly as DeepSpeed's _set_batch_related_parameters does (an absent key
   counts as unknown too); all unknown: micro-batch 1, accumulation 1;
 - reduce_bucket_size = hidden^2, stage3_prefetch_bucket_size = 0.9 hidden^2, stage3_param_persistence_threshold
-  = 10 hidden, as Hugging Face's integration sets them (transformers/integrations/deepspeed.py);
+  = 10 hidden, as Hugging Face's integration sets them (transformers/integrations/deepspeed.py), where the
+  model says its hidden size; where it does not (a plain nn.Module, no host framework to fill them in),
+  zerokit's own defaults: a 25 MiB bucket, DeepSpeed's 5e7 prefetch and 1e5 persistence threshold. These three
+  only tune speed and memory, so "choose for me" is always answerable (Hugging Face raises instead);
 - gradient_clipping 1.0 (DeepSpeed 0.19.8's default and the Trainer's max_grad_norm); bf16/fp16.enabled off;
 - optimizer and scheduler parameters: DeepSpeed's defaults for that type (schema_optim.py);
 - anything else: the key's default.
@@ -20,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from zerokit.defaults import DEFAULT_BUCKET_BYTES
 from zerokit.dsconfig.reader import DeepSpeedConfig
 from zerokit.dsconfig.schema import SCHEMA
 from zerokit.dsconfig.schema_optim import params_table
@@ -28,6 +32,7 @@ from zerokit.dsconfig.values import AUTO, show
 TBS, MICRO, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 Z = "zero_optimization."
 HIDDEN_KEYS = (Z + "reduce_bucket_size", Z + "stage3_prefetch_bucket_size", Z + "stage3_param_persistence_threshold")
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -158,15 +163,29 @@ def _hidden(config: DeepSpeedConfig, hidden_size: int | None, updates: dict, cho
     wanted = [path for path in HIDDEN_KEYS if config.get(path, None) is AUTO]
     if not wanted:
         return
-    if hidden_size is None or hidden_size < 1:
-        raise ValueError(f"{', '.join(wanted)}='auto' needs the model's hidden size, which zerokit could not find "
-                         "(model.config.hidden_size); write the values or pass hidden_size")
-    rules = {HIDDEN_KEYS[0]: (hidden_size * hidden_size, "hidden^2"),
-             HIDDEN_KEYS[1]: (int(0.9 * hidden_size * hidden_size), "0.9 x hidden^2"),
-             HIDDEN_KEYS[2]: (10 * hidden_size, "10 x hidden")}
+    if hidden_size is not None and hidden_size < 1:
+        raise ValueError(f"hidden_size={hidden_size} must be a positive number of features")
+    if hidden_size is None:
+        rules = _without_hidden_size(config)
+    else:
+        rules = {HIDDEN_KEYS[0]: (hidden_size * hidden_size, "hidden^2"),
+                 HIDDEN_KEYS[1]: (int(0.9 * hidden_size * hidden_size), "0.9 x hidden^2"),
+                 HIDDEN_KEYS[2]: (10 * hidden_size, "10 x hidden")}
+        rules = {path: (value, f"{rule}, hidden size {hidden_size}, as Hugging Face sets it")
+                 for path, (value, rule) in rules.items()}
     for path in wanted:
-        value, rule = rules[path]
-        _choose(config, path, value, f"{rule}, hidden size {hidden_size}, as Hugging Face sets it", updates, choices)
+        _choose(config, path, *rules[path], updates, choices)
+
+
+def _without_hidden_size(config: DeepSpeedConfig) -> dict[str, tuple[int, str]]:
+    """zerokit's defaults for the hidden-size keys, for a model with no config.hidden_size (See [Note: resolving
+    "auto"]). The bucket is DEFAULT_BUCKET_BYTES counted in elements of the dtype gradients are reduced in."""
+    reduce_dtype = config.get("communication_data_type") or "fp32"
+    missing = "the model has no config.hidden_size"
+    return {HIDDEN_KEYS[0]: (DEFAULT_BUCKET_BYTES // ELEMENT_BYTES[reduce_dtype],
+                             f"zerokit's default bucket, {DEFAULT_BUCKET_BYTES >> 20} MiB of {reduce_dtype}: {missing}"),
+            HIDDEN_KEYS[1]: (SCHEMA[HIDDEN_KEYS[1]].default, f"zerokit's and DeepSpeed's default: {missing}"),
+            HIDDEN_KEYS[2]: (SCHEMA[HIDDEN_KEYS[2]].default, f"zerokit's and DeepSpeed's default: {missing}")}
 
 
 def hidden_size_of(model: Any) -> int | None:

@@ -4,6 +4,16 @@ Each key is looked up in the schema: a misspelt one is refused with the closest 
 refused one in one line saying what it asks for and why zerokit does not offer it, an alias is stored under
 the key it spells, and every value is read as DeepSpeed reads it (See [Note: reading JSON values] in
 values.py). `_`-prefixed keys are comments. "auto" stays the AUTO marker until auto.resolve fills it in.
+
+[Note: keys DeepSpeed reads at one stage only, and keys it ignores]
+DeepSpeed reads the stage-3 keys (stage3_*, offload_param) only at stage 3 and ignores them below it; it
+ignores top-level keys it does not know (LLaMA-Factory's templates carry "comms_config" and "monitor_config",
+which no DeepSpeed version reads), while its pydantic sections refuse unknown keys inside them. zerokit reads
+a config the same way, so that every config DeepSpeed trains with trains here: a stage-3 key below stage 3 is
+dropped with a start-up line saying it is not used at that stage; an unknown top-level key is ignored with a
+warning, unless it is a typo of a known key (one or two edits away), which is refused naming that key, since
+a misspelt knob silently ignored is how a run trains differently from what its author wrote; an unknown key
+inside a block is refused, as DeepSpeed refuses it.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from zerokit.dsconfig.schema_zero import ZERO_REMOVED_ISSUE
 DOCS = "docs/deepspeed_config.md"
 STAGE = "zero_optimization.stage"
 STEPS_PER_PRINT = "steps_per_print"
+OFFLOAD_PARAM = "zero_optimization.offload_param"
 UNSET = object()
 
 
@@ -45,6 +56,9 @@ class DeepSpeedConfig:
     """Start-up log lines: keys accepted because zerokit always does that, aliases read as their key."""
     refusals: tuple[Refusal, ...] = ()
     """With read(..., refuse=False): what would have been refused."""
+    warnings: tuple[str, ...] = ()
+    """Start-up warnings: keys ignored, as DeepSpeed ignores them (See [Note: keys DeepSpeed reads at one stage
+    only, and keys it ignores])."""
 
     def given(self, path: str) -> bool:
         return path in self.values
@@ -71,7 +85,7 @@ class DeepSpeedConfig:
     def with_values(self, updates: Mapping[str, Any], drop: tuple[str, ...] = ()) -> DeepSpeedConfig:
         merged = {path: value for path, value in self.values.items() if path not in drop}
         merged.update(updates)
-        return DeepSpeedConfig(MappingProxyType(merged), self.spelled, self.notes, self.refusals)
+        return DeepSpeedConfig(MappingProxyType(merged), self.spelled, self.notes, self.refusals, self.warnings)
 
 
 class _State:
@@ -82,6 +96,7 @@ class _State:
         self.values: dict[str, Any] = {}
         self.spelled: dict[str, str] = {}
         self.notes: list[str] = []
+        self.warnings: list[str] = []
         self.refusals: list[Refusal] = []
         self.legacy: dict[str, tuple[bool, str]] = {}
         """Legacy cpu_offload* switches: name -> (value, spelling), applied once the whole config is read."""
@@ -106,9 +121,9 @@ def read(raw: Mapping[str, Any], *, refuse: bool = True) -> DeepSpeedConfig:
     state = _State(refuse)
     read_block(raw, "", children(""), state)
     apply_legacy(state)
-    _check_stage3(state)
+    _drop_stage3_keys(state)
     return DeepSpeedConfig(MappingProxyType(state.values), MappingProxyType(state.spelled), tuple(state.notes),
-                           tuple(state.refusals))
+                           tuple(state.refusals), tuple(state.warnings))
 
 
 def read_block(raw: Mapping[str, Any], prefix: str, table: Mapping[str, Key], state: _State,
@@ -121,6 +136,9 @@ def read_block(raw: Mapping[str, Any], prefix: str, table: Mapping[str, Key], st
         if name.startswith("_"):  # a comment, as in DeepSpeed's own examples ("_comment", "_read_the_docs")
             continue
         key = table.get(name)
+        if key is None and not prefix and v.typo_of(name, table) is None:
+            state.warnings.append(f"unknown top-level key {name!r}: ignored, as DeepSpeed 0.19.8 ignores it")
+            continue
         if key is None:
             raise ValueError(unknown_key_message(prefix, name, table))
         _read_entry(key, value, written + name, state)
@@ -128,7 +146,7 @@ def read_block(raw: Mapping[str, Any], prefix: str, table: Mapping[str, Key], st
 
 def unknown_key_message(prefix: str, name: str, table: Mapping[str, Key]) -> str:
     section = prefix.rstrip(".") or "top-level"
-    guess = v.closest(name, table)
+    guess = v.closest(name, table) if prefix else v.typo_of(name, table)
     if guess:
         return f"unknown {section} key {name!r}; did you mean {guess}?"
     names = sorted(key for key, entry in table.items() if entry.klass != KeyClass.REMOVED)
@@ -149,8 +167,6 @@ def _read_entry(key: Key, raw: Any, spelled: str, state: _State) -> None:
         _read_block_entry(key, raw, spelled, state)
         return
     value = coerce(key, raw, spelled)
-    if key.kind == Kind.DTYPE and isinstance(raw, str) and raw.strip().lower() in v.LEGACY_DTYPE_NAMES:
-        state.notes.append(f"{spelled}={raw!r}: read as {value}")
     handler: Callable[[Key, Any, str, _State], None] = _HANDLERS[key.klass]
     handler(key, value, spelled, state)
 
@@ -162,6 +178,10 @@ def _read_block_entry(key: Key, raw: Any, spelled: str, state: _State) -> None:
         if _block_asks(key, raw, spelled):
             state.refusal(key.path, dict(raw), f"{spelled} asks for {key.note}, which zerokit does not offer: "
                                                f"{key.why}")
+        return
+    if key.klass == KeyClass.ALWAYS:  # a block that only tunes speed or memory: accepted whole, named
+        if any(not str(name).startswith("_") for name in raw):
+            state.notes.append(f"{spelled}: accepted, {key.note}")
         return
     if key.path in ("optimizer", "scheduler"):
         read_typed_block(key.path, raw, state, read_block)
@@ -251,15 +271,22 @@ def _stage(raw: Any) -> int:
     return value
 
 
-def _check_stage3(state: _State) -> None:
-    """Stage-3 keys at another stage would silently do nothing; "auto" ones are dropped and logged."""
-    stage = state.values.get("zero_optimization.stage", 0)
+def _drop_stage3_keys(state: _State) -> None:
+    """Below stage 3, DeepSpeed reads no stage-3 key and no offload_param block; neither does zerokit. Each is
+    dropped with a start-up line (See [Note: keys DeepSpeed reads at one stage only, and keys it ignores])."""
+    stage = state.values.get(STAGE, 0)
     if stage == 3:
         return
     for path in [path for path in state.values if path in SCHEMA and SCHEMA[path].stage3]:
-        if state.values[path] is v.AUTO:
-            state.notes.append(f"{state.spelled[path]}='auto': not used at stage {stage}")
-            del state.values[path]
-            continue
-        raise ValueError(f"{state.spelled[path]} is a stage-3 key but zero_optimization.stage={stage}; remove "
-                         "it or use stage 3")
+        spelled = state.spelled[path]
+        state.notes[:] = [note for note in state.notes if not note.startswith(spelled + "=")]  # not "accepted"
+        state.notes.append(f"{spelled}={v.show(state.values.pop(path))}: not used at stage {stage} (DeepSpeed reads "
+                           "it only at stage 3)")
+    offload_param = [path for path in state.values if path.startswith(OFFLOAD_PARAM + ".")]
+    device = state.values.get(OFFLOAD_PARAM + ".device", "none")
+    if device != "none":
+        state.notes.append(f"{state.spelled[OFFLOAD_PARAM + '.device']}={device}: not used at stage {stage}, "
+                           "which keeps whole parameters on every rank (DeepSpeed offloads parameters only at "
+                           "stage 3)")
+    for path in offload_param:
+        del state.values[path]

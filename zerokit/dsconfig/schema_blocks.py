@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zerokit.dsconfig.keys import zerokit_key, Key, Kind, always, block, honoured, refused, refused_block
+from zerokit.dsconfig.keys import zerokit_key, Key, KeyClass, Kind, always, block, honoured, refused, refused_block
 
 SHARED_FILES = ("zerokit's checkpoints are read by any rank on any world size, so every rank must see every "
                 "rank's files (a shared filesystem)")
@@ -69,13 +69,13 @@ CHECKPOINT = (
     always(C + "load_universal", "every zerokit checkpoint is universal: it loads on any world size and stage",
            Kind.BOOL, False),
     refused(C + "use_node_local_storage", "checkpoints on node-local storage", SHARED_FILES),
-    refused(C + "checkpoint_serialization", "turning checkpoint serialization off", "zerokit writes safetensors "
-            "files, not torch.save's zip serialization", Kind.BOOL, True),
+    always(C + "checkpoint_serialization", "zerokit writes safetensors files, whatever torch.save's serialization "
+           "is set to", Kind.BOOL, True),
     block(C + "parallel_write", "parallel checkpoint writing (zerokit: every rank writes its own file)", ),
-    refused(C + "parallel_write.pipeline_stage", "writing checkpoints by pipeline stage", "zerokit has no pipeline "
-            "parallelism"),
-    refused_block(C + "writer", "DeepSpeed's fast checkpoint writer", "zerokit has its own: "
-                  "save_checkpoint(async_save=True)", switch=""),
+    always(C + "parallel_write.pipeline_stage", "zerokit has no pipeline stages: every rank writes its own file",
+           Kind.BOOL, False),
+    Key(C + "writer", KeyClass.ALWAYS, Kind.BLOCK, None, "DeepSpeed's fast checkpoint writer is a speed path; "
+        "zerokit has its own: save_checkpoint(async_save=True)"),
 )
 
 AIO_NOTE = "libaio tuning for DeepSpeed's NVMe swapper; zerokit's NVMe tier does its own I/O"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from zerokit.dsconfig.keys import (Key, Kind, alias, always, block, honoured, refused, refused_block,
-                                   removed, zerokit_key)
+from zerokit.dsconfig.keys import (Key, KeyClass, Kind, alias, always, block, honoured, refused,
+                                   refused_block, removed, zerokit_key)
 
 PARALLELISM = "zerokit is data parallel only: combine it with torch's own tensor/pipeline parallelism in model code"
 
@@ -22,7 +22,8 @@ TRAINING = (
     block("optimizer", "builds the optimizer when initialize() is given none (zerokit.schedules.build_optimizer)"),
     honoured("optimizer.type", Kind.STR, None, "Adam, AdamW, SGD, Adagrad or Muon", auto=False),
     block("optimizer.params", "the optimizer's hyperparameters; DeepSpeed's defaults for those not given"),
-    refused("optimizer.legacy_fusion", "DeepSpeed's legacy fused-LAMB path", "zerokit builds torch optimizers"),
+    always("optimizer.legacy_fusion", "DeepSpeed's legacy fused-LAMB code path; zerokit builds torch optimizers",
+           Kind.BOOL, False),
     block("scheduler", "builds the LR schedule, stepped at each optimizer step (zerokit.schedules.build_scheduler)"),
     honoured("scheduler.type", Kind.STR, None, "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest",
              auto=False),
@@ -34,15 +35,15 @@ TRAINING = (
     honoured("gradient_clipping", Kind.FLOAT, 0.0, "clip the global gradient norm over all shards (0: off; "
              "DeepSpeed 0.19.8 clips at 1.0 when the key is absent, zerokit does not)"),
     honoured("communication_data_type", Kind.DTYPE, None, "dtype gradients are reduced in (zerokit: fp32 when "
-             "absent; DeepSpeed reduces in the compute dtype); \"bfp16\" is read as bf16"),
+             "absent; DeepSpeed reduces in the compute dtype); \"bfp16\" is refused, as DeepSpeed refuses it"),
     honoured("prescale_gradients", Kind.BOOL, False, "divide gradients by the world size before the reduction, "
              "not after"),
     honoured("gradient_predivide_factor", Kind.FLOAT, 1.0, "divide gradients by this before the reduction and by "
              "world size / factor after"),
     always("gradient_allreduce_op", "zerokit averages gradients over ranks", Kind.CHOICE, "mean", ("mean",),
            "\"sum\" keeps the unscaled sum, which zerokit does not offer", choices=("mean", "sum")),
-    refused("disable_allgather", "broadcasts instead of the parameter all-gather", "zerokit picks the gather per "
-            "back-end (one all-gather on NCCL, per-owner broadcasts on gloo)"),
+    always("disable_allgather", "zerokit picks the parameter gather per back-end (one all-gather on NCCL, "
+           "per-owner broadcasts on gloo); broadcasts instead gather the same values", Kind.BOOL, False),
     honoured("dataloader_drop_last", Kind.BOOL, False, "drop the last incomplete batch of the loader built from "
              "training_data"),
 )
@@ -63,8 +64,8 @@ PRECISION = (
     honoured("bf16.enabled", Kind.BOOL, False, "train in bf16 (\"auto\": off)"),
     always("bf16.immediate_grad_update", "zerokit moves each gradient into its bucket as soon as it is ready",
            Kind.BOOL, False),
-    always("bf16.check_grad_overflow", "zerokit checks every step for inf/nan gradients under every precision",
-           Kind.BOOL, True, (True,), "zerokit always checks; a skipped step is reported, never silent"),
+    always("bf16.check_grad_overflow", "zerokit checks every step for inf/nan gradients under every precision, "
+           "in the all-reduce of the gradient norm (false only saves DeepSpeed that check's cost)", Kind.BOOL, True),
     refused("bf16.bf16_master_weights_and_grads", "bf16 master weights", "zerokit keeps fp32 masters"),
     refused("bf16.bf16_optimizer_states", "bf16 optimizer states", "zerokit keeps fp32 optimizer states"),
     alias("bfloat16", "bf16", Kind.BLOCK, "the old name of the bf16 block"),
@@ -87,26 +88,28 @@ PARALLEL = (
     refused_block("tensor_parallel", "AutoTP tensor parallelism", PARALLELISM, switch="autotp_size"),
     refused_block("expert_parallel", "AutoEP expert parallelism", PARALLELISM),
     refused("sequence_parallel_size", "Ulysses sequence parallelism", PARALLELISM, Kind.INT, 1),
-    refused("seq_parallel_communication_data_type", "a reduction dtype for sequence parallelism", PARALLELISM,
-            Kind.DTYPE, "fp32", ("fp32", None)),
-    refused("use_data_before_expert_parallelism", "a data/expert-parallel process topology", PARALLELISM),
+    always("seq_parallel_communication_data_type", "used only with sequence_parallel_size > 1, which zerokit "
+           "refuses", Kind.DTYPE, "fp32"),
+    always("use_data_before_expert_parallelism", "orders data- and expert-parallel groups; zerokit has no expert "
+           "parallelism for it to order", Kind.BOOL, False),
     refused_block("hybrid_engine", "DeepSpeed's RLHF hybrid training/inference engine", "zerokit trains; generate "
                   "inside engine.unsharded()"),
-    refused_block("compile", "DeepCompile", "zerokit runs your module eagerly", switch="deepcompile"),
+    Key("compile", KeyClass.ALWAYS, Kind.BLOCK, None, "zerokit runs your module as you give it: compile it with "
+        "torch.compile (DeepCompile's passes change speed and memory, not what is computed)"),
     refused_block("weight_quantization", "quantized weights for inference", "zerokit trains in bf16/fp16/fp32",
                   switch=""),
     refused_block("autotuning", "DeepSpeed's autotuner", "zerokit plan predicts memory and time per stage "
                   "before you run instead"),
     refused_block("data_efficiency", "data sampling (curriculum learning) and data routing (random-LTD)",
                   "zerokit leaves data loading to your loader"),
-    refused_block("datastates_ckpt", "DataStates asynchronous checkpointing", "zerokit saves asynchronously "
-                  "itself: save_checkpoint(async_save=True)", switch=""),
-    refused("memory_breakdown", "printing memory use at every step", "zerokit reports exact bytes by category in "
-            "engine.memory_stats() instead"),
-    refused("dump_state", "printing DeepSpeed's engine state after initialize", "zerokit logs its start-up choices "
-            "(logger 'zerokit') instead"),
-    refused("disable_python_gc", "turning Python's cyclic garbage collector off", "zerokit leaves the garbage "
-            "collector as your process sets it"),
+    Key("datastates_ckpt", KeyClass.ALWAYS, Kind.BLOCK, None, "DataStates writes checkpoints asynchronously; "
+        "zerokit saves asynchronously itself with save_checkpoint(async_save=True)"),
+    always("memory_breakdown", "zerokit reports exact bytes by category in engine.memory_stats() instead of "
+           "printing memory use every step", Kind.BOOL, False),
+    always("dump_state", "zerokit logs its start-up choices (logger 'zerokit') instead of DeepSpeed's engine "
+           "state", Kind.BOOL, False),
+    always("disable_python_gc", "zerokit leaves Python's garbage collector as your process sets it (a speed "
+           "knob)", Kind.BOOL, False),
     always("vocabulary_size", "DeepSpeed only warns when it is not a multiple of 8; zerokit has nothing to check",
            Kind.INT),
     always("log_level", "zerokit logs through the standard logging module: set the level of logger 'zerokit'",

@@ -23,12 +23,12 @@ CORE = (
     honoured(Z + "reduce_scatter", Kind.BOOL, None, "stages 1-3: reduce-scatter each bucket (true) or all-reduce "
              "it and keep this rank's shard (false); absent: true on NCCL, false on gloo"),
     honoured(Z + "sub_group_size", Kind.INT, None, "the optimizer steps fp32 masters in pieces of at most this "
-             "many elements"),
-    always(Z + "contiguous_gradients", "zerokit's gradient buckets are always contiguous", Kind.BOOL, True, (True,),
-           "buckets are always contiguous"),
-    always(Z + "allgather_partitions", "zerokit gathers updated parameters with one collective per bucket",
-           Kind.BOOL, True, (True,), "false asks for a series of broadcasts; zerokit picks the gather per "
-           "back-end (all-gather on NCCL, per-owner broadcasts on gloo) and offers no switch"),
+             "many elements; 0: one piece per parameter, as DeepSpeed makes every parameter its own sub-group"),
+    always(Z + "contiguous_gradients", "zerokit's gradient buckets are always contiguous (DeepSpeed's false only "
+           "changes where it keeps gradients, never their values)", Kind.BOOL, True),
+    always(Z + "allgather_partitions", "zerokit gathers updated parameters with one collective per bucket, picked "
+           "per back-end (all-gather on NCCL, per-owner broadcasts on gloo); DeepSpeed's false, a series of "
+           "broadcasts, gathers the same values", Kind.BOOL, True),
     always(Z + "round_robin_gradients", "a DeepSpeed offload copy-scheduling detail; zerokit moves each reduced "
            "shard once", Kind.BOOL, False),
     always(Z + "use_multi_rank_bucket_allreduce", "zerokit chooses reduce-scatter or all-reduce per bucket "
@@ -48,10 +48,12 @@ CORE = (
     always(Z + "enable_sanity_checks", "zerokit always runs its start-up checks", Kind.BOOL, False),
     always(Z + "save_muon_momentum_buffer_in_memory", "zerokit keeps Muon's momentum with the optimizer state",
            Kind.BOOL, False),
-    refused(Z + "elastic_checkpoint", "legacy elastic checkpoints", "zerokit has no save_checkpoint yet"),
-    refused(Z + "legacy_stage1", "DeepSpeed's old stage-1 implementation", "zerokit has one stage 1"),
-    refused(Z + "parameter_alignment", "16-byte aligned parameters in the flat buffers", "zerokit packs parameters "
-            "without alignment padding"),
+    always(Z + "elastic_checkpoint", "zerokit's checkpoints load on any world size and stage, which is what "
+           "elastic checkpoints were for", Kind.BOOL, False),
+    refused(Z + "legacy_stage1", "DeepSpeed's old stage-1 implementation", "zerokit has one stage 1 (DeepSpeed "
+            "0.19.8 refuses it too)"),
+    always(Z + "parameter_alignment", "zerokit packs parameters without alignment padding (padding moves "
+           "addresses, not values)", Kind.BOOL, False),
     refused(Z + "zero_hpz_partition_size", "ZeRO++ hierarchical partitioning (hpZ)", "zerokit shards over one flat "
             "group", Kind.INT, 1, (0, 1)),
     refused(Z + "zero_quantized_weights", "ZeRO++ quantized weight all-gathers", "zerokit gathers in the compute "
@@ -60,12 +62,12 @@ CORE = (
             "the compute dtype"),
     refused(Z + "zero_quantized_gradients", "ZeRO++ quantized gradient reduction", "zerokit reduces in "
             "communication_data_type"),
-    refused(Z + "pipeline_loading_checkpoint", "loading checkpoints in pipeline mode", "zerokit is data parallel "
-            "only"),
+    always(Z + "pipeline_loading_checkpoint", "DeepSpeed 0.19.8 reads it nowhere; zerokit has no pipeline mode",
+           Kind.BOOL, False),
     refused_block(Z + "zenflow", "ZenFlow's selective asynchronous CPU update", "zerokit steps every parameter "
                   "each step", switch=""),
-    refused_block(Z + "leaf_module", "modules gathered whole without hooks inside", "zerokit gathers whole units: "
-                  "name them with stage3_unit_classes", switch=""),
+    Key(Z + "leaf_module", KeyClass.ALWAYS, Kind.BLOCK, None, "zerokit gathers whole units, never a module's "
+        "parameters one by one: name the classes to gather whole with stage3_unit_classes"),
 )
 
 STAGE3 = (
@@ -83,11 +85,11 @@ STAGE3 = (
            "collective", Kind.BOOL, False, stage3=True),
     always(Z + "stage3_allgather_sequential", "zerokit gathers each unit's flat buffer with one collective",
            Kind.BOOL, False, stage3=True),
-    refused(Z + "stage3_model_persistence_threshold", "a global budget on persistent parameter elements",
-            "zerokit keeps every parameter under stage3_param_persistence_threshold with the root unit", Kind.INT,
-            sys.maxsize, stage3=True),
-    refused(Z + "stage3_module_granularity_threshold", "fine-grained modules fetched as one", UNITS, Kind.INT, 0,
-            stage3=True),
+    always(Z + "stage3_model_persistence_threshold", "zerokit keeps every parameter under "
+           "stage3_param_persistence_threshold with the root unit, with no global budget (a memory knob)",
+           Kind.INT, sys.maxsize, stage3=True),
+    always(Z + "stage3_module_granularity_threshold", f"fine-grained modules are fetched as one in zerokit "
+           f"anyway: {UNITS}", Kind.INT, 0, stage3=True),
     zerokit_key(Z + "stage3_unit_classes", Kind.NAMES, (), "module class names whose instances become units",
                 stage3=True),
     zerokit_key(Z + "stage3_min_unit_params", Kind.INT, 100_000, "auto-wrap: the fewest parameters a "
@@ -143,8 +145,8 @@ OFFLOAD = (
              "the step"),
     honoured(Z + "offload_optimizer.pipeline_write", Kind.BOOL, False, "overlap writing the previous NVMe tile "
              "with the step"),
-    refused(Z + "offload_optimizer.super_offload", "SuperOffload for superchips", "zerokit's CPU tier steps with "
-            "torch's CPU optimizer"),
+    always(Z + "offload_optimizer.super_offload", "SuperOffload's CPU Adam for superchips is a speed path; "
+           "zerokit's CPU tier steps with torch's CPU optimizer", Kind.BOOL, False),
     always(Z + "offload_optimizer.cpuadam_cores_perc", "used only by DeepSpeed's SuperOffload CPU Adam; zerokit's "
            "CPU step uses torch's threads", Kind.FLOAT, 0.8),
 )

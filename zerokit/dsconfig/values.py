@@ -41,8 +41,9 @@ AUTO = _Auto()
 DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "bf16": "bf16", "bfloat16": "bf16",
                "fp16": "fp16", "float16": "fp16", "half": "fp16"}
 """Spellings DeepSpeed accepts for a dtype, to zerokit's canonical name."""
-LEGACY_DTYPE_NAMES = {"bfp16": "bf16"}
-"""Old spellings still found in configs (Hugging Face's docs once wrote communication_data_type "bfp16")."""
+REFUSED_DTYPE_NAMES = {"bfp16": "bf16"}
+"""Spellings found in public configs (Hugging Face's docs once wrote communication_data_type "bfp16") that
+DeepSpeed 0.19.8 refuses: refused here too, naming the spelling meant."""
 
 
 def is_auto(raw: Any) -> bool:
@@ -125,8 +126,9 @@ def to_dtype(raw: Any, key: str) -> str:
         name = raw.strip().lower().removeprefix("torch.")
         if name in DTYPE_NAMES:
             return DTYPE_NAMES[name]
-        if name in LEGACY_DTYPE_NAMES:
-            return LEGACY_DTYPE_NAMES[name]
+        if name in REFUSED_DTYPE_NAMES:
+            raise ValueError(f"{key}={raw!r} is not a dtype: DeepSpeed 0.19.8 refuses it too; write "
+                             f"{REFUSED_DTYPE_NAMES[name]}")
     raise ValueError(f"{key}={raw!r} is not a dtype zerokit knows; use fp32, bf16 or fp16")
 
 
@@ -160,6 +162,32 @@ def closest(word: str, candidates: Iterable[str]) -> str | None:
     """The accepted key a misspelt one most likely meant, if any is close."""
     matches = difflib.get_close_matches(word, sorted(set(candidates)), n=1, cutoff=0.6)
     return matches[0] if matches else None
+
+
+def typo_of(word: str, candidates: Iterable[str]) -> str | None:
+    """The candidate `word` is a typo of: at most one edit away (two for words over 8 characters), an edit
+    being an insertion, deletion, substitution or swap of neighbours. Tighter than `closest`, which also
+    suggests keys that merely look alike ("comms_config" is not a typo of "comms_logger")."""
+    allowed = 1 if len(word) <= 8 else 2
+    near = [(edit_distance(word.lower(), name.lower()), name) for name in sorted(set(candidates))]
+    near = [(distance, name) for distance, name in near if distance <= allowed]
+    return min(near)[1] if near else None
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Edits (insert, delete, substitute, swap two neighbours) turning a into b: the optimal string alignment
+    distance, the usual measure of a typo."""
+    previous2: list[int] = []
+    previous = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        current = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cost = 0 if a[i - 1] == b[j - 1] else 1
+            current[j] = min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + cost)
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                current[j] = min(current[j], previous2[j - 2] + 1)
+        previous2, previous = previous, current
+    return previous[len(b)]
 
 
 def show(value: Any) -> str:

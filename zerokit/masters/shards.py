@@ -39,6 +39,15 @@ OPTIMIZER_PIECE_NUMEL = {"cpu": CPU_OPTIMIZER_PIECE_NUMEL}
 TIERS = ("device", "host", "nvme")
 
 
+def piece_numel(sub_group_size: int | None, device_type: str) -> int:
+    """The most elements an optimizer piece holds (See [Note: optimizer pieces]): sub_group_size where given,
+    except 0, which is one piece per parameter (DeepSpeed's 0 makes every parameter its own sub-group); else
+    the default for where the master lives."""
+    if sub_group_size == 0:
+        return sys.maxsize
+    return sub_group_size or OPTIMIZER_PIECE_NUMEL.get(device_type, sys.maxsize)
+
+
 class Home(Protocol):
     tier: str
     master: torch.Tensor
@@ -111,7 +120,7 @@ class ShardMasters:
     def _cut(self, master: nn.Parameter, parts: list[ParamSlice], whole_tensor: bool) -> list[Piece]:
         """See [Note: optimizer pieces]."""
         values = master.detach()
-        size = self.sub_group_size or OPTIMIZER_PIECE_NUMEL.get(master.device.type, sys.maxsize)
+        size = piece_numel(self.sub_group_size, master.device.type)
         pieces = []
         for part in parts:
             if whole_tensor and not part.whole:

@@ -150,6 +150,8 @@ class EngineSetup:
 
     @property
     def piece_numel(self) -> int:
+        if self.sub_group_size == 0:  # one piece per parameter, as the engine reads DeepSpeed's 0
+            return 2**63
         if self.sub_group_size:
             return self.sub_group_size
         # the piece size follows where the master lives: an offloaded one is in host memory

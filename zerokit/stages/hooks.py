@@ -32,7 +32,7 @@ unit's forward. Nothing above needs a special case, for these reasons:
   - activation checkpointing recomputes an outer unit's forward in backward: the inner units it calls
     are gathered there (state BACKWARD: nothing is freed), and their own pre-backward finds them gathered.
 Live at once: the root, persistent units, a whole chain of nested units, and one unit before it whose
-last gradients may still be accumulating; see UnitShards._check_live_limit. Prefetches come on top only
+last gradients may still be accumulating; see UnitShards._needed_live_numel. Prefetches come on top only
 if they fit.
 """
 

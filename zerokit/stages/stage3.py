@@ -139,7 +139,7 @@ class ShardedParameters(ShardedGradients):
         return [*super().describe(),
                 f"stage 3: {len(self.units)} units ({len(self.units) - 1} besides the root); gathered, the root holds "
                 f"{sizes[0]:,} elements and the largest other unit {max(sizes[1:], default=0):,}; "
-                f"{len(self.shards.persistent)} persistent"]
+                f"{len(self.shards.persistent)} persistent", *self.shards.live_limit_lines()]
 
     # --- access between steps ----------------------------------------------------------------------
     @contextmanager

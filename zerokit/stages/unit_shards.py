@@ -1,6 +1,15 @@
 """What happens to stage 3's units: each is gathered (an all-gather of every rank's shard of its
 buckets, trainable and frozen), its parameters pointed at the gathered buffers, and freed again, within
-the live-element limit. *When* each of these happens is decided by the hooks (hooks.py)."""
+the live-element limit. *When* each of these happens is decided by the hooks (hooks.py).
+
+[Note: a live limit below what the model needs]
+stage3_max_live_parameters bounds the unsharded elements held at once; prefetches wait while they would
+break it. A limit below what the model needs live at once (the root, the persistent units and the worst
+chain of units a step holds) cannot be kept, and DeepSpeed does not try: its limit only holds back
+prefetching, never a gather a module needs (axolotl's ZeRO-3 templates set it to 0, meaning "prefetch
+nothing"). zerokit reads such a limit the same way, as that least amount, and says so at start-up: a memory
+knob changes what is held, never what is computed, so it is not refused.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +40,9 @@ class UnitShards:
                                                              else 0) for u in units]
         self.persistent = {u.index for u in units if 0 < self.gathered_numel[u.index] < policy.persistence_threshold}
         self.live_numel = self.peak_live_numel = 0
-        self._check_live_limit()
+        self.needed_live_numel = self._needed_live_numel()
+        # See [Note: a live limit below what the model needs]
+        self.live_limit = max(policy.max_live_parameters, self.needed_live_numel)
         # Every gather carries its unit (See [Note: stage-3 units every rank agrees on] in reliability/divergence.py)
         # (not on torch's fake back-end, whose collectives move nothing: the planner's exact engine runs there)
         agree = comm.world_size > 1 and comm.backend != "fake"
@@ -90,7 +101,7 @@ class UnitShards:
             return
         unit = self.units[unit_index]
         numel = self.gathered_numel[unit_index]
-        fits = self.live_numel + numel <= self.policy.max_live_parameters
+        fits = self.live_numel + numel <= self.live_limit
         if fits and numel <= self.policy.prefetch_numel and not self.any_gathered(unit):
             self.unshard(unit, async_op=True)
 
@@ -134,11 +145,11 @@ class UnitShards:
     def _count_live(self, unit: Unit, numel: int, async_op: bool) -> None:
         """`numel` more unsharded elements; a gather that must happen now may not break the limit
         (a prefetch was checked against it before it was asked for)."""
-        limit = self.policy.max_live_parameters
+        limit = self.live_limit
         if not async_op and self.live_numel + numel > limit:
             raise RuntimeError(f"rank {self.rank}: gathering unit {unit.name!r} would hold "
-                               f"{self.live_numel + numel} unsharded elements, over "
-                               f"stage3_max_live_parameters={limit}")
+                               f"{self.live_numel + numel} unsharded elements, over the live limit {limit} "
+                               f"(stage3_max_live_parameters={self.policy.max_live_parameters})")
         self.live_numel += numel
         self.peak_live_numel = max(self.peak_live_numel, self.live_numel)
 
@@ -158,7 +169,7 @@ class UnitShards:
     def tensors(self) -> list[torch.Tensor]:
         return self.trainable.tensors()
 
-    def _check_live_limit(self) -> None:
+    def _needed_live_numel(self) -> int:
         """Root and persistent units stay gathered. Besides them, at worst the unit computing is live with
         every unit around it (a chain of nested units; just the unit itself without nesting), plus one
         other unit whose last gradients are not all in yet: two units when none nest. Prefetches are
@@ -172,9 +183,14 @@ class UnitShards:
             chain = {j for j in ancestry(self.units, index) if j in sharded}
             other = next((size[k] for k in largest_first if k not in chain), 0)
             worst = max(worst, sum(size[j] for j in chain) + other)
-        needed = size[0] + sum(size[i] for i in self.persistent if i) + worst
+        return size[0] + sum(size[i] for i in self.persistent if i) + worst
+
+    def live_limit_lines(self) -> list[str]:
+        """The start-up line for a stage3_max_live_parameters this model cannot keep to, if it is one."""
         limit = self.policy.max_live_parameters
-        if needed > limit:
-            raise ValueError(f"stage3_max_live_parameters={limit} is below the {needed} elements this model needs "
-                             "live at once (root + persistent units + the largest chain of nested units + one "
-                             "more unit); raise it or use smaller units (stage3_unit_classes)")
+        if limit >= self.needed_live_numel:
+            return []
+        return [f"zero_optimization.stage3_max_live_parameters={limit} is below the {self.needed_live_numel:,} "
+                "elements this model needs live at once (root + persistent units + the largest chain of nested "
+                f"units + one more unit): read as {self.needed_live_numel:,}, so no unit is prefetched beyond what "
+                "the step needs (smaller units, stage3_unit_classes, lower it)"]

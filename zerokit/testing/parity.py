@@ -20,9 +20,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from zerokit.config import DTYPES_BY_NAME, LossScaling, load_config
+from zerokit.config import DTYPES_BY_NAME, LossScaling, OptimizerSpec, load_config
 from zerokit.extras import require
 from zerokit.precision import make_loss_scaler
+from zerokit.schedules import build_optimizer
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, TinyMoE, lm_loss, param_groups, seeded_init
 
 
@@ -32,7 +33,8 @@ class Case:
     stage: int
     model: str = "tiny"  # tiny | moe | hf-gpt2 | hf-llama (Hugging Face transformers, built from a tiny config)
     dtype: str = "fp32"
-    optimizer: str = "adamw"  # adamw | adam | sgd | adafactor | muon+adamw (two optimizers)
+    # adamw | adam | sgd | adafactor | muon+adamw (two optimizers) | adamw-block (as an `optimizer` block builds it)
+    optimizer: str = "adamw"
     # tiny: who runs the sometimes-used layer. "rotating": rank r on steps where (step + micro + r) % 3 == 0;
     # "idle-or-rank0": nobody on even steps, rank 0 alone on odd ones (at any world size).
     # moe: "idle-or-rank0": experts 2-3 get no token on even steps anywhere, on odd steps none on rank 0 only.
@@ -57,6 +59,7 @@ class Case:
     meta: bool = False  # stage 3: zerokit builds the model on the meta device and materialises it by unit
     sub_group_size: int | None = None  # the optimizer steps masters in pieces of this many elements
     reduce_scatter: bool | None = None  # stages 1-3: None is zerokit's default (on gloo: all-reduce, keep the shard)
+    overlap_comm: bool = True  # False is sent in the JSON dict (at stage 3 it changes nothing: See ZeroConfig)
     unit_classes: tuple[str, ...] = ()  # stage 3: class names that become units (may nest), sent in the JSON dict
     # stage 3: modules that become units, by name in the model ("blocks.0.attn"): the case is pickled to
     # the ranks, so run_engine resolves the names to the model's own instances
@@ -125,6 +128,9 @@ def make_optimizer(case: Case, model: torch.nn.Module) -> torch.optim.Optimizer 
         return torch.optim.Adam(groups, lr=3e-3)
     if case.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+    if case.optimizer == "adamw-block":  # torch's fused AdamW (See [Note: fused optimizer kernels])
+        spec = OptimizerSpec(type="AdamW", params={"lr": 3e-3, "betas": (0.9, 0.95)})
+        return build_optimizer(spec, groups)[0]
     if case.optimizer == "adafactor":
         return torch.optim.Adafactor(groups, lr=1e-2)
     if case.optimizer == "muon+adamw":  # Muon for the hidden matrices, as its authors use it; AdamW for the rest
@@ -181,6 +187,8 @@ def engine_config(case: Case) -> dict:
         config["zero_optimization"]["reduce_scatter"] = case.reduce_scatter
     if case.sub_group_size is not None:
         config["zero_optimization"]["sub_group_size"] = case.sub_group_size
+    if not case.overlap_comm:
+        config["zero_optimization"]["overlap_comm"] = False
     if case.stage == 3:
         config["zero_optimization"].update({
             "stage3_min_unit_params": case.min_unit_params,

@@ -33,7 +33,7 @@ TRAINING = (
     always("zero_force_ds_cpu_optimizer", "zerokit steps your torch optimizer on the offloaded fp32 masters; there "
            "is no DeepSpeed CPU Adam to force", Kind.BOOL, True),
     honoured("gradient_clipping", Kind.FLOAT, 0.0, "clip the global gradient norm over all shards (0: off; "
-             "DeepSpeed 0.19.8 clips at 1.0 when the key is absent, zerokit does not)"),
+             "absent: zerokit.initialize does not clip; DeepSpeed 0.19.8 and zerokit.deepspeed clip at 1.0)"),
     honoured("communication_data_type", Kind.DTYPE, None, "dtype gradients are reduced in (zerokit: fp32 when "
              "absent; DeepSpeed reduces in the compute dtype); \"bfp16\" is refused, as DeepSpeed refuses it"),
     honoured("prescale_gradients", Kind.BOOL, False, "divide gradients by the world size before the reduction, "

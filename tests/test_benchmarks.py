@@ -58,3 +58,24 @@ def test_formula_is_the_zero_papers() -> None:
     assert formula_bytes(1000, "bf16", 0, 4) == {"parameters": 2000, "gradients": 2000, "optimizer_state": 12000}
     assert formula_bytes(1000, "bf16", 3, 4) == {"parameters": 500, "gradients": 500, "optimizer_state": 3000}
     assert formula_bytes(1000, "fp32", 2, 2) == {"parameters": 4000, "gradients": 2000, "optimizer_state": 4000}
+
+
+def test_the_frameworks_benchmark_refuses_a_row_another_engine_trained(tmp_path) -> None:
+    """accelerate trains an FSDP job on CPU with DDP without a word: bench_frameworks must not print it as FSDP2."""
+    from benchmarks import bench_frameworks
+
+    def ranks(engine: str) -> None:
+        for rank in range(2):
+            (tmp_path / f"rank{rank}.json").write_text(json.dumps(
+                {"durations": [3.0, 1.0 + rank, 2.0, 4.0], "losses": [7.7, 7.6], "vmhwm_kib": 2048 * (rank + 1),
+                 "before_kib": 1024, "engine": engine, "parameters": None}))
+
+    ranks("torch.nn.parallel.distributed.DistributedDataParallel")
+    row = bench_frameworks.summarise("ddp", tmp_path, warmup=1)
+    assert (row["seconds_per_step"], row["vmhwm_mib"], row["growth_mib"]) == (2.0, 4.0, 3.0)  # slower rank's
+    try:
+        bench_frameworks.summarise("fsdp2", tmp_path, warmup=1)
+    except bench_frameworks.SilentFallback as error:
+        assert "asked for fsdp2, trained with torch.nn.parallel.distributed.DistributedDataParallel" in str(error)
+    else:
+        raise AssertionError("a DDP row passed as FSDP2's")

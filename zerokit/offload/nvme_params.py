@@ -16,8 +16,10 @@ being gathered; writes (published masters, kept edits) go out asynchronously, an
 the write of it still in flight. A write of part of a chunk (masters on NVMe publish a sub-group at a time,
 in order) fills a pool buffer until the chunk is whole and writes it then; a part that does not continue it,
 or a read of the chunk, first completes the buffer from the file. Units are gathered in about the same order
-every step, so each read also starts reading, on the I/O threads, the chunk that was read after it the step
-before: the next swap is prefetched while the unit computes (when the pool has a buffer to spare).
+every step, so each read also starts reading, on the I/O threads, the chunk that was read after it the time
+before: the next swap is prefetched while the unit computes. One such read at a time: a guess the gathers did
+not take (backward runs the units in the other order) is dropped when the next starts, or each would hold a
+pool buffer until its chunk is next read or written, and together the whole pool.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from zerokit.offload.swap import BufferPool, SwapDirectory, round_up
 from zerokit.runtime import logger
 
 ChunkKey = tuple[str, int]  # (file, byte offset)
+WRITES_IN_FLIGHT = 2  # one write queued behind another keeps a drive busy; more would only hold pool buffers
 
 
 class Chunk(NamedTuple):
@@ -185,12 +188,17 @@ class NvmeShards:
         return self.swap.submit(self.swap.file(allocation.name).read, chunk.key[1], record), buffer
 
     def _read_ahead(self, key: ChunkKey) -> None:
-        """Start reading the chunk that followed this one last time (See [Note: parameter shards on NVMe])."""
+        """Start reading the chunk that followed this one last time, dropping a read ahead that the gathers did not
+        take: one at a time (See [Note: parameter shards on NVMe])."""
         if self.last_read is not None and self.last_read != key:
             self.order[self.last_read] = key
         self.last_read = key
         following = self.order.get(key)
-        if following is not None and following not in self.reads and following != key and self.pool.can_lend():
+        if following is None or following == key:
+            return
+        for stale in [pending for pending in self.reads if pending != following]:
+            self._drop_read(stale)
+        if following not in self.reads and self.pool.can_lend():
             self.reads[following] = self._start_read(*self.chunk_of[following])
 
     # --- writing ------------------------------------------------------------------------------------
@@ -219,6 +227,7 @@ class NvmeShards:
             filling = None
         if filling is None:
             self._drop_read(chunk.key)  # a read-ahead of the old values
+            self.pool.throttle(WRITES_IN_FLIGHT)
             if start == 0:
                 filling = Filling(self.pool.take(allocation.record_bytes(chunk)), 0)
             else:  # a part that does not begin the chunk: start from the chunk as it is

@@ -146,6 +146,12 @@ class BufferPool:
         """Whether `take` would lend a buffer without making one beyond the count (waiting for a write, maybe)."""
         return bool(self.free) or self.lent < self.count or bool(self.waiting)
 
+    def throttle(self, in_flight: int) -> None:
+        """Wait until fewer than `in_flight` writes are in flight: a burst of writes (every shard written at
+        start-up) would otherwise have the pool make all its buffers, and keep them."""
+        while self.waiting and (self.waiting[0].done() or len(self.waiting) >= in_flight):
+            self.waiting.pop(0).result()
+
     def held_bytes(self) -> int:
         return self.held
 

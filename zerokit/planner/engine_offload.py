@@ -207,8 +207,9 @@ ChunkKey = tuple[RecordKey, int]  # a shard's record, and which of its chunks
 
 class _ReadAhead:
     """NvmeShards' reads of chunks (zerokit/offload/nvme_params.py): a fetch takes the read already started
-    for its chunk or starts one, then starts reading the chunk that followed it last time; a write drops
-    a read still pending for its chunk (its bytes were read all the same)."""
+    for its chunk or starts one, then starts reading the chunk that followed it last time, dropping any other
+    read still pending; a write drops a read still pending for its chunk (dropped reads were read all the
+    same)."""
 
     def __init__(self) -> None:
         self.following: dict[ChunkKey, ChunkKey] = {}
@@ -225,7 +226,10 @@ class _ReadAhead:
             self.following[self.last] = key
         self.last = key
         ahead = self.following.get(key)
-        if ahead is not None and ahead not in self.pending and ahead != key:
+        if ahead is None or ahead == key:
+            return
+        self.pending &= {ahead}
+        if ahead not in self.pending:
             self.pending.add(ahead)
             self.reads.append(ahead)
 

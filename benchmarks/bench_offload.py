@@ -12,9 +12,14 @@ zerokit beside DeepSpeed in the same mode, on the same model, data and ranks.
 - nvme: zerokit's swap files (aligned buffers, O_DIRECT, 4 I/O threads, 16 MiB records, as the NVMe tiers
   use them) writing then reading --nvme-mib, beside `dd` with oflag/iflag=direct and the same record size on
   the same file system: the raw bandwidth.
-- modes: 2 gloo ranks train benchmarks/workload.py's GPT under each offload mode, zerokit (torch AdamW) and
-  DeepSpeed (its DeepSpeedCPUAdam, as its offload runs it); median step time of the slowest rank, peak RSS
-  growth of rank 0 and the eval loss. A DeepSpeed mode that cannot run here says why.
+- modes: 2 gloo ranks train benchmarks/workload.py's GPT (--n-layer, --n-embd: a larger one) under each offload
+  mode, zerokit (torch AdamW) and DeepSpeed (its DeepSpeedCPUAdam, as its offload runs it); median step time of
+  the slowest rank, peak RSS growth of rank 0 (from before the model is built) beside the same family's run
+  without offload at the same stage, zerokit's memory_by_tier() host and NVMe bytes, and the eval loss. A
+  DeepSpeed mode that cannot run here says why (its NVMe needs libaio): the table then sets its CPU offload
+  beside zerokit's NVMe, marked so; its stages 1-2 run offload_optimizer.device=nvme as CPU offload
+  (stage_1_and_2.py offloads to the CPU for any device but none), which the table says too. Parameters on NVMe are measured with max_in_cpu 0 and with DeepSpeed's
+  default 1e9, which keeps every shard of a model this size in host memory (a cache, in both).
 """
 
 from __future__ import annotations
@@ -28,16 +33,39 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-MODES = {  # name: (stage, offload_optimizer, offload_param)
-    "none-stage3": (3, "none", "none"),  # what each offload mode costs on top of
-    "optimizer-cpu-stage2": (2, "cpu", "none"),
-    "optimizer-cpu-stage3": (3, "cpu", "none"),
-    "optimizer+params-cpu": (3, "cpu", "cpu"),
-    "optimizer-nvme": (3, "nvme", "none"),
-    "optimizer+params-nvme": (3, "nvme", "nvme"),
+class Mode(NamedTuple):
+    stage: int
+    optimizer: str  # offload_optimizer.device
+    params: str = "none"  # offload_param.device
+    max_in_cpu: int | None = None  # offload_param.max_in_cpu with nvme (None: the default, DeepSpeed's 1e9)
+
+    @property
+    def baseline(self) -> str:
+        """The mode without offload it is measured against."""
+        return f"none-stage{self.stage}"
+
+    @property
+    def cpu_twin(self) -> str | None:
+        """The CPU-offload mode set beside an NVMe one where a peer's NVMe cannot run."""
+        if self.optimizer != "nvme":
+            return None
+        return "optimizer+params-cpu" if self.params != "none" else f"optimizer-cpu-stage{self.stage}"
+
+
+MODES = {  # what each offload mode costs is read against the run without offload at its stage
+    "none-stage2": Mode(2, "none"),
+    "optimizer-cpu-stage2": Mode(2, "cpu"),
+    "optimizer-nvme-stage2": Mode(2, "nvme"),
+    "none-stage3": Mode(3, "none"),
+    "optimizer-cpu-stage3": Mode(3, "cpu"),
+    "optimizer+params-cpu": Mode(3, "cpu", "cpu"),
+    "optimizer-nvme-stage3": Mode(3, "nvme"),
+    "optimizer+params-nvme": Mode(3, "nvme", "nvme", max_in_cpu=0),
+    "optimizer+params-nvme-cached": Mode(3, "nvme", "nvme"),
 }
 ADAM_IMPLEMENTATIONS = ("torch-foreach", "torch-fused", "deepspeed-cpu-adam")
 RECORD_BYTES = 16 * 2**20
@@ -131,23 +159,24 @@ def _dd(operands: list[str]) -> float:
 
 # --- modes ----------------------------------------------------------------------------------------------------
 
-def _offload_blocks(optimizer: str, params: str, nvme_path: str) -> dict:
+def _offload_blocks(mode: Mode, nvme_path: str) -> dict:
     blocks = {}
-    if optimizer != "none":
-        blocks["offload_optimizer"] = {"device": optimizer, **({"nvme_path": nvme_path} if optimizer == "nvme" else {})}
-    if params != "none":
-        blocks["offload_param"] = {"device": params, **({"nvme_path": nvme_path} if params == "nvme" else {})}
+    if mode.optimizer != "none":
+        blocks["offload_optimizer"] = {"device": mode.optimizer,
+                                       **({"nvme_path": nvme_path} if mode.optimizer == "nvme" else {})}
+    if mode.params != "none":
+        blocks["offload_param"] = {"device": mode.params, **({"nvme_path": nvme_path} if mode.params == "nvme" else {}),
+                                   **({"max_in_cpu": mode.max_in_cpu} if mode.max_in_cpu is not None else {})}
     return blocks
 
 
-def _engine(family: str, mode: str, settings, nvme_path: str):
+def _engine(family: str, mode: Mode, settings, nvme_path: str):
     import torch
 
     from benchmarks.workload import adamw_hyperparameters, make_model, make_optimizer, optimizer_groups
 
-    stage, optimizer, params = MODES[mode]
     model = make_model(settings)
-    zero = {"stage": stage, **_offload_blocks(optimizer, params, nvme_path)}
+    zero = {"stage": mode.stage, **_offload_blocks(mode, nvme_path)}
     if family == "zerokit":
         import zerokit
 
@@ -168,7 +197,7 @@ def _engine(family: str, mode: str, settings, nvme_path: str):
     return engine
 
 
-def _mode_rank(rank: int, world_size: int, family: str, mode: str, settings, nvme_path: str) -> dict:
+def _mode_rank(rank: int, world_size: int, family: str, mode: Mode, settings, nvme_path: str) -> dict:
     import torch.distributed as dist
 
     from benchmarks.accounting import peak_growth, start_peak_memory
@@ -195,24 +224,31 @@ def _mode_rank(rank: int, world_size: int, family: str, mode: str, settings, nvm
     with torch.no_grad():
         tokens = make_batch(settings, EVAL_RANK, 0)
         loss = lm_loss(engine(tokens[:, :-1]), tokens).item()
-    return {"step_seconds": statistics.median(slowest.tolist()), "peak_rss_growth": peak_growth(memory), "eval_loss": loss}
+    row = {"step_seconds": statistics.median(slowest.tolist()), "peak_rss_growth": peak_growth(memory),
+           "eval_loss": loss}
+    if family == "zerokit":  # what it says it holds in host memory and in swap files
+        tiers = engine.memory_by_tier()
+        row.update(host_bytes=sum(tiers["host"].values()), nvme_bytes=sum(tiers["nvme"].values()))
+    return row
 
 
-def bench_modes(nvme_path: str, steps: int) -> list[dict]:
+def bench_modes(nvme_path: str, steps: int, n_layer: int | None, n_embd: int | None) -> list[dict]:
     from benchmarks.workload import BenchSettings
     from zerokit.testing.spawn import spawn
 
-    settings = BenchSettings(world_size=2, steps=steps, warmup=2)
+    size = {name: value for name, value in (("n_layer", n_layer), ("n_embd", n_embd)) if value is not None}
+    settings = BenchSettings(world_size=2, steps=steps, warmup=2, **size)
     rows = []
-    for mode in MODES:
+    for name, mode in MODES.items():
         for family in ("zerokit", "deepspeed"):
-            row = {"mode": mode, "family": family}
+            row = {"mode": name, "family": family}
             try:
-                row.update(spawn(_mode_rank, 2, family, mode, settings, nvme_path, timeout=900)[0])
+                row.update(spawn(_mode_rank, 2, family, mode, settings, nvme_path, timeout=1800)[0])
             except Exception as error:  # a peer mode that cannot run here (DeepSpeed's NVMe needs libaio)
                 row["error"] = _last_error_line(str(error))
             rows.append(row)
             print(_mode_line(row), flush=True)
+    print(mode_table(rows), flush=True)
     return rows
 
 
@@ -223,9 +259,44 @@ def _last_error_line(text: str) -> str:
 
 def _mode_line(row: dict) -> str:
     if "error" in row:
-        return f"{row['mode']:<22} {row['family']:<9} failed: {row['error']}"
-    return (f"{row['mode']:<22} {row['family']:<9} step {row['step_seconds']:.3f} s  peak RSS growth "
-            f"{row['peak_rss_growth'] / 2**20:7.1f} MiB  eval loss {row['eval_loss']:.6f}")
+        return f"{row['mode']:<28} {row['family']:<9} failed: {row['error']}"
+    tiers = (f"  host {row['host_bytes'] / 2**20:6.1f} MiB, NVMe {row['nvme_bytes'] / 2**20:6.1f} MiB"
+             if "host_bytes" in row else "")
+    return (f"{row['mode']:<28} {row['family']:<9} step {row['step_seconds']:.3f} s  peak RSS growth "
+            f"{row['peak_rss_growth'] / 2**20:7.1f} MiB{tiers}  eval loss {row['eval_loss']:.6f}")
+
+
+def mode_table(rows: list[dict]) -> str:
+    """Markdown: per mode, each family's step time and peak RSS growth, and that growth against the same
+    family's run without offload at the mode's stage. Where DeepSpeed could not run a mode, its CPU offload
+    twin's numbers stand beside it, marked."""
+    found = {(row["mode"], row["family"]): row for row in rows}
+    lines = ["| mode | zerokit step s | zerokit peak RSS MiB | vs no offload | zerokit host / NVMe MiB "
+             "| DeepSpeed step s | DeepSpeed peak RSS MiB | vs no offload |", "|---|---|---|---|---|---|---|---|"]
+    for name, mode in MODES.items():
+        ours = found.get((name, "zerokit"), {})
+        theirs, note = found.get((name, "deepspeed"), {}), ""
+        if mode.optimizer == "nvme" and mode.stage < 3 and "error" not in theirs:
+            note = " (its stages 1-2 offload to the CPU for nvme too: no swap files)"
+        if "error" in theirs and mode.cpu_twin is not None:
+            theirs = found.get((mode.cpu_twin, "deepspeed"), {})
+            note = f" (its CPU offload, {mode.cpu_twin}: its NVMe failed)"
+        lines.append(f"| {name} | {_cells(ours, found.get((mode.baseline, 'zerokit'), {}))} "
+                     f"| {_tiers(ours)} | {_cells(theirs, found.get((mode.baseline, 'deepspeed'), {}))}{note} |")
+    return "\n".join(lines)
+
+
+def _cells(row: dict, baseline: dict) -> str:
+    """step s | peak MiB | difference from the baseline's peak, MiB."""
+    if "peak_rss_growth" not in row:
+        return f"failed: {row.get('error', 'not run')[:60]} | | "
+    peak = row["peak_rss_growth"] / 2**20
+    versus = f"{peak - baseline['peak_rss_growth'] / 2**20:+.1f}" if "peak_rss_growth" in baseline else ""
+    return f"{row['step_seconds']:.3f} | {peak:.1f} | {versus}"
+
+
+def _tiers(row: dict) -> str:
+    return f"{row['host_bytes'] / 2**20:.1f} / {row['nvme_bytes'] / 2**20:.1f}" if "host_bytes" in row else ""
 
 
 def main() -> None:
@@ -236,6 +307,8 @@ def main() -> None:
     parser.add_argument("--nvme-path", default=tempfile.gettempdir())
     parser.add_argument("--nvme-mib", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per mode")
+    parser.add_argument("--n-layer", type=int, default=None, help="modes: the GPT's blocks (default: the workload's)")
+    parser.add_argument("--n-embd", type=int, default=None, help="modes: the GPT's width (default: the workload's)")
     parser.add_argument("--out", default="bench_results/bench_offload.json")
     args = parser.parse_args()
     results = {}
@@ -244,7 +317,7 @@ def main() -> None:
     if args.part in ("all", "nvme"):
         results["nvme"] = bench_nvme(args.nvme_path, args.nvme_mib)
     if args.part in ("all", "modes"):
-        results["modes"] = bench_modes(args.nvme_path, args.steps)
+        results["modes"] = bench_modes(args.nvme_path, args.steps, args.n_layer, args.n_embd)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"settings": vars(args), **results}, indent=1))
 

@@ -9,6 +9,13 @@ every tensor is then copied part by part, in pieces of at most PIECE_BYTES, conv
 dtype on the way: nothing the size of a tensor, let alone the model, is ever held. (DeepSpeed's
 zero_to_fp32 loads every rank's optimizer file whole first.) The peak is a few pieces and the reader's
 checked chunks, whatever the model's size.
+
+[Note: consolidating a DeepSpeed checkpoint]
+A DeepSpeed ZeRO checkpoint directory (no manifest.json, DeepSpeed's rank files) is read whole by
+deepspeed_import.py, as DeepSpeed's zero_to_fp32 reads it, and written as zero_to_fp32 writes it: its
+state dict (buffers, frozen parameters, fp32 masters, tied names as copies of the name they share) in
+the output dtype. One difference: a stage-1 checkpoint keeps its frozen parameters only in the model's
+state dict, which zero_to_fp32 leaves out; they are written here, so the output loads into the model.
 """
 
 from __future__ import annotations
@@ -22,9 +29,11 @@ from typing import Iterator
 
 import torch
 
+from zerokit.checkpoint.deepspeed_import import DeepSpeedCheckpoint, is_deepspeed_checkpoint, read_deepspeed_checkpoint
 from zerokit.checkpoint.files import Readers, TensorSpec, fsync_dir, write_file
 from zerokit.checkpoint.load import checkpoint_directory
-from zerokit.checkpoint.manifest import MASTER, Manifest, ParamRecord, dtype_of, rank_file, read_manifest, values_key
+from zerokit.checkpoint.manifest import (MANIFEST, MASTER, Manifest, ParamRecord, dtype_of, rank_file, read_manifest,
+                                         values_key)
 
 PIECE_BYTES = 4 << 20
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default (5GB)
@@ -64,6 +73,9 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, tag: str 
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes={max_shard_bytes} must be positive")
     started = time.perf_counter()
+    if is_deepspeed_checkpoint(checkpoint, tag) and not (Path(checkpoint) / MANIFEST).is_file():
+        return _consolidate_deepspeed(read_deepspeed_checkpoint(checkpoint, tag), Path(out), OUTPUT_DTYPES[dtype],
+                                      trainable_only, max_shard_bytes, started)
     directory = checkpoint_directory(checkpoint, tag)
     manifest = read_manifest(directory)
     items, skipped = _items(manifest, OUTPUT_DTYPES[dtype], trainable_only)
@@ -157,4 +169,52 @@ def _write_hf_config(out: Path, config: dict, model_class: str, dtype: torch.dty
         config["architectures"] = [model_class]
     path = out / "config.json"
     path.write_text(json.dumps(config, indent=2, sort_keys=True))
+    return path
+
+
+@dataclass(frozen=True)
+class _Whole:
+    """A tensor of a DeepSpeed checkpoint, already whole in memory (See [Note: consolidating a DeepSpeed
+    checkpoint])."""
+
+    spec: TensorSpec
+    tensor: torch.Tensor
+
+
+def _consolidate_deepspeed(checkpoint: DeepSpeedCheckpoint, out: Path, dtype: torch.dtype, trainable_only: bool,
+                           max_shard_bytes: int, started: float) -> Consolidated:
+    state = checkpoint.state_dict()
+    trainable = set(checkpoint.params) | {alias for alias, source in checkpoint.shared.items()
+                                          if source in checkpoint.params}
+    skipped = [key for key in state if trainable_only and key not in trainable]
+    items = []
+    for key, tensor in state.items():
+        if key not in skipped:
+            out_dtype = dtype if tensor.is_floating_point() else tensor.dtype
+            items.append(_Whole(TensorSpec(key, out_dtype, tuple(tensor.shape)), tensor))
+    if out.suffix == ".safetensors":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        files = [_write_whole(out, items)]
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        shards = shard_plan(items, max_shard_bytes)
+        if len(shards) == 1:
+            files = [_write_whole(out / SINGLE, shards[0])]
+        else:
+            names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+            files = [_write_whole(out / name, shard) for name, shard in zip(names, shards)]
+            index = {"metadata": {"total_size": sum(item.spec.nbytes for item in items)},
+                     "weight_map": {item.spec.key: name for name, shard in zip(names, shards) for item in shard}}
+            (out / INDEX).write_text(json.dumps(index, indent=2))
+            files.append(out / INDEX)
+        fsync_dir(out)
+    return Consolidated(files, len(items), sum(item.spec.nbytes for item in items), time.perf_counter() - started,
+                        skipped)
+
+
+def _write_whole(path: Path, items: list[_Whole]) -> Path:
+    temporary = path.with_name(path.name + ".tmp")
+    write_file(temporary, [item.spec for item in items],
+               ([item.tensor.contiguous().view(-1).to(item.spec.dtype)] for item in items), {"format": "pt"})
+    os.replace(temporary, path)
     return path

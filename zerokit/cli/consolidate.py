@@ -4,9 +4,11 @@
     zerokit consolidate ckpt hf-model/ --dtype bf16            # a Hugging Face directory
     zerokit consolidate ckpt adapters.safetensors --trainable-only
 
-CKPT is a save_dir (its `latest` tag, or --tag) or one checkpoint's directory. Tensors are streamed part by
-part, so memory stays near one piece of the largest tensor whatever the model's size (See [Note:
-consolidation streams] in zerokit/checkpoint/consolidate.py).
+CKPT is a save_dir (its `latest` tag, or --tag) or one checkpoint's directory, zerokit's or DeepSpeed's (ZeRO
+stages 1-3: the weights DeepSpeed's zero_to_fp32 writes, tied weights included). A zerokit checkpoint's
+tensors are streamed part by part, so memory stays near one piece of the largest tensor whatever the model's
+size (See [Note: consolidation streams] in zerokit/checkpoint/consolidate.py); a DeepSpeed checkpoint is read
+whole, as zero_to_fp32 reads it.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from zerokit.cli.plan import one_line_errors
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("consolidate", help="write a checkpoint's full weights as safetensors",
-                              description="Write a zerokit checkpoint's full state dict as one .safetensors file or "
-                                          "a Hugging Face model directory, offline.")
+                              description="Write a zerokit or DeepSpeed ZeRO checkpoint's full state dict as one "
+                                          ".safetensors file or a Hugging Face model directory, offline.")
     one_line_errors(p)
     p.add_argument("checkpoint", help="a save_dir (with `latest`) or one checkpoint's directory")
     p.add_argument("out", help="a .safetensors file, or a directory (Hugging Face layout)")

@@ -1,0 +1,164 @@
+"""DeepSpeed ZeRO checkpoints come along (issue 25): zerokit reads what real DeepSpeed writes at stages 1-3, in
+fp32 and bf16, saved at 2 and 3 ranks (a tiny model with a frozen parameter, a buffer, two param groups and a
+tied weight), as DeepSpeed itself reads it, without DeepSpeed's classes and without running its pickles; and
+`zerokit consolidate` writes what DeepSpeed's zero_to_fp32 returns. Bad input is named in one line."""
+
+from __future__ import annotations
+
+import importlib.util
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from zerokit.checkpoint.deepspeed_import import (DeepSpeedCheckpointError, check_model, is_deepspeed_checkpoint,
+                                                 read_deepspeed_checkpoint)
+from zerokit.testing.spawn import spawn
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TWO_RANKS = [(1, "fp32"), (2, "fp32"), (3, "fp32"), (1, "bf16"), (2, "bf16"), (3, "bf16")]
+THREE_RANKS = [(2, "fp32"), (3, "bf16")]
+CASES = [f"stage{s}_{p}_w2" for s, p in TWO_RANKS] + [f"stage{s}_{p}_w3" for s, p in THREE_RANKS]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory) -> Path:
+    """Every case written by real DeepSpeed, in two launches (2 and 3 ranks)."""
+    if importlib.util.find_spec("deepspeed.utils.zero_to_fp32") is None:
+        pytest.skip("deepspeed is not installed: these tests read checkpoints that real DeepSpeed writes")
+    sys.path.insert(0, str(SCRIPTS))
+    import ds_checkpoints
+
+    root = tmp_path_factory.mktemp("deepspeed")
+    spawn(ds_checkpoints.write_all, 2, str(root), TWO_RANKS, timeout=600)
+    spawn(ds_checkpoints.write_all, 3, str(root), THREE_RANKS, timeout=600)
+    return root
+
+
+def test_reads_every_layout_as_deepspeed_does(written: Path) -> None:
+    for case in CASES:
+        checkpoint = read_deepspeed_checkpoint(written / case / "ckpt")
+        reference = torch.load(written / case / "reference.pt")
+        ours = checkpoint.state_dict()
+        for key, tensor in reference.items():
+            assert ours[key].dtype == tensor.dtype and torch.equal(ours[key], tensor), (case, key)
+        assert ours["head.weight"] is ours["embed.weight"], case  # tied, as in zero_to_fp32's dict
+        stage, world_size = checkpoint.stage, checkpoint.world_size
+        assert (f"stage{stage}_{checkpoint.precision}_w{world_size}") == case
+        # zero_to_fp32 leaves a stage-1 checkpoint's frozen parameters out; they are read from its `module`
+        extra = set(ours) - set(reference)
+        assert extra == ({"frozen.weight", "frozen.bias"} if stage == 1 else set()), case
+        module = torch.load(written / case / "ckpt" / "global_step3" / "mp_rank_00_model_states.pt",
+                            weights_only=False)["module"] if stage == 1 else {}
+        for key in extra:
+            assert torch.equal(ours[key], module[key]), (case, key)
+        assert (checkpoint.global_steps, checkpoint.global_samples, checkpoint.skipped_steps) == \
+            (3, 3 * 3 * world_size, 0), case
+        assert checkpoint.lr_scheduler == {"last_batch_iteration": 2}, case
+        assert checkpoint.client_state == {"epoch": 4, "note": "from deepspeed"}, case
+        assert [g["weight_decay"] for g in checkpoint.param_groups] == [0.1, 0.0], case
+        assert checkpoint.param_groups[0]["betas"] == (0.9, 0.95), case
+        assert {n: p.group for n, p in checkpoint.params.items()} == {
+            "embed.weight": 0, "body.weight": 0, "out.weight": 0, "body.bias": 1, "out.bias": 1, "norm.weight": 1,
+            "norm.bias": 1}, case
+        assert all(float(p.step) == 3 for p in checkpoint.params.values()), case
+        assert checkpoint.loss_scaler == {"cur_scale": 1.0, "dynamic": False}, case
+
+
+def test_adam_moments_equal_deepspeeds_own_gather(written: Path) -> None:
+    """Stage 3: each parameter's exp_avg/exp_avg_sq equal what safe_get_full_optimizer_state gathered from the
+    live engine. Stages 1-2 (where that API fails on 0.19.8): equal to the stage-3 run's of the same data, which
+    DeepSpeed computes exactly alike."""
+    moments = {}
+    for case in ("stage3_fp32_w2", "stage3_bf16_w2", "stage3_bf16_w3"):
+        gathered = torch.load(written / case / "moments.pt")
+        checkpoint = read_deepspeed_checkpoint(written / case / "ckpt")
+        assert set(gathered) == set(checkpoint.params)
+        for name, state in gathered.items():
+            for key, tensor in state.items():
+                assert torch.equal(getattr(checkpoint.params[name], key), tensor), (case, name, key)
+        moments[case] = checkpoint
+    for stage in (1, 2):
+        for precision in ("fp32", "bf16"):
+            checkpoint = read_deepspeed_checkpoint(written / f"stage{stage}_{precision}_w2" / "ckpt")
+            for name, param in checkpoint.params.items():
+                other = moments[f"stage3_{precision}_w2"].params[name]
+                for key in ("master", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(getattr(param, key), getattr(other, key)), (stage, precision, name, key)
+
+
+def test_consolidate_writes_what_zero_to_fp32_returns(written: Path, tmp_path: Path) -> None:
+    for case in CASES:
+        out = tmp_path / f"{case}.safetensors"
+        subprocess.run([sys.executable, "-m", "zerokit", "consolidate", str(written / case / "ckpt"), str(out)],
+                       check=True, capture_output=True)
+        saved, reference = load_file(out), torch.load(written / case / "reference.pt")
+        for key, tensor in reference.items():  # zero_to_fp32's script writes every floating tensor in fp32
+            assert saved[key].dtype == torch.float32 and torch.equal(saved[key], tensor.float()), (case, key)
+        assert set(saved) - set(reference) == ({"frozen.weight", "frozen.bias"} if "stage1" in case else set())
+    trainable = tmp_path / "trainable.safetensors"
+    subprocess.run([sys.executable, "-m", "zerokit", "consolidate", str(written / "stage3_bf16_w3" / "ckpt"),
+                    str(trainable), "--trainable-only", "--dtype", "bf16"], check=True, capture_output=True)
+    assert sorted(load_file(trainable)) == sorted(["embed.weight", "head.weight", "body.weight", "body.bias",
+                                                   "out.weight", "out.bias", "norm.weight", "norm.bias"])
+
+
+class Boom:
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_bad_input_is_named_in_one_line(written: Path, tmp_path: Path) -> None:
+    def copy(case: str) -> Path:
+        target = tmp_path / f"{case}-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(written / case / "ckpt", target)
+        return target
+
+    def refused(directory: Path, match: str) -> None:
+        with pytest.raises(DeepSpeedCheckpointError, match=match) as error:
+            read_deepspeed_checkpoint(directory)
+        assert "\n" not in str(error.value), str(error.value)
+
+    step = "global_step3"
+    missing = copy("stage2_fp32_w2")
+    (missing / step / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    refused(missing, r"saved by 2 ranks but 1 optimizer files")
+    gap = copy("stage3_bf16_w3")
+    (gap / step / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    refused(gap, r"zero_pp_rank_1_mp_rank_00_optim_states.pt: missing")
+    refused(tmp_path / "nowhere", r"latest: missing")
+    truncated = copy("stage3_bf16_w2")
+    path = truncated / step / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    refused(truncated, r"bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt: truncated")
+    parallel = copy("stage2_fp32_w2")
+    shutil.copy(parallel / step / "mp_rank_00_model_states.pt", parallel / step / "mp_rank_01_model_states.pt")
+    refused(parallel, r"mp_rank_01_model_states.pt: a pipeline-, tensor- or expert-parallel")
+    unknown = copy("stage2_fp32_w2")
+    state = torch.load(unknown / step / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    del state["optimizer_state_dict"]["param_slice_mappings"]
+    torch.save(state, unknown / step / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    refused(unknown, r"lacks param_slice_mappings: a DeepSpeed \(version 0.19.8\) layout not known here")
+    hostile = copy("stage2_fp32_w2")
+    marker = tmp_path / "ran"
+    boom = Boom()
+    boom.marker = str(marker)
+    model = torch.load(hostile / step / "mp_rank_00_model_states.pt", weights_only=False)
+    torch.save({**model, "client": boom}, hostile / step / "mp_rank_00_model_states.pt", pickle_protocol=2)
+    refused(hostile, r"holds types this reader does not allow")
+    assert not marker.exists(), "the checkpoint's pickle ran"
+    checkpoint = read_deepspeed_checkpoint(written / "stage2_fp32_w2" / "ckpt")
+    shapes = checkpoint.shapes()
+    with pytest.raises(DeepSpeedCheckpointError, match=r"another model: body.weight is \[33, 11\] there and "):
+        check_model(checkpoint, {**shapes, "body.weight": (34, 11)})
+    with pytest.raises(DeepSpeedCheckpointError, match=r"the model has extra.weight that it lacks"):
+        check_model(checkpoint, {**shapes, "extra.weight": (2,)})
+    check_model(checkpoint, shapes)
+    assert is_deepspeed_checkpoint(written / "stage2_fp32_w2" / "ckpt")
+    assert not is_deepspeed_checkpoint(tmp_path / "nowhere")
+    assert pickle  # the hostile file above is a pickle torch.load(weights_only=False) would run

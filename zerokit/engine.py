@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 import torch
 from torch import nn
 
+from zerokit.checkpoint.session import close as close_checkpoints
 from zerokit.comm import Communicator
 from zerokit.config import ZeroConfig, hidden_size_of, load_config
 from zerokit.engine_blocks import grad_accum_dtype_lines, learning_rates, lr_schedules_for, optimizers_for
@@ -24,7 +25,7 @@ from zerokit.offload import activations
 from zerokit.observe import EngineMonitor, collective_stats
 from zerokit.precision import StepResult, clip_coefficient, global_norm, make_loss_scaler
 from zerokit.reliability import Safeguards, check_at_start
-from zerokit.runtime import default_device, ensure_process_group, log_startup
+from zerokit.runtime import close_at_exit, default_device, ensure_process_group, forget_at_exit, log_startup
 from zerokit.stages import STAGES, BucketReducer, install_hooks
 from zerokit.stages.construction import (Construction, ParamInit, has_meta_parameters, init_buffer_owners,
                                         replace_meta_parameters, reset_parameters)
@@ -89,6 +90,8 @@ class Engine:
         self.monitor = EngineMonitor(config, self)  # the observability keys; all off unless the config asks
         setup_lines += activations.configure(config.activation_checkpointing, self.comm.stats, self.device)
         log_startup(self.stage, config.startup_log_lines() + setup_lines, config.warnings)
+        self.closed = False
+        close_at_exit(self)  # See [Note: leaving at exit] in runtime.py
 
     def _place_model(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
                      param_init: ParamInit | None) -> Construction | None:
@@ -113,6 +116,7 @@ class Engine:
 
     # --- the training loop ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_if_closed("forward")
         with self.monitor.forward():  # observability (zerokit/observe): forward time, FLOPs
             return self.module(*args, **kwargs)
 
@@ -125,6 +129,7 @@ class Engine:
         """Backward of `loss / gradient_accumulation_steps` (times the fp16 loss scale), with the
         gradient reductions this micro-step needs overlapped with it. average_window=False: of `loss` as it is
         (a caller that divided it already, as Hugging Face's Trainer does)."""
+        self._refuse_if_closed("backward")
         self.safeguards.before_backward(self.progress.backward_since_step, self.progress.window_ended)
         final = self.at_boundary
         must_reduce = final or self.stage.reduces_every_micro_step
@@ -147,6 +152,7 @@ class Engine:
 
     def step(self) -> StepResult:
         """Step the optimizer if this micro-step ended an accumulation window; report either way."""
+        self._refuse_if_closed("step")
         with self.monitor.step() as done:  # observability (zerokit/observe): step time, logs, monitors
             return done(self._step())
 
@@ -293,6 +299,7 @@ class Engine:
         own shards; loadable at any world size and stage. async_save: return once a host copy is taken.
         See zerokit/checkpoint and docs/checkpoints.md."""
         from zerokit.checkpoint import save_checkpoint
+        self._refuse_if_closed("save_checkpoint")
         return save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest, async_save=async_save)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True,
@@ -300,6 +307,7 @@ class Engine:
         """Resume from load_dir/tag (default: the tag in load_dir/latest), saved at any world size and stage;
         returns (load_path, client_state). See zerokit/checkpoint."""
         from zerokit.checkpoint import load_checkpoint
+        self._refuse_if_closed("load_checkpoint")
         return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                load_module_only=load_module_only)
 
@@ -313,6 +321,32 @@ class Engine:
     def trainable_numel(self) -> int:
         """Ψ: trainable parameters, without padding."""
         return self.stage.layout.data_numel
+
+    # --- teardown ------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release what the engine holds outside itself, now: its hooks on the model, its monitors' files, the
+        checkpoint session (an asynchronous save still writing is waited for), the NVMe tiers' swap files, and
+        the process groups it made (destroyed, their gloo threads joined). Idempotent; the engine refuses to
+        train after it. A script need not call it: engines still open at interpreter exit are closed then, before
+        the default group goes (See [Note: leaving at exit] in runtime.py)."""
+        if self.closed:
+            return
+        self.closed = True
+        forget_at_exit(self)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self.safeguards.close()
+        self.monitor.close()
+        try:
+            close_checkpoints(self)
+        finally:
+            self.stage.close()
+
+    def _refuse_if_closed(self, call: str) -> None:
+        if self.closed:
+            raise RuntimeError(f"engine.{call}() after engine.close() (or destroy()): a closed engine has no hooks or "
+                               "process groups; build a new one with zerokit.initialize to train again")
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)

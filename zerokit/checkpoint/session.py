@@ -32,6 +32,15 @@ class CheckpointGroup:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.group = dist.new_group(backend="gloo") if self.world_size > 1 else None
 
+    def close(self) -> None:
+        """Destroy the group and let go of it (See [Note: leaving at exit] in zerokit/runtime.py)."""
+        group, self.group = self.group, None
+        if group is not None:
+            try:
+                dist.destroy_process_group(group)
+            except ValueError:  # the application's destroy_process_group() destroyed every group already
+                pass
+
     def all_gather(self, value: Any) -> list[Any]:
         if self.group is None:
             return [value]
@@ -129,3 +138,14 @@ def wait(engine: "Engine") -> None:
     `latest` pointer moved); raises what it failed with. Call it before destroying the process group."""
     if engine in _SESSIONS:
         _SESSIONS[engine].writer.wait()
+
+
+def close(engine: "Engine") -> None:
+    """End the engine's checkpoint session, if it has one: wait for its asynchronous save (raising what it failed
+    with), then destroy its process group."""
+    session = _SESSIONS.pop(engine, None)
+    if session is not None:
+        try:
+            session.writer.wait()
+        finally:
+            session.group.close()

@@ -98,10 +98,13 @@ class Communicator:
 
     def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None, *,
                  name: str = "shard", timeout_seconds: float | None = None, recorder: FlightRecorder | None = None,
-                 incident: str | None = None) -> None:
+                 incident: str | None = None, owns_group: bool = False) -> None:
         """Pass the `stats` of another Communicator to count two process groups as one. `timeout_seconds`:
-        every wait's deadline (None: wait as long as the group does). `name` labels this group in reports."""
+        every wait's deadline (None: wait as long as the group does). `name` labels this group in reports.
+        `owns_group`: zerokit made `group` for this Communicator, and `close` destroys it."""
         self.group = group
+        self.owns_group = owns_group
+        self.closed = False  # See `close`
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)  # "nccl", "gloo", ...
@@ -125,7 +128,7 @@ class Communicator:
         if backend == "fake":  # torch's fake back-end (shard arithmetic at sizes CI cannot spawn): nothing waits
             return cls(None, stats)
         return cls(dist.new_group(timeout=_group_timeout(timeout_seconds, backend)), stats,
-                   timeout_seconds=timeout_seconds)
+                   timeout_seconds=timeout_seconds, owns_group=True)
 
     def twin(self, name: str = "gather") -> "Communicator":
         """A Communicator over a new group with the same ranks, counted in the same stats. Collectives on
@@ -158,13 +161,30 @@ class Communicator:
         timeout = _group_timeout(self.timeout_seconds, backend or self.backend) if self.timeout_seconds else None
         group = dist.new_group(ranks, backend=backend, **({"timeout": timeout} if timeout else {}))
         return Communicator(group, stats, name=name, timeout_seconds=self.timeout_seconds, recorder=self.recorder,
-                            incident=self.incident)
+                            incident=self.incident, owns_group=True)
+
+    def close(self) -> None:
+        """Destroy the process group zerokit made for this Communicator (and its control group, when that is a
+        group of its own), and let go of it, so that gloo's threads for it are joined now, while the interpreter
+        can still give them the GIL (See [Note: leaving at exit] in zerokit/runtime.py). Idempotent; a collective
+        after it raises."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._watcher is not None:
+            self._watcher.stop()
+        if self._control is not None and self._control is not self:
+            self._control.close()  # on gloo it shares this group: then it is only marked closed
+        group, self.group = self.group, None
+        if self.owns_group and group is not None:
+            _destroy_group(group)
 
     # --- collectives ----------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.AVG,
                    async_op: bool = False, purpose: str = "") -> Pending:
         """In place; AVG by default, which is what data-parallel gradients need. `purpose`, here and in every
         collective: what it is for, named in reports ("gradients: bucket 3 of param group 0")."""
+        self._check_open(Collective.ALL_REDUCE)
         self.stats.record(Collective.ALL_REDUCE, tensor)
         with record_function("zerokit::all_reduce"):
             work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
@@ -176,6 +196,7 @@ class Communicator:
 
         `output` must not alias `input`: gloo returns wrong values for the in-place form.
         """
+        self._check_open(Collective.REDUCE_SCATTER)
         self._check_sizes("reduce_scatter", big=input, small=output)
         self.stats.record(Collective.REDUCE_SCATTER, input)
         with record_function("zerokit::reduce_scatter"):
@@ -189,6 +210,7 @@ class Communicator:
         `input` may be this rank's own slice of `output` (the in-place form).
         See [Note: all-gather on gloo].
         """
+        self._check_open(Collective.ALL_GATHER)
         self._check_sizes("all_gather", big=output, small=input)
         self.stats.record(Collective.ALL_GATHER, output)
         with record_function("zerokit::all_gather"):
@@ -204,6 +226,7 @@ class Communicator:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False, purpose: str = "") -> Pending:
         """In place: every rank's `tensor` becomes `src`'s."""
+        self._check_open(Collective.BROADCAST)
         self.stats.record(Collective.BROADCAST, tensor)
         with record_function("zerokit::broadcast"):
             work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)
@@ -212,10 +235,17 @@ class Communicator:
     def reduce(self, tensor: torch.Tensor, dst: int, op: dist.ReduceOp = dist.ReduceOp.AVG,
                async_op: bool = False, purpose: str = "") -> Pending:
         """In place on `dst`, which receives the reduction (AVG by default); the others' `tensor` is scratch."""
+        self._check_open(Collective.REDUCE)
         self.stats.record(Collective.REDUCE, tensor)
         with record_function("zerokit::reduce"):
             work = dist.reduce(tensor, dst=self._global(dst), op=op, group=self.group, async_op=True)
         return self._issued(Collective.REDUCE, tensor, [work], purpose, async_op)
+
+    def _check_open(self, kind: Collective) -> None:
+        """A closed Communicator has no group (None would mean the default group to torch): refuse."""
+        if self.closed:
+            raise RuntimeError(f"rank {self.rank}: a {kind.value} on zerokit's {self.name!r} group after its engine was "
+                               "closed (engine.close() or destroy()); build a new engine to train again")
 
     def _issued(self, kind: Collective, tensor: torch.Tensor, works: list[dist.Work], purpose: str, async_op: bool,
                 output: torch.Tensor | None = None) -> Pending:
@@ -244,6 +274,15 @@ def _group_timeout(timeout_seconds: float, backend: str) -> timedelta:
     """gloo: the deadline itself; NCCL: a margin more, so that zerokit's report comes before the watchdog's abort.
     See [Note: deadlines on collectives] in deadline.py."""
     return timedelta(seconds=timeout_seconds if backend == "gloo" else timeout_seconds + max(10.0, timeout_seconds / 10))
+
+
+def _destroy_group(group: dist.ProcessGroup) -> None:
+    """torch's record of `group` goes, unless the application's destroy_process_group() took every group's already;
+    the group itself (and its threads) goes with the last reference, which the caller drops."""
+    try:
+        dist.destroy_process_group(group)
+    except ValueError:  # "Invalid process group specified": no longer one torch knows
+        pass
 
 
 def _group_name(group: dist.ProcessGroup | None) -> str:

@@ -150,7 +150,14 @@ class Watcher:
         self.works: list[TrackedWork] = []
         self.lock = threading.Lock()
         self.reported = False
-        threading.Thread(target=self._run, name="zerokit-deadline-watcher", daemon=True).start()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="zerokit-deadline-watcher", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """End the thread (its Communicator is closed) and wait for it."""
+        self.stopping.set()
+        self.thread.join()
 
     def watch(self, work: TrackedWork) -> None:
         with self.lock:
@@ -172,8 +179,7 @@ class Watcher:
     def _run(self) -> None:
         from zerokit.runtime import logger
 
-        while True:
-            time.sleep(self.period)
+        while not self.stopping.wait(self.period):
             error = self.check(time.time())
             if error is not None:
                 logger.error(str(error))

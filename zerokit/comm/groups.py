@@ -17,6 +17,11 @@ class ProcessGroups:
     cannot pair with a gradient reduction issued in another order on another rank (See Communicator.twin).
     The same Communicator as `shard` at stages 0-2."""
 
+    def close(self) -> None:
+        """Destroy both groups (See Communicator.close)."""
+        self.gather.close()
+        self.shard.close()
+
     @classmethod
     def for_stage(cls, comm: Communicator, stage: int) -> "ProcessGroups":
         return cls(shard=comm, gather=comm.twin() if stage == 3 else comm)

@@ -391,13 +391,15 @@ class DeepSpeedEngine(Engine):
         raise NotImplementedError("engine.reload_states() is out of scope for zerokit: there are no offloaded "
                                   "states to bring back (see offload_states)")
 
-    def destroy(self) -> None:
-        """Release what the engine holds outside itself: its hooks on the model and its monitors' files."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        self.monitor.close()
+    def close(self) -> None:
+        """zerokit's Engine.close (hooks, monitors' files, checkpoint session, swap files, process groups); the
+        engine is no longer among live_engines()."""
+        super().close()
         _ENGINES.discard(self)
+
+    def destroy(self) -> None:
+        """DeepSpeed's name for close()."""
+        self.close()
 
 
 __all__ = ["DeepSpeedEngine", "ClientSchedule", "live_engines"]

@@ -43,6 +43,11 @@ class BufferSync:
             pre, post = torch.compiler.disable(self._pre_forward), torch.compiler.disable(self._post_forward)
             self.handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
 
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         self.sync()
 

@@ -53,3 +53,7 @@ class Safeguards:
 
     def at_step(self) -> None:
         self.buffers.sync()
+
+    def close(self) -> None:
+        """Take the buffer sync's hooks off the model."""
+        self.buffers.close()

@@ -41,6 +41,9 @@ from zerokit.flat import (Bucket, FlatParameters, ParamEntry, assign_owners, buc
 from zerokit.masters import OptimizerPlan, ShardMasters
 from zerokit.masters.shards import TIERS
 from zerokit.offload import DeviceShards, master_homes
+from zerokit.masters.nvme import NvmeHome  # after zerokit.offload, which it imports (a cycle the other way round)
+from zerokit.offload.nvme_params import NvmeShards
+from zerokit.offload.swap import SwapDirectory
 from zerokit.stages.usage import GradientUsage
 
 if TYPE_CHECKING:
@@ -219,6 +222,18 @@ class ZeroStage:
                 held[tier][category] += count
         return held
 
+    # --- teardown ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Release what would otherwise last until interpreter exit: the NVMe tiers' swap files, then the process
+        groups (See Engine.close)."""
+        for directory in self.swap_directories():
+            directory.close()
+        self.groups.close()
+
+    def swap_directories(self) -> list[SwapDirectory]:
+        """The swap folders of this stage's NVMe tiers (none without offload to nvme)."""
+        return swap_directories_of(self.masters.homes)
+
     def bucket_purpose(self, bucket: Bucket) -> str:
         """What a bucket's reduction is for, as failure reports name it (See [Note: the flight recorder])."""
         return f"gradients: bucket {bucket.index} of param group {bucket.group}"
@@ -263,3 +278,9 @@ def whole_tensor_owners(params: list[nn.Parameter], groups: list[int], plan: Opt
     for index, owner in zip(whole, assign_owners([params[i].numel() for i in whole], world_size)):
         owners[index] = owner
     return owners
+
+
+def swap_directories_of(holders: list[Any]) -> list[SwapDirectory]:
+    """The distinct swap folders of the NVMe tiers among `holders` (master homes, a shard home)."""
+    found = {id(holder.swap): holder.swap for holder in holders if isinstance(holder, (NvmeHome, NvmeShards))}
+    return list(found.values())

@@ -43,7 +43,8 @@ from zerokit.flat import Bucket, FlatParameters, ParamEntry, ShardedFlat, build_
 from zerokit.masters import OptimizerPlan, ShardMasters
 from zerokit.offload import master_homes, shard_home
 from zerokit.offload.activations import checkpoint_modules
-from zerokit.stages.base import param_entries, whole_tensor_owners
+from zerokit.offload.swap import SwapDirectory
+from zerokit.stages.base import param_entries, swap_directories_of, whole_tensor_owners
 from zerokit.stages.construction import Construction, materialise
 from zerokit.stages.hooks import TrainingState, UnitHooks
 from zerokit.stages.stage2 import ShardedGradients
@@ -130,6 +131,10 @@ class ShardedParameters(ShardedGradients):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.frozen.shards.copy_(state["frozen"])
         super().load_state_dict(state)
+
+    def swap_directories(self) -> list[SwapDirectory]:
+        """The masters' and, with offload_param.device=nvme, the parameter shards'."""
+        return swap_directories_of([*self.masters.homes, self.trainable.home])
 
     def bucket_purpose(self, bucket: Bucket) -> str:
         return f"gradients of unit {self.units[self.shards.unit_of_bucket[bucket.index]].name!r}: bucket {bucket.index}"

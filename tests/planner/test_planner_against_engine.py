@@ -5,7 +5,6 @@ within bucket padding. The same on 2 real gloo ranks: test_planner_engine_exact.
 
 from __future__ import annotations
 
-
 import pytest
 
 torch = pytest.importorskip("torch")

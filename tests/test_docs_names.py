@@ -27,19 +27,15 @@ def _names() -> list[tuple[str, str]]:
 
 
 def _resolve(name: str) -> object:
-    """Import the longest prefix that is a module, then follow attributes."""
+    """As Python reads `zerokit.a.b` after importing it: each part an attribute of what came before, else the
+    submodule of that name (so `zerokit.deepspeed.install` is the function, not the command module)."""
     parts = name.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            value = importlib.import_module(".".join(parts[:cut]))
-        except ModuleNotFoundError as missing:
-            if not ".".join(parts[:cut]).startswith(missing.name or "\0"):
-                raise  # the module exists but imports something missing: a real failure
-            continue
-        for attribute in parts[cut:]:
-            value = getattr(value, attribute)
-        return value
-    raise ModuleNotFoundError(name)
+    value = importlib.import_module(parts[0])
+    for index, part in enumerate(parts[1:], start=1):
+        if not hasattr(value, part):
+            importlib.import_module(".".join(parts[:index + 1]))
+        value = getattr(value, part)
+    return value
 
 
 def test_the_pages_name_some_zerokit_names():

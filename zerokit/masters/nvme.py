@@ -11,8 +11,8 @@ fp32 values, then every optimizer-state tensor of its pieces (in piece order, ke
 boundary, the whole padded to 4096 bytes for direct I/O. A record's layout is learned the first time it is
 written back after a step (optimizer state is created at the first step); it grows then. At the step,
 sub-groups are paged in one at a time into buffers from a pool of `buffer_count`: while one is stepped the
-next is read and the one before is written (ShardMasters.step), so host memory holds at most buffer_count
-buffers of one sub-group each (See [Note: a bounded pool of swap buffers] in zerokit/offload/swap.py),
+next buffer_count - 2 (at least one) are read and the one before is written (ShardMasters.step), so host
+memory holds at most buffer_count buffers of one sub-group each (See [Note: a bounded pool of swap buffers] in zerokit/offload/swap.py),
 whatever the size of the model or of its buckets. Paged in, the pieces' data and the optimizer's state
 entries are views of the buffer; paged out, the pieces point at a zero-stride placeholder and the state
 entries are gone, so nothing but the pool holds host memory. A buffer also has room for the sub-group's

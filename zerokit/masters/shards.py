@@ -191,16 +191,17 @@ class ShardMasters:
         order = [(index, sub) for index in paged for sub in range(len(self.homes[index].sub_groups))]
         params = {index: [p.param for p in self.pieces[index]] for index in paged}
         offsets = {index: [p.offset for p in self.pieces[index]] for index in paged}
-        if order:
-            self.homes[order[0][0]].start_reading(order[0][1])
+        ahead = max(1, self.homes[paged[0]].pool.count - 2)  # reads in flight; the rest: this one and a write
+        for index, sub in order[:ahead]:
+            self.homes[index].start_reading(sub)
         for position, (index, sub) in enumerate(order):
             home, pieces = self.homes[index], self.pieces[index]
             home.page_in(sub, params[index], offsets[index], optimizer_of, with_grad=True)
             for piece in (pieces[k] for k in home.sub_groups[sub].pieces):
                 if not self._used[piece.param_index]:
                     piece.param.grad = None
-            if position + 1 < len(order):  # read the next one while this one steps
-                self.homes[order[position + 1][0]].start_reading(order[position + 1][1])
+            if position + ahead < len(order):  # read ahead while this one steps
+                self.homes[order[position + ahead][0]].start_reading(order[position + ahead][1])
             for optimizer in self.optimizers:
                 optimizer.step()
             home.publish_paged(sub)

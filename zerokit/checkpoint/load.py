@@ -76,7 +76,9 @@ def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | No
 def _restore_tensors(engine: "Engine", manifest: Manifest, directory: Path, with_state: bool) -> None:
     readers = Readers(directory, manifest.files)
     try:
-        restore_trainable(engine, manifest, readers, directory, with_state)
+        # masters paged to NVMe: loaded into their records, and published as a step publishes them
+        with engine.stage.masters.all_resident(publish=True):
+            restore_trainable(engine, manifest, readers, directory, with_state)
         restore_frozen(engine, manifest, readers)
         restore_buffers(engine.module, manifest, readers)
         if with_state:

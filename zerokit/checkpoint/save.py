@@ -53,17 +53,18 @@ def save_checkpoint(engine: "Engine", save_dir: str | os.PathLike, tag: str | No
     tag, nonce = _agree_on_tag(engine, session.group, tag)
     staging = save_dir / f".{tag}.partial-{nonce}"
     staging.mkdir(parents=True, exist_ok=True)
-    payload = collect(engine)
     description = describe(engine, tag) if engine.rank == 0 else {}
     if engine.rank == 0 and client_state is not None:
         _save_client_state(client_state, staging)
         description["client_state"] = CLIENT_STATE
-    if async_save:
-        payload.entries = session.host.stage(payload.entries)
-        session.writer.submit(lambda: write_and_commit(session.group, payload, staging, save_dir, tag, description,
-                                                       save_latest))
-    else:
-        write_and_commit(session.group, payload, staging, save_dir, tag, description, save_latest)
+    with engine.stage.masters.all_resident():  # masters paged to NVMe are read from their records
+        payload = collect(engine)
+        if async_save:
+            payload.entries = session.host.stage(payload.entries)
+            session.writer.submit(lambda: write_and_commit(session.group, payload, staging, save_dir, tag,
+                                                           description, save_latest))
+        else:
+            write_and_commit(session.group, payload, staging, save_dir, tag, description, save_latest)
     return True
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Protocol, Sequence
 
@@ -268,10 +268,11 @@ class ShardMasters:
         return sum(len(pieces) for pieces in self.pieces)
 
     @contextmanager
-    def resident(self, index: int) -> Iterator[None]:
+    def resident(self, index: int, publish: bool = False) -> Iterator[None]:
         """Master `index` and its pieces' optimizer state in memory until exit (a paged master is paged in,
-        and written back after: changes made inside are kept). Reading or writing masters outside a step
-        (state_dict, checkpoints) goes through this."""
+        and written back after: changes made inside are kept; publish=True: and published to the compute
+        shard first, as a step publishes it). Reading or writing masters outside a step (state_dict,
+        checkpoints) goes through this."""
         home = self.homes[index]
         if not _paged(home):
             yield
@@ -284,8 +285,20 @@ class ShardMasters:
             yield
         finally:
             for sub in range(len(home.sub_groups)):
+                if publish:
+                    home.publish_paged(sub)
                 home.page_out(sub, params, optimizer_of)
             home.pool.drain()
+
+    @contextmanager
+    def all_resident(self, publish: bool = False) -> Iterator[None]:
+        """Every master in memory until exit (See resident), for checkpoints, which read and write the pieces'
+        values and state outside a step. An NVMe-offloaded run holds its whole optimizer state in host memory
+        for that moment, as it would without offload."""
+        with ExitStack() as stack:
+            for index in range(len(self.homes)):
+                stack.enter_context(self.resident(index, publish))
+            yield
 
     def state_dict(self) -> dict[str, Any]:
         """Masters and optimizer state; a paged master's pieces' state under "paged_state", by piece position."""

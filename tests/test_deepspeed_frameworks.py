@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zerokit.deepspeed as deepspeed
+from test_deepspeed_api import one_process  # noqa: F401  (a fresh 1-rank group, LOCAL_RANK set)
 
 FRAMEWORKS = ("transformers", "accelerate", "lightning")
 # Named by the frameworks, and refused in one line by zerokit (what each asks for is out of scope).
@@ -194,18 +194,6 @@ def test_the_engine_answers_every_call_the_trainer_makes() -> None:
 
 
 # --- the engine calls, with DeepSpeed's meaning (one process) ---------------------------------------------
-
-@pytest.fixture
-def one_process(monkeypatch):
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    yield
-    for engine in deepspeed.engine.live_engines():
-        engine.destroy()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
 
 def small_model() -> nn.Module:
     torch.manual_seed(0)

@@ -12,7 +12,6 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

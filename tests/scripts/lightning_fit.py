@@ -23,7 +23,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import grad_norm
 
-from common import SEQUENCE, VOCAB, build_model, dataset, write_result
+from common import build_model, dataset, write_result
 
 ACCUMULATION, MICRO_BATCH, CLIP, LR, EPOCHS = 5, 2, 0.5, 3e-3, 2
 

@@ -80,6 +80,11 @@ class Runs:
         if name == "hf_zero3_auto":  # arguments equal to its fixed values, which the Trainer checks
             return common + ["--deepspeed", self.zero3_auto(), "--bf16", "--accumulation", "4",
                              "--weight-decay", "0.1"], True
+        if name == "fp16":  # fp16 on a CPU, which real DeepSpeed refuses: its block "auto" <- --fp16
+            path = self.root / "zero2_fp16.json"
+            path.write_text(json.dumps({**json.loads(Path(stage_config(self.root, 2)).read_text()),
+                                        "fp16": {"enabled": "auto"}}))
+            return common + ["--deepspeed", str(path), "--fp16"], True
         if name == "deepspeed2":  # the real DeepSpeed: no install()
             return common + ["--deepspeed", stage_config(self.root, 2)], False
         raise KeyError(name)
@@ -208,3 +213,15 @@ def test_an_absent_gradient_clipping_clips_at_one_as_deepspeed_does() -> None:
     assert load_config(deepspeed_defaults(config)).gradient_clipping == 1.0
     assert load_config(config).gradient_clipping == 0.0  # zerokit.initialize: zerokit's default, no clipping
     assert load_config(deepspeed_defaults({**config, "gradient_clipping": 0})).gradient_clipping == 0.0
+
+
+def test_fp16_trains_on_a_cpu_where_deepspeed_refuses_it(runs: Runs) -> None:
+    """zerokit keeps fp16 (compute in fp16, fp32 masters, dynamic loss scaling) where torch runs it; DeepSpeed
+    refuses fp16 on a CPU. Its losses follow DDP's fp32 ones within fp16's rounding (a tiny model, 8 steps)."""
+    ddp, fp16 = runs("ddp"), runs("fp16")
+    for rank in range(2):
+        assert_zerokit_trained(fp16[rank]["run"], 2)
+        assert fp16[rank]["run"]["fp16"] is True
+        expected, got = ddp[rank]["run"]["steps"], fp16[rank]["run"]["steps"]
+        assert [step["step"] for step in got] == [step["step"] for step in expected]
+        assert max(abs(a["loss"] - b["loss"]) / a["loss"] for a, b in zip(expected, got)) < 1e-2

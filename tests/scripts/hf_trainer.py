@@ -66,7 +66,7 @@ def arguments(args: argparse.Namespace, output_dir: str):
         weight_decay=args.weight_decay,
         warmup_steps=3, lr_scheduler_type="linear", max_grad_norm=args.max_grad_norm, logging_steps=1,
         save_strategy="steps" if args.resume_at else "no", save_steps=args.resume_at or 500, report_to=[],
-        seed=0, disable_tqdm=True, dataloader_num_workers=0, bf16=args.bf16)
+        seed=0, disable_tqdm=True, dataloader_num_workers=0, bf16=args.bf16, fp16=args.fp16)
 
 
 def steps(trainer) -> list[dict[str, float]]:
@@ -81,6 +81,7 @@ def engine_facts(engine) -> dict:
         facts["comm_calls"] = {kind: counts["calls"] for kind, counts in engine.comm_stats().items()}
         facts["stage"] = engine.config.stage
         facts["gradient_clipping"] = engine.config.gradient_clipping
+        facts["fp16"] = engine.fp16_enabled()
     return facts
 
 
@@ -131,6 +132,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--fp16", action="store_true")
     parser.add_argument("--save-model", default=None, help="trainer.save_model() here after training")
     parser.add_argument("--resume-at", type=int, default=0,
                         help="checkpoint at this step, then train again resumed from it in a second Trainer")

@@ -85,8 +85,8 @@ class Runs:
             path.write_text(json.dumps({**json.loads(Path(stage_config(self.root, 2)).read_text()),
                                         "fp16": {"enabled": "auto"}}))
             return common + ["--deepspeed", str(path), "--fp16"], True
-        if name == "deepspeed2":  # the real DeepSpeed: no install()
-            return common + ["--deepspeed", stage_config(self.root, 2)], False
+        if name.startswith("deepspeed"):  # the real DeepSpeed (deepspeed1..3): no install()
+            return common + ["--deepspeed", stage_config(self.root, int(name[-1]))], False
         raise KeyError(name)
 
     def zero3_auto(self) -> str:
@@ -195,8 +195,9 @@ def test_hugging_faces_auto_configs_train(runs: Runs, name: str) -> None:
 # --- the real DeepSpeed, where installed -------------------------------------------------------------------
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="the real deepspeed is not installed")
-def test_real_deepspeed_trains_the_same_script_as_zerokit(runs: Runs) -> None:
-    real, zerokit = runs("deepspeed2"), runs("zero2")
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_real_deepspeed_trains_the_same_script_as_zerokit(runs: Runs, stage: int) -> None:
+    real, zerokit = runs(f"deepspeed{stage}"), runs(f"zero{stage}")
     for rank in range(2):
         assert real[rank]["run"]["engine"] == "deepspeed.runtime.engine.DeepSpeedEngine"
         worst = differences(real[rank]["run"]["steps"], zerokit[rank]["run"]["steps"])

@@ -74,6 +74,11 @@ def close_at_exit(engine: Closable) -> None:
     _OPEN_ENGINES[engine] = next(_CREATED)
 
 
+def open_engines() -> list[Closable]:
+    """Engines made and not closed, oldest first."""
+    return sorted(_OPEN_ENGINES.keys(), key=_OPEN_ENGINES.get)
+
+
 def forget_at_exit(engine: Closable) -> None:
     """`engine` closed itself: nothing to do for it at exit."""
     _OPEN_ENGINES.pop(engine, None)
@@ -87,7 +92,7 @@ def leave_process_groups_at_exit() -> None:
 
 
 def _leave_process_groups() -> None:
-    for engine in sorted(_OPEN_ENGINES.keys(), key=_OPEN_ENGINES.get, reverse=True):
+    for engine in reversed(open_engines()):
         try:
             engine.close()
         except Exception as error:  # one engine's failure must not keep the others' groups alive

@@ -33,11 +33,9 @@ engine.optimizer's learning rate itself is not overridden by the user's stale va
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import warnings
-import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -50,17 +48,16 @@ from zerokit.deepspeed.data import training_loader
 from zerokit.engine import Engine
 from zerokit.precision import StepResult
 from zerokit.reliability.compiled import compile_model
+from zerokit.runtime import open_engines
 from zerokit.stages.construction import ParamInit
 
 logger = logging.getLogger("zerokit")
-_ENGINES: "weakref.WeakSet[DeepSpeedEngine]" = weakref.WeakSet()
-_CREATED = itertools.count()
 SCHEDULES_KEY = "zerokit.lr_schedules"  # where save_checkpoint keeps the engine's LR schedules (client state)
 
 
 def live_engines() -> list["DeepSpeedEngine"]:
-    """Engines made by initialize() and not destroyed, oldest first."""
-    return sorted(_ENGINES, key=lambda engine: engine.created)
+    """Engines made by initialize() and not destroyed, oldest first (runtime's registry of open engines)."""
+    return [engine for engine in open_engines() if isinstance(engine, DeepSpeedEngine)]
 
 
 class ClientSchedule:
@@ -136,8 +133,6 @@ class DeepSpeedEngine(Engine):
         self._mirror = HyperparameterMirror([(user, twin) for user, twin in zip(users, self.stage.masters.optimizers)
                                              if isinstance(user, torch.optim.Optimizer) and user is not twin])
         self._client_schedule = self._attach(lr_scheduler, optimizer)
-        self.created = next(_CREATED)
-        _ENGINES.add(self)
 
     def _attach(self, scheduler: Any, given: Any) -> ClientSchedule | None:
         if scheduler is None:
@@ -390,12 +385,6 @@ class DeepSpeedEngine(Engine):
     def reload_states(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("engine.reload_states() is out of scope for zerokit: there are no offloaded "
                                   "states to bring back (see offload_states)")
-
-    def close(self) -> None:
-        """zerokit's Engine.close (hooks, monitors' files, checkpoint session, swap files, process groups); the
-        engine is no longer among live_engines()."""
-        super().close()
-        _ENGINES.discard(self)
 
     def destroy(self) -> None:
         """DeepSpeed's name for close()."""

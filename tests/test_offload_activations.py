@@ -3,20 +3,12 @@ zerokit's checkpoint_units (issue 10)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import zerokit
 from zerokit.config import ActivationCheckpointing
 from zerokit.offload import activations
 from zerokit.testing.models import Block, TinyGPT, TinyGPTConfig, lm_loss, param_groups
-
-
-@pytest.fixture
-def one_process(one_process):
-    """conftest's, and the activation-checkpointing settings put back (they are module-wide)."""
-    yield
-    activations.configure(ActivationCheckpointing())
 
 
 def train(config: dict, steps: int = 3) -> tuple[list[float], dict[str, torch.Tensor], int]:
@@ -56,17 +48,18 @@ def test_checkpoint_keeps_gradients_with_activations_in_host_memory() -> None:
     expected = torch.autograd.grad(block(x).square().sum(), [x, *block.parameters()])
     calls = [0]
     handle = block.mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    activations.configure(ActivationCheckpointing(cpu_checkpointing=True))
+    checkpointer = activations.ActivationCheckpointer(ActivationCheckpointing(cpu_checkpointing=True))
     try:
-        got = torch.autograd.grad(activations.checkpoint(block, x).square().sum(), [x, *block.parameters()])
+        with checkpointer.running():
+            got = torch.autograd.grad(activations.checkpoint(block, x).square().sum(), [x, *block.parameters()])
     finally:
-        activations.configure(ActivationCheckpointing())
         handle.remove()
     assert calls[0] == 2
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 def test_partitioning_keys_say_they_change_nothing_here() -> None:
-    lines = activations.configure(ActivationCheckpointing(partition_activations=True, number_checkpoints=4))
-    activations.configure(ActivationCheckpointing())
+    checkpointer = activations.ActivationCheckpointer(ActivationCheckpointing(partition_activations=True,
+                                                                             number_checkpoints=4))
+    lines = checkpointer.startup_lines()
     assert lines and "nothing to partition with one rank per model replica" in lines[0]

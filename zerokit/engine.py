@@ -21,7 +21,7 @@ from zerokit.comm import Communicator
 from zerokit.config import ZeroConfig, hidden_size_of, load_config
 from zerokit.engine_blocks import grad_accum_dtype_lines, learning_rates, lr_schedules_for, optimizers_for
 from zerokit.masters import OptimizerPlan, optimizer_kind, trainable_groups
-from zerokit.offload import activations
+from zerokit.offload.activations import ActivationCheckpointer
 from zerokit.observe import EngineMonitor, collective_stats
 from zerokit.precision import StepResult, clip_coefficient, global_norm, make_loss_scaler
 from zerokit.reliability import Safeguards, check_at_start
@@ -88,7 +88,10 @@ class Engine:
         self.loss_scaler = make_loss_scaler(config.loss_scaling)
         self.progress = Progress()
         self.monitor = EngineMonitor(config, self)  # the observability keys; all off unless the config asks
-        setup_lines += activations.configure(config.activation_checkpointing, self.comm.stats, self.device)
+        # See [Note: each engine checkpoints with its own settings] in zerokit/offload/activations.py
+        self.activations = ActivationCheckpointer(config.activation_checkpointing, self.comm.stats, self.device)
+        self.activations.checkpoint_modules(self.stage.recomputed_modules())
+        setup_lines += self.activations.startup_lines()
         log_startup(self.stage, config.startup_log_lines() + setup_lines, config.warnings)
         self.closed = False
         close_at_exit(self)  # See [Note: leaving at exit] in runtime.py
@@ -117,7 +120,7 @@ class Engine:
     # --- the training loop ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._refuse_if_closed("forward")
-        with self.monitor.forward():  # observability (zerokit/observe): forward time, FLOPs
+        with self.monitor.forward(), self.activations.running():  # forward time and FLOPs (zerokit/observe)
             return self.module(*args, **kwargs)
 
     @property

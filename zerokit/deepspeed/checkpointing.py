@@ -2,8 +2,9 @@
 supports at every stage. Lightning calls configure() when its config has an `activation_checkpointing` block.
 
 configure()'s settings only trade memory for speed (partition_activations, contiguous memory, CPU copies,
-synchronisation, profiling): they are accepted and logged, and checkpoint() recomputes as torch does. Model
-parallelism (mpu_) is refused, as everywhere in zerokit.
+synchronisation, profiling): they are accepted and logged. checkpoint() recomputes as torch does, with the
+activation_checkpointing block of the engine whose forward is running (See zerokit/offload/activations.py).
+Model parallelism (mpu_) is refused, as everywhere in zerokit.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-import torch.utils.checkpoint
+from zerokit.offload import activations
 
 logger = logging.getLogger("zerokit")
 _SETTINGS: dict[str, Any] = {}
@@ -39,8 +40,9 @@ def is_configured() -> bool:
 
 
 def checkpoint(function: Callable, *args: Any) -> Any:
-    """Run `function(*args)` without keeping its activations; backward recomputes them."""
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
+    """Run `function(*args)` without keeping its activations; backward recomputes them, with the
+    activation_checkpointing block of the engine whose forward is running (its cpu_checkpointing, profile)."""
+    return activations.checkpoint(function, *args)
 
 
 __all__ = ["configure", "is_configured", "checkpoint"]

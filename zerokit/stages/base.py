@@ -168,6 +168,10 @@ class ZeroStage:
         self.usage.reset()
         self.zero_grads()
 
+    def recomputed_modules(self) -> list[nn.Module]:
+        """Modules whose forward the engine checkpoints: none below stage 3 (a model checkpoints its own)."""
+        return []
+
     def publish_params(self) -> None:
         """After the optimizer step: masters -> compute-dtype params, then all-gather the shards."""
         self.masters.publish()

@@ -42,7 +42,6 @@ from zerokit.config import ZeroConfig
 from zerokit.flat import Bucket, FlatParameters, ParamEntry, ShardedFlat, build_layout, tensor_bytes
 from zerokit.masters import OptimizerPlan, ShardMasters
 from zerokit.offload import master_homes, shard_home
-from zerokit.offload.activations import checkpoint_modules
 from zerokit.offload.swap import SwapDirectory
 from zerokit.stages.base import param_entries, swap_directories_of, whole_tensor_owners
 from zerokit.stages.construction import Construction, materialise
@@ -68,8 +67,6 @@ class ShardedParameters(ShardedGradients):
         """Units, then their layouts (one bucket per unit and param group; frozen: one per unit), then the
         shards and the masters, then each unit's values placed, unit by unit (See `_place`)."""
         units = find_units(model, config.stage3)
-        if config.activation_checkpointing.checkpoint_units:  # every unit but the root, which is the whole model
-            checkpoint_modules([unit.module for unit in units[1:]])
         unit_of = {param_id: unit.index for unit in units for param_id in unit.param_ids}
         per_unit = max(groups, default=0) + 1
         keys = [unit_of[id(p)] * per_unit + g for p, g in zip(params, groups)]
@@ -97,6 +94,10 @@ class ShardedParameters(ShardedGradients):
 
     def finish_backward(self) -> None:
         self.unit_hooks.finish_backward()
+
+    def recomputed_modules(self) -> list[nn.Module]:
+        """With checkpoint_units, every unit but the root (which is the whole model)."""
+        return [unit.module for unit in self.units[1:]] if self.config.activation_checkpointing.checkpoint_units else []
 
     def publish_params(self) -> None:
         """Masters -> shards; units that stay gathered (persistent, or all while pinned) are re-gathered."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import zerokit.deepspeed as deepspeed
 import zerokit.deepspeed.comm as ds_comm
 from zerokit.deepspeed.accelerator import get_accelerator
 from zerokit.schedules import warmup_decay_lr
+from zerokit.testing.spawn import spawn
 
 
 @pytest.fixture
@@ -268,6 +270,57 @@ def test_zero_init_refuses_what_zerokit_does_not_offer() -> None:
         deepspeed.zero.Init(zero_quantized_weights=True)
     with pytest.raises(ImportError, match="^deepspeed.zero.register_external_parameter is not offered"):
         from zerokit.deepspeed.zero import register_external_parameter  # noqa: F401
+
+
+def write_in_rank_dependent_orders(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
+    """from_pretrained's two writes before initialize() (weight initialisation, then the checkpoint), each listing
+    the parameters in an order that differs between ranks, as a list built from a set does; rank 0 writes a
+    different value into each. Returns each parameter's value after each write, and after initialize()."""
+    os.environ["LOCAL_RANK"] = str(rank)  # as torchrun sets it
+    with deepspeed.zero.Init(config_dict_or_path=config(stage=3)):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(6, 6) for _ in range(4)))  # same shapes: a wrong pairing raises nothing
+    names = {id(param): name for name, param in model.named_parameters()}
+    layers = list(model) if rank == 0 else list(reversed(model))
+    seen = {}
+    for write, listed in enumerate(([p for layer in layers for p in layer.parameters()],
+                                    [p for layer in reversed(layers) for p in layer.parameters()])):
+        with deepspeed.zero.GatheredParameters(listed, modifier_rank=0):
+            if rank == 0:
+                with torch.no_grad():
+                    for index, (_, param) in enumerate(model.named_parameters()):
+                        param.fill_(100 * write + index)
+        seen[f"write {write}"] = {names[id(param)]: param.detach().clone() for param in model.parameters()}
+    engine, *_ = deepspeed.initialize(model=model, config=config(stage=3, **BLOCKS))
+    seen["initialized"] = engine.full_state_dict()
+    engine.destroy()
+    return seen
+
+
+def test_from_pretrained_writes_pair_parameters_whatever_order_each_rank_lists_them() -> None:
+    """See [Note: pairing written parameters across ranks] in zerokit/deepspeed/zero.py."""
+    names = [name for name, _ in nn.Sequential(*(nn.Linear(6, 6) for _ in range(4))).named_parameters()]
+    for rank, seen in enumerate(spawn(write_in_rank_dependent_orders, 2, timeout=300)):
+        for write in (0, 1):
+            for index, name in enumerate(names):
+                assert torch.equal(seen[f"write {write}"][name], torch.full_like(seen[f"write {write}"][name],
+                                                                                 100 * write + index)), (rank, name)
+        for index, name in enumerate(names):
+            assert torch.equal(seen["initialized"][name], seen["write 1"][name]), (rank, name)
+
+
+def test_written_meta_parameters_zero_init_did_not_build_are_refused(one_process) -> None:
+    with torch.device("meta"):
+        model = nn.Linear(3, 3)
+    with pytest.raises(ValueError, match=r"^GatheredParameters\(modifier_rank=...\) before initialize\(\) was given "
+                                         r"2 meta parameters not built under deepspeed.zero.Init"):
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+            pass
+    with deepspeed.zero.Init(config_dict_or_path=config(stage=3)):
+        built = nn.Linear(3, 3)
+    with deepspeed.zero.GatheredParameters([*built.parameters(), model.weight], modifier_rank=0):  # one: put last
+        pass
+    assert not any(param.is_meta for param in built.parameters()) and not model.weight.is_meta
 
 
 # --- comm, accelerator, refusals -----------------------------------------------------------------------------

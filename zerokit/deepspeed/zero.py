@@ -24,19 +24,32 @@ instead of training from garbage; on exit the modifier's values are broadcast to
 then shards these parameters as those of a model built normally, and materialises only those still on meta.
 Until initialize(), each rank holds the written parameters whole (host memory: the model's size); to load a
 checkpoint one unit at a time instead, pass param_init=zerokit.safetensors_init(model, path) to initialize().
+
+[Note: pairing written parameters across ranks]
+On exit from GatheredParameters(params, modifier_rank=...) before initialize(), each written parameter is one
+broadcast, and broadcasts pair by the order each rank issues them; the order callers list `params` in is not
+the same on every rank (transformers builds such a list from a set, which orders by id()). So they are
+broadcast in the order zero.Init registered them: every rank runs the same constructors, so the n-th parameter
+registered is the same one everywhere. That order is kept in a table beside the parameters, keyed by id() and
+checked on use against the module that registered the parameter under its name (an id reused by another
+object after a model is gone is then not mistaken for it), never as an attribute on the Parameter, and not by
+weak reference to it, which torch.utils.swap_tensors refuses. Two or more written parameters that zero.Init
+did not build cannot be paired, and are refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerokit.comm import Communicator
 from zerokit.config import ZeroConfig, load_config
 from zerokit.deepspeed.config_view import config_dict
 
@@ -88,12 +101,69 @@ class ParametersOnMeta(contextlib.AbstractContextManager):
             if param is not None and not param.is_meta:
                 param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
             original(module, name, param)
+            if param is not None:
+                BUILD_ORDER.register(module, name, param)
 
         nn.Module.register_parameter = register_parameter
         return self
 
     def __exit__(self, *exc: Any) -> None:
         nn.Module.register_parameter = self.original
+
+
+class Registration(NamedTuple):
+    module: "weakref.ReferenceType[nn.Module]"
+    name: str  # the parameter's name in `module`
+    position: int  # how many parameters zero.Init registered before it, in this process
+
+
+class BuildOrder:
+    """The order in which zero.Init registered each parameter: the same on every rank, whatever order a caller
+    lists parameters in. See [Note: pairing written parameters across ranks]."""
+
+    def __init__(self) -> None:
+        self._registrations: dict[int, Registration] = {}  # by id(parameter)
+        self._registered_in: dict[int, list[int]] = {}  # id(module) -> id(parameter)s, forgotten when it goes
+        self._counter = itertools.count()
+
+    def register(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
+        if self.position(param) is not None:  # a tied parameter registered again keeps its first place
+            return
+        if id(module) not in self._registered_in:
+            self._registered_in[id(module)] = []
+            weakref.finalize(module, self._forget, id(module)).atexit = False  # nothing to tidy at exit
+        self._registered_in[id(module)].append(id(param))
+        self._registrations[id(param)] = Registration(weakref.ref(module), name, next(self._counter))
+
+    def position(self, param: torch.Tensor) -> int | None:
+        """Where `param` was registered, or None if zero.Init did not register it."""
+        registration = self._registrations.get(id(param))
+        if registration is None:
+            return None
+        module = registration.module()
+        if module is None or module._parameters.get(registration.name) is not param:
+            return None  # another object now has the id of a parameter that is gone, or it was replaced
+        return registration.position
+
+    def sorted(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`params` in the order they were registered; at most one not registered, put last."""
+        unregistered = [param for param in params if self.position(param) is None]
+        if len(unregistered) > 1:
+            raise ValueError(f"GatheredParameters(modifier_rank=...) before initialize() was given "
+                             f"{len(unregistered)} meta parameters not built under deepspeed.zero.Init, which cannot "
+                             "be paired across ranks; build the model inside zero.Init")
+        registered = sorted((param for param in params if self.position(param) is not None), key=self.position)
+        return registered + unregistered
+
+    def _forget(self, module_id: int) -> None:
+        """A module is gone (its weak references are cleared by now): drop what it registered."""
+        for param_id in self._registered_in.pop(module_id, []):
+            registration = self._registrations.get(param_id)
+            if registration is not None and registration.module() is None:
+                del self._registrations[param_id]
+
+
+BUILD_ORDER = BuildOrder()
 
 
 def stage_of(source: Any) -> int:
@@ -156,7 +226,8 @@ def _written_before_initialize(params: list[torch.Tensor], modifier_rank: int | 
     if modifier_rank is None:
         yield
         return
-    written = list({id(param): param for param in params if param.is_meta or _HELD.get(id(param)) is param}.values())
+    written = BUILD_ORDER.sorted(list({id(param): param for param in params
+                                       if param.is_meta or _HELD.get(id(param)) is param}.values()))
     for param in written:
         if param.is_meta:
             held = nn.Parameter(torch.full(param.shape, float("nan"), dtype=param.dtype),
@@ -165,10 +236,11 @@ def _written_before_initialize(params: list[torch.Tensor], modifier_rank: int | 
             torch.utils.swap_tensors(param, held)
             _HELD[id(param)] = param
     yield
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if written and dist.is_initialized() and dist.get_world_size() > 1:
+        comm = Communicator(None, name="before initialize")  # the default group: no engine has one of its own yet
         with torch.no_grad():
-            for param in written:
-                dist.broadcast(param.data, src=modifier_rank)
+            for param in written:  # See [Note: pairing written parameters across ranks]
+                comm.broadcast(param.data, src=modifier_rank, purpose="a parameter written before initialize()")
 
 
 def _engine_of(params: list[torch.Tensor]) -> Any:

@@ -38,7 +38,7 @@ def test_readme_example_is_the_documented_command():
 
 def readme_planner_section() -> str:
     readme = (ROOT / "README.md").read_text()
-    return readme.split("\n## Planner\n", 1)[1].split("\n## ", 1)[0]
+    return readme.split("\n## Which stage\n", 1)[1].split("\n## ", 1)[0]
 
 
 def test_readme_example_is_the_tested_command():

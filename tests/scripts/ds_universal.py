@@ -1,0 +1,133 @@
+"""The way back, for tests/test_deepspeed_export.py: zerokit (its DeepSpeed drop-in) trains the tiny model of
+ds_checkpoints.py (a frozen parameter, a buffer, two param groups, a tied weight) and saves; after `zerokit
+convert`, real DeepSpeed loads the universal checkpoint with `"checkpoint": {"load_universal": true}` at each
+stage of a sweep and trains on; zerokit's own continuation is the reference.
+
+    spawn(ds_universal.zerokit_train, 2, root, 3)                 # root/zk, and zerokit's continuation
+    spawn(ds_universal.deepspeed_resume, 2, root, [1, 2, 3])      # root/universal, stage after stage
+    spawn(ds_universal.zerokit_then_deepspeed, 1, root, 3, [2])   # another world size: both sides
+
+Each returns, per rank, what the test compares: losses of the steps after the save, the fp32 weights they end at
+(rank 0), and what the loaded engine says of its counters and param groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import ds_checkpoints as model_side
+from ds_checkpoints import STEPS_AFTER, STEPS_BEFORE, build_model, make_optimizer, train
+
+AFTER = range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER)
+CLIENT_STATE = {"epoch": 4, "note": "from zerokit"}
+
+
+def _environment(rank: int, world_size: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+
+
+def _zerokit_engine(stage: int):
+    import zerokit.deepspeed
+
+    model = build_model()
+    engine, *_ = zerokit.deepspeed.initialize(model=model, optimizer=make_optimizer(model),
+                                              config=model_side.ds_config(stage, "fp32"))
+    return engine
+
+
+def zerokit_train(rank: int, world_size: int, root: str, stage: int) -> dict:
+    """Train STEPS_BEFORE steps, save root/zk, then continue: zerokit's own continuation."""
+    _environment(rank, world_size)
+    engine = _zerokit_engine(stage)
+    train(engine, range(STEPS_BEFORE), rank)
+    engine.save_checkpoint(str(Path(root) / "zk"), client_state=CLIENT_STATE)
+    losses = train(engine, AFTER, rank)
+    weights = engine.full_state_dict()
+    engine.close()
+    return {"losses": losses, "weights": weights if rank == 0 else None}
+
+
+def zerokit_resume(rank: int, world_size: int, root: str, stage: int) -> dict:
+    """zerokit's own continuation of root/zk at this world size."""
+    _environment(rank, world_size)
+    engine = _zerokit_engine(stage)
+    engine.load_checkpoint(str(Path(root) / "zk"))
+    losses = train(engine, AFTER, rank)
+    weights = engine.full_state_dict()
+    engine.close()
+    return {"losses": losses, "weights": weights if rank == 0 else None}
+
+
+def _gathered_weights(engine) -> dict[str, torch.Tensor]:
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):  # a no-op below stage 3
+        return {key: value.detach().float().clone() for key, value in engine.module.state_dict().items()}
+
+
+def unshare_steps(engine) -> bool:
+    """Give each of the optimizer's flat groups its own step tensor; returns whether they shared one. DeepSpeed
+    0.19.8's ZeRO-3 universal load hands every sub-group the one `step` tensor it read
+    (stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3), and Adam counts `step += 1` in place, so with
+    two param groups each step after the load counts twice (for a checkpoint its own ds_to_universal wrote too)."""
+    steps = [state["step"] for state in engine.optimizer.optimizer.state.values() if "step" in state]
+    shared = len({id(step) for step in steps}) < len(steps)
+    for state in engine.optimizer.optimizer.state.values():
+        if "step" in state:
+            state["step"] = state["step"].clone()
+    return shared
+
+
+def deepspeed_stage(rank: int, root: str, stage: int, unshare: bool) -> dict:
+    """Real DeepSpeed loads root/universal at `stage` and trains on (unshare: after unshare_steps)."""
+    import deepspeed
+
+    config = {**model_side.ds_config(stage, "fp32"), "checkpoint": {"load_universal": True}}
+    model = build_model()
+    with contextlib.redirect_stdout(io.StringIO()):
+        engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(model), config=config)
+        path, client_state = engine.load_checkpoint(str(Path(root) / "universal"))
+        loaded = {"path": path, "client_state": {k: client_state.get(k) for k in CLIENT_STATE},
+                  "global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                  "skipped_steps": engine.skipped_steps, "lr": engine.get_lr(),
+                  "scheduler": engine.lr_scheduler.state_dict(),
+                  "weight_decay": [group["weight_decay"] for group in engine.optimizer.param_groups],
+                  "steps": [float(state["step"]) for state in engine.optimizer.optimizer.state.values()],
+                  "shared_step": unshare_steps(engine) if unshare else None}
+        losses = train(engine, AFTER, rank)
+        weights = _gathered_weights(engine)
+        engine.destroy()
+    return {"losses": losses, "weights": weights if rank == 0 else None, "loaded": loaded}
+
+
+def _deepspeed_comm() -> None:
+    import deepspeed
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        deepspeed.init_distributed(dist_backend="gloo")
+
+
+def deepspeed_resume(rank: int, world_size: int, root: str, stages: list[int],
+                     unshare: bool = True) -> dict[int, dict]:
+    """Each stage of `stages`, one DeepSpeed engine after another in this launch."""
+    _environment(rank, world_size)
+    _deepspeed_comm()
+    results = {stage: deepspeed_stage(rank, root, stage, unshare) for stage in stages}
+    dist.barrier()
+    return results
+
+
+def zerokit_then_deepspeed(rank: int, world_size: int, root: str, zerokit_stage: int,
+                           stages: list[int]) -> dict:
+    """At a world size other than the saving run's: zerokit's continuation, then DeepSpeed's at each stage."""
+    reference = zerokit_resume(rank, world_size, root, zerokit_stage)
+    return {"zerokit": reference, "deepspeed": deepspeed_resume(rank, world_size, root, stages)}

@@ -1,5 +1,5 @@
 """What zerokit's agreement checks cost (issue 13): the start-up fingerprint, and at stage 3 the unit tables
-(See [Note: stage-3 units every rank agrees on] in zerokit/reliability/divergence.py).
+(See [Note: stage-3 units every rank agrees on] in zerokit/stages/agreement.py).
 
     python benchmarks/bench_reliability.py                 # 2 gloo ranks, benchmarks/workload.py's GPT
     python benchmarks/bench_reliability.py --world-size 3 --rounds 4

@@ -112,7 +112,7 @@ class Stage3Policy:
     skipped_units: str = "raise"
     """When the ranks ask for different units at one gather (a module that runs on some ranks only): "raise"
     names the module each rank asked for, at that gather, on every rank; "gather" makes every rank gather it,
-    for a cost (See [Note: stage-3 units every rank agrees on] in zerokit/reliability/divergence.py)."""
+    for a cost (See [Note: stage-3 units every rank agrees on] in zerokit/stages/agreement.py)."""
 
     def __post_init__(self) -> None:
         if self.skipped_units not in ("raise", "gather"):

@@ -143,8 +143,7 @@ class Engine:
             if must_reduce:
                 self.reducer.arm(scaled, final=final)
             scaled.backward()
-            if self.stage.unit_hooks is not None:  # stage 3: agree that every rank is done gathering
-                self.stage.unit_hooks.end_of_autograd()
+            self.stage.end_of_autograd()  # stage 3: agree that every rank is done gathering
             lap("backward_inner")
             self.reducer.flush()
             lap("backward_reduce")

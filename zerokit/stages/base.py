@@ -33,9 +33,11 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zerokit.comm import Communicator, Pending, ProcessGroups, Reduction, wait
 from zerokit.config import ZeroConfig
+from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT
 from zerokit.flat import (Bucket, FlatParameters, ParamEntry, assign_owners, bucket_view, build_layout, gather_bucket,
                           shard_view, tensor_bytes)
 from zerokit.masters import OptimizerPlan, ShardMasters
@@ -47,14 +49,14 @@ from zerokit.offload.swap import SwapDirectory
 from zerokit.stages.usage import GradientUsage
 
 if TYPE_CHECKING:
-    from zerokit.stages.hooks import UnitHooks
+    from zerokit.stages.reducer import BucketReducer
 
 
 class ZeroStage:
     shards_optimizer: ClassVar[bool] = True
     """False only for stage 0, where every rank updates every parameter."""
-    unit_hooks: "UnitHooks | None" = None
-    """Stage 3's module hooks, which gather and free its units (installed by hooks.install_hooks)."""
+    reductions_in_flight: int = MAX_BUCKETS_IN_FLIGHT
+    """How many bucket reductions the reducer keeps in flight before it waits for the oldest."""
 
     def __init__(self, flat: FlatParameters, masters: ShardMasters, groups: ProcessGroups, config: ZeroConfig,
                  reduces_every_micro_step: bool = False) -> None:
@@ -167,6 +169,14 @@ class ZeroStage:
         self.masters.release_grads()
         self.usage.reset()
         self.zero_grads()
+
+    def install_module_hooks(self, reducer: "BucketReducer") -> list[RemovableHandle]:
+        """Hooks of the stage's own on the model's modules (stage 3: its units'); none below stage 3."""
+        return []
+
+    def end_of_autograd(self) -> None:
+        """Backward is done computing, before any wait on a gradient reduction (stage 3 tells the other ranks
+        it gathers nothing more); nothing to do below stage 3."""
 
     def recomputed_modules(self) -> list[nn.Module]:
         """Modules whose forward the engine checkpoints: none below stage 3 (a model checkpoints its own)."""

@@ -48,7 +48,6 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from zerokit.flat import Bucket
-from zerokit.reliability.divergence import GATHER
 from zerokit.stages.unit_shards import UnitShards
 from zerokit.stages.units import Unit
 
@@ -62,15 +61,7 @@ def install_hooks(stage: "ZeroStage", reducer: "BucketReducer") -> list[Removabl
     the units' forward hooks. Returns the handles, so that they can be removed."""
     handles = [param.register_post_accumulate_grad_hook(partial(_grad_ready, reducer, index))
                for index, param in enumerate(stage.flat.params)]
-    if stage.unit_hooks is not None:
-        handles += stage.unit_hooks.install()
-        agreement = stage.unit_hooks.shards.agreement
-        # See [Note: stage-3 units every rank agrees on] in reliability/divergence.py
-        if agreement is not None and agreement.mode == GATHER:
-            reducer.max_in_flight = len(reducer.buckets)  # no cap's wait in backward
-        elif agreement is not None:
-            agreement.release_reductions = reducer.launch_remaining  # a rank that leaves the backward's order
-    return handles
+    return handles + stage.install_module_hooks(reducer)
 
 
 def _grad_ready(reducer: "BucketReducer", index: int, param: torch.Tensor) -> None:
@@ -130,7 +121,7 @@ class UnitHooks:
                 self.shards.reshard(unit)  # only what it owns: a unit around it stays until its own post-forward
             else:
                 self.last_forward_order = self.forward_order
-                self.shards.end_phase()  # See [Note: stage-3 units every rank agrees on] in reliability/divergence.py
+                self.shards.end_phase()  # See [Note: stage-3 units every rank agrees on] in stages/agreement.py
                 if not torch.is_grad_enabled():  # no backward will follow (eval, generation)
                     self.shards.reshard(unit)
                     self.state = TrainingState.IDLE

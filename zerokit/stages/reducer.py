@@ -15,17 +15,16 @@ from collections import deque
 import torch
 
 from zerokit.comm import Reduction
-from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT
 from zerokit.flat import Bucket
 from zerokit.stages.base import ZeroStage
 
 
 class BucketReducer:
-    def __init__(self, stage: ZeroStage, max_in_flight: int = MAX_BUCKETS_IN_FLIGHT) -> None:
+    def __init__(self, stage: ZeroStage) -> None:
         self.stage = stage
         self.buckets = stage.layout.buckets
         self.overlap = stage.config.overlaps_reduction
-        self.max_in_flight = max_in_flight  # bounds staging memory to this many full buckets
+        self.max_in_flight = stage.reductions_in_flight  # bounds staging memory to this many full buckets
         self.bucket_of = {slot.param_index: bucket.index for bucket in self.buckets for slot in bucket.slots}
         self.index_of = {id(param): index for index, param in enumerate(stage.flat.params)}
         self.in_flight: deque[tuple[Bucket, Reduction]] = deque()
@@ -97,7 +96,7 @@ class BucketReducer:
     def launch_remaining(self) -> None:
         """In the middle of backward, launch every bucket not launched yet, waiting for none: a stage-3 rank that
         cannot follow the backward's agreed order any more must not keep another rank waiting for one of its
-        reductions (See [Note: stage-3 units every rank agrees on] in reliability/divergence.py). This backward
+        reductions (See [Note: stage-3 units every rank agrees on] in stages/agreement.py). This backward
         cannot go on after it: a gradient that arrives later finds its bucket reduced."""
         if self.armed:
             self.max_in_flight = len(self.buckets)

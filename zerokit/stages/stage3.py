@@ -31,11 +31,12 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zerokit.comm import Communicator, ProcessGroups, Reduction
 from zerokit.config import ZeroConfig
@@ -43,12 +44,16 @@ from zerokit.flat import Bucket, FlatParameters, ParamEntry, ShardedFlat, build_
 from zerokit.masters import OptimizerPlan, ShardMasters
 from zerokit.offload import master_homes, shard_home
 from zerokit.offload.swap import SwapDirectory
+from zerokit.stages.agreement import GATHER
 from zerokit.stages.base import param_entries, swap_directories_of, whole_tensor_owners
 from zerokit.stages.construction import Construction, materialise
 from zerokit.stages.hooks import TrainingState, UnitHooks
 from zerokit.stages.stage2 import ShardedGradients
 from zerokit.stages.unit_shards import UnitShards
 from zerokit.stages.units import Unit, find_units
+
+if TYPE_CHECKING:
+    from zerokit.stages.reducer import BucketReducer
 
 
 class ShardedParameters(ShardedGradients):
@@ -58,6 +63,9 @@ class ShardedParameters(ShardedGradients):
         self.shards = shards
         self.units, self.trainable, self.frozen = shards.units, shards.trainable, shards.frozen
         self.unit_hooks = UnitHooks(shards)
+        agreement = shards.agreement
+        if agreement is not None and agreement.mode == GATHER:  # See [Note: stage-3 units every rank agrees on]
+            self.reductions_in_flight = len(self.layout.buckets)  # no cap's wait in backward
         for index in sorted(shards.persistent):
             shards.unshard(self.units[index])
 
@@ -91,6 +99,16 @@ class ShardedParameters(ShardedGradients):
         reduction = super().reduce_bucket(bucket)
         self.unit_hooks.bucket_launched(bucket)
         return reduction
+
+    def install_module_hooks(self, reducer: "BucketReducer") -> list[RemovableHandle]:
+        """The units' forward hooks; a rank that leaves the backward's agreed order releases the reducer's
+        remaining reductions (See [Note: stage-3 units every rank agrees on] in stages/agreement.py)."""
+        if self.shards.agreement is not None and self.shards.agreement.mode != GATHER:
+            self.shards.agreement.connect(reducer.launch_remaining)
+        return self.unit_hooks.install()
+
+    def end_of_autograd(self) -> None:
+        self.unit_hooks.end_of_autograd()
 
     def finish_backward(self) -> None:
         self.unit_hooks.finish_backward()

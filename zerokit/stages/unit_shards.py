@@ -18,7 +18,7 @@ import torch
 from zerokit.comm import Communicator
 from zerokit.config import Stage3Policy
 from zerokit.flat import Bucket, ShardedFlat
-from zerokit.reliability.divergence import RAISE, UnitAgreement
+from zerokit.stages.agreement import RAISE, UnitAgreement
 from zerokit.stages.units import Unit, ancestry
 
 
@@ -43,7 +43,7 @@ class UnitShards:
         self.needed_live_numel = self._needed_live_numel()
         # See [Note: a live limit below what the model needs]
         self.live_limit = max(policy.max_live_parameters, self.needed_live_numel)
-        # Every gather carries its unit (See [Note: stage-3 units every rank agrees on] in reliability/divergence.py)
+        # Every gather carries its unit (See [Note: stage-3 units every rank agrees on] in stages/agreement.py)
         # (not on torch's fake back-end, whose collectives move nothing: the planner's exact engine runs there)
         agree = comm.world_size > 1 and comm.backend != "fake"
         sizes = {self._gather_sizes(unit) for unit in units[1:]}

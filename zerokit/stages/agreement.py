@@ -106,9 +106,14 @@ class UnitAgreement:
         self.follow_orders = mode == RAISE  # (the benchmark switches it off to time a row beside every gather)
         self.orders: dict[str, list[Request]] = {}  # phase -> its requests, the last time every rank agreed
         self.forward_followed = False  # this micro-step's forward followed its order to the end
-        # Launches this rank's remaining gradient reductions without waiting (set by install_hooks; See the Note)
+        # Launches this rank's remaining gradient reductions without waiting (See the Note and `connect`)
         self.release_reductions: Callable[[], None] | None = None
         self._start_phase()
+
+    def connect(self, release_reductions: Callable[[], None]) -> None:
+        """The reducer's launch of every remaining reduction, which a rank leaving the backward's order calls
+        (the units' gathers, and so this agreement, exist before the engine builds the reducer over them)."""
+        self.release_reductions = release_reductions
 
     def _start_phase(self) -> None:
         self.started = False  # whether this phase follows an order is decided at its first gather

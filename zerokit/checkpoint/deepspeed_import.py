@@ -187,15 +187,19 @@ def read_deepspeed_checkpoint(load_dir: str | os.PathLike, tag: str | None = Non
 def check_model(checkpoint: DeepSpeedCheckpoint, named_shapes: dict[str, tuple[int, ...]]) -> None:
     """Refuse, in one line, a checkpoint of another model: names or shapes differ from `named_shapes` (the
     model's parameters and buffers, tied names included)."""
-    saved = checkpoint.shapes()
+    check_shapes(checkpoint.directory, checkpoint.shapes(), named_shapes)
+
+
+def check_shapes(directory: Path, saved: dict[str, tuple[int, ...]], named_shapes: dict[str, tuple[int, ...]]) -> None:
+    """check_model's test on the names and shapes a checkpoint holds (`saved`)."""
     missing, unexpected = sorted(set(named_shapes) - set(saved)), sorted(set(saved) - set(named_shapes))
     if missing or unexpected:
         raise DeepSpeedCheckpointError(
-            f"{checkpoint.directory}: a checkpoint of another model: the model has {_few(missing)} that it lacks"
+            f"{directory}: a checkpoint of another model: the model has {_few(missing)} that it lacks"
             f" and it has {_few(unexpected)} that the model lacks")
     for name, shape in named_shapes.items():
-        if tuple(shape) != saved[name]:
-            raise DeepSpeedCheckpointError(f"{checkpoint.directory}: a checkpoint of another model: {name} is "
+        if tuple(shape) != tuple(saved[name]):
+            raise DeepSpeedCheckpointError(f"{directory}: a checkpoint of another model: {name} is "
                                            f"{list(saved[name])} there and {list(shape)} in the model")
 
 

@@ -6,6 +6,10 @@ by one rank alone. A rank that raised there would leave the others waiting in th
 the next step, so every rank catches its error, the ranks exchange them (one small collective, See
 session.py) and, if any rank failed, all raise the first error before anything is published. An engine
 whose load failed holds a mix of old and new values: load again before training.
+
+A DeepSpeed checkpoint directory (`latest`, `global_stepN/`, its *_model_states.pt and *_optim_states.pt files)
+is resumed through the same restore code, read as a manifest (See [Note: a DeepSpeed checkpoint read as a
+zerokit manifest] in deepspeed_resume.py); its files are opened and checked before anything is restored.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerokit.checkpoint.collect import optimizer_list
+from zerokit.checkpoint.deepspeed_import import deepspeed_directory, is_deepspeed_checkpoint
+from zerokit.checkpoint.deepspeed_resume import DeepSpeedReaders, open_deepspeed, restore_schedule
 from zerokit.checkpoint.files import Readers
 from zerokit.checkpoint.manifest import MANIFEST, Manifest, rank_file, read_manifest
 from zerokit.checkpoint.optimizer_state import restore_groups
@@ -48,33 +54,58 @@ def checkpoint_directory(load_dir: str | os.PathLike, tag: str | None = None) ->
 
 def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | None = None,
                     load_optimizer_states: bool = True, load_module_only: bool = False,
-                    weights_only: bool = True) -> tuple[str, dict[str, Any] | None]:
+                    weights_only: bool = True, load_lr_scheduler_states: bool = True
+                    ) -> tuple[str, dict[str, Any] | None]:
     """Resume from `load_dir/tag` (default: the tag in `load_dir/latest`), saved at any world size and
-    stage. Returns (the checkpoint's path, the client_state saved with it). load_module_only: the weights
-    only (masters, frozen parameters, buffers), as DeepSpeed's flag; load_optimizer_states=False: the
-    weights, counters and loss scale, but no optimizer state. weights_only: how client_state is unpickled
-    (torch.load's flag; False runs arbitrary code from the file)."""
+    stage, by zerokit or by DeepSpeed's ZeRO stages 1-3. Returns (the checkpoint's path, the client_state
+    saved with it). load_module_only: the weights only (masters, frozen parameters, buffers), as DeepSpeed's
+    flag; load_optimizer_states=False: the weights, counters and loss scale, but no optimizer state.
+    weights_only: how client_state is unpickled (torch.load's flag; False runs arbitrary code from the file;
+    a DeepSpeed checkpoint's is always read with True). load_lr_scheduler_states: a DeepSpeed checkpoint's LR
+    scheduler state goes into the schedule the engine steps (a zerokit checkpoint keeps schedules in its
+    client_state: See zerokit/deepspeed/engine.py)."""
     session = session_of(engine)
     session.writer.wait()
-    directory = checkpoint_directory(load_dir, tag)
-    error, manifest = None, None
+    deepspeed = _deepspeed_checkpoint(load_dir, tag)
+    directory = deepspeed or checkpoint_directory(load_dir, tag)
+    error, manifest, source = None, None, None
+    with_state = load_optimizer_states and not load_module_only
     try:
-        manifest = read_manifest(directory)
-        check_model(manifest, engine, directory)
-        _restore_tensors(engine, manifest, directory, load_optimizer_states and not load_module_only)
+        if deepspeed is not None:
+            source = open_deepspeed(deepspeed, engine)
+            manifest, readers = source.manifest, source.readers
+        else:
+            manifest = read_manifest(directory)
+            check_model(manifest, engine, directory)
+            readers = Readers(directory, manifest.files)
+        _restore_tensors(engine, manifest, readers, with_state)
         if not load_module_only:
             _restore_counters(engine, manifest, directory, load_optimizer_states)
+            if source is not None and load_lr_scheduler_states:
+                restore_schedule(engine, source.lr_scheduler, directory)
     except ValueError as failure:
         error = f"rank {engine.rank}: {failure}" if engine.world_size > 1 else str(failure)
     errors = [e for e in session.group.all_gather(error) if e]
     if errors:  # See [Note: a load fails on every rank or on none]
         raise ValueError(errors[0])
     _publish(engine)
+    if source is not None:
+        return str(directory), source.client_state
     return str(directory), _client_state(directory, manifest, weights_only)
 
 
-def _restore_tensors(engine: "Engine", manifest: Manifest, directory: Path, with_state: bool) -> None:
-    readers = Readers(directory, manifest.files)
+def _deepspeed_checkpoint(load_dir: str | os.PathLike, tag: str | None) -> Path | None:
+    """The tag directory of a DeepSpeed checkpoint at load_dir/tag (or the tag `latest` names), None for a
+    zerokit checkpoint or nothing there."""
+    if not is_deepspeed_checkpoint(load_dir, tag):
+        return None
+    directory = deepspeed_directory(load_dir, tag)
+    return None if (directory / MANIFEST).is_file() else directory
+
+
+def _restore_tensors(engine: "Engine", manifest: Manifest, readers: "Readers | DeepSpeedReaders",
+                     with_state: bool) -> None:
+    directory = readers.directory
     try:
         # masters paged to NVMe: loaded into their records, and published as a step publishes them
         with engine.stage.masters.all_resident(publish=True):
@@ -111,7 +142,10 @@ def _restore_counters(engine: "Engine", manifest: Manifest, directory: Path, wit
 
 
 def _restore_rng(engine: "Engine", manifest: Manifest, readers: Readers) -> None:
-    """This rank's generators, if the saving run had this rank; a new rank keeps its own (and says so)."""
+    """This rank's generators, if the saving run had this rank; a new rank keeps its own (and says so). A
+    DeepSpeed checkpoint saves none."""
+    if not manifest.rng:
+        return
     if engine.rank not in manifest.rng:
         if engine.rank == manifest.world_size:
             logger.info(f"ranks {manifest.world_size} and up were not in the saved run: their random generators "

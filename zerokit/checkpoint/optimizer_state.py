@@ -70,8 +70,12 @@ def split_piece_state(state: dict[str, Any], piece: torch.Tensor, whole_tensor: 
 
 def encode_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Each param group's hyperparameters (an LR scheduler changes them), without the parameters."""
-    return [{key: _encode_hyper(value) for key, value in group.items() if key != "params" and _savable(value)}
-            for group in optimizer.param_groups]
+    return [encode_hyperparameters(group) for group in optimizer.param_groups]
+
+
+def encode_hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """One param group's hyperparameters as JSON (what restore_groups reads), without the parameters."""
+    return {key: _encode_hyper(value) for key, value in group.items() if key != "params" and _savable(value)}
 
 
 def restore_groups(optimizer: torch.optim.Optimizer, saved: list[dict[str, Any]], where: str) -> None:

@@ -353,8 +353,11 @@ class DeepSpeedEngine(Engine):
         if not load_module_strict or custom_load_fn is not None:
             raise ValueError("load_checkpoint(load_module_strict=False / custom_load_fn=...) is not offered: zerokit "
                              "loads every parameter of the model by name")
-        path, client_state = super().load_checkpoint(load_dir, tag, load_optimizer_states=load_optimizer_states,
-                                                     load_module_only=load_module_only, **zerokit)
+        from zerokit.checkpoint import load_checkpoint  # Engine.load_checkpoint's, with the scheduler flag
+        self._refuse_if_closed("load_checkpoint")
+        path, client_state = load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                                             load_module_only=load_module_only,
+                                             load_lr_scheduler_states=load_lr_scheduler_states, **zerokit)
         client_state = dict(client_state or {})
         saved = client_state.pop(SCHEDULES_KEY, None)
         if saved is not None and load_lr_scheduler_states and not load_module_only:

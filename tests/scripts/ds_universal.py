@@ -87,8 +87,9 @@ def unshare_steps(engine) -> bool:
     return shared
 
 
-def deepspeed_stage(rank: int, root: str, stage: int, unshare: bool) -> dict:
-    """Real DeepSpeed loads root/universal at `stage` and trains on (unshare: after unshare_steps)."""
+def deepspeed_stage(rank: int, root: str, stage: int, unshare: bool, save: bool = False) -> dict:
+    """Real DeepSpeed loads root/universal at `stage` and trains on (unshare: after unshare_steps); save: then
+    saves its own checkpoint under root/ds (for ds_to_universal)."""
     import deepspeed
 
     config = {**model_side.ds_config(stage, "fp32"), "checkpoint": {"load_universal": True}}
@@ -105,6 +106,8 @@ def deepspeed_stage(rank: int, root: str, stage: int, unshare: bool) -> dict:
                   "shared_step": unshare_steps(engine) if unshare else None}
         losses = train(engine, AFTER, rank)
         weights = _gathered_weights(engine)
+        if save:
+            engine.save_checkpoint(str(Path(root) / "ds"))
         engine.destroy()
     return {"losses": losses, "weights": weights if rank == 0 else None, "loaded": loaded}
 
@@ -116,12 +119,12 @@ def _deepspeed_comm() -> None:
         deepspeed.init_distributed(dist_backend="gloo")
 
 
-def deepspeed_resume(rank: int, world_size: int, root: str, stages: list[int],
-                     unshare: bool = True) -> dict[int, dict]:
-    """Each stage of `stages`, one DeepSpeed engine after another in this launch."""
+def deepspeed_resume(rank: int, world_size: int, root: str, stages: list[int], unshare: bool = True,
+                     save_stage: int | None = None) -> dict[int, dict]:
+    """Each stage of `stages`, one DeepSpeed engine after another in this launch; the one at save_stage saves."""
     _environment(rank, world_size)
     _deepspeed_comm()
-    results = {stage: deepspeed_stage(rank, root, stage, unshare) for stage in stages}
+    results = {stage: deepspeed_stage(rank, root, stage, unshare, stage == save_stage) for stage in stages}
     dist.barrier()
     return results
 

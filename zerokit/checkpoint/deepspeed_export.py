@@ -52,6 +52,7 @@ from zerokit.checkpoint.load import _client_state, checkpoint_directory
 from zerokit.checkpoint.manifest import BUFFER, MASTER, MANIFEST, Manifest, ParamRecord, dtype_of, rank_file, \
     read_manifest, state_key, values_key
 from zerokit.checkpoint.optimizer_state import decode_scalar
+from zerokit.checkpoint.save import LATEST
 
 LAYOUT_VERSION = "0.19.8"  # the DeepSpeed whose universal layout is written (its ds_version)
 LATEST_UNIVERSAL = "latest_universal"
@@ -59,7 +60,6 @@ ADAM_STATE = ("exp_avg", "exp_avg_sq")  # what ds_to_universal carries, and all 
 SCHEDULES_KEY = "zerokit.lr_schedules"  # where zerokit.deepspeed's save_checkpoint keeps its LR schedules
 STAGE12_MODEL_FILE = "mp_rank_00_model_states.pt"
 STAGE3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"
-TARGETS = ("deepspeed-universal",)
 
 
 @dataclass
@@ -80,7 +80,7 @@ def convert_to_universal(checkpoint: str | os.PathLike, out: str | os.PathLike, 
     and `out/latest_universal`. See [Note: what DeepSpeed's universal loader reads]. weights_only: how the
     client_state is unpickled (False runs code from the file)."""
     started = time.perf_counter()
-    out = Path(out)
+    out = Path(os.path.abspath(out))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out}: exists and is not an empty directory; a conversion never overwrites a "
                          "checkpoint: name a new directory")
@@ -110,10 +110,16 @@ def convert_to_universal(checkpoint: str | os.PathLike, out: str | os.PathLike, 
 
 
 def _zerokit_directory(checkpoint: str | os.PathLike, tag: str | None) -> Path:
-    if is_deepspeed_checkpoint(checkpoint, tag) and not (Path(checkpoint) / MANIFEST).is_file():
-        raise ValueError(f"{checkpoint}: a DeepSpeed checkpoint, not a zerokit one; DeepSpeed's own "
-                         "ds_to_universal.py converts it")
-    return checkpoint_directory(checkpoint, tag)
+    """The zerokit checkpoint to convert, or a one-line error saying why `checkpoint` is not one."""
+    source = Path(checkpoint)
+    if is_deepspeed_checkpoint(source, tag) and not (source / MANIFEST).is_file():
+        raise ValueError(f"{source}: a DeepSpeed checkpoint, not a zerokit one; DeepSpeed's own ds_to_universal.py "
+                         "converts it")
+    if not source.is_dir():
+        raise ValueError(f"{source}: no such directory (a zerokit save_dir or one checkpoint's directory)")
+    if tag is None and not (source / MANIFEST).is_file() and not (source / LATEST).is_file():
+        raise ValueError(f"{source}: not a zerokit checkpoint (no {MANIFEST}, and no `{LATEST}` naming one)")
+    return checkpoint_directory(source, tag)
 
 
 def check_convertible(manifest: Manifest, directory: Path) -> dict[str, ParamRecord]:

@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # Module names under zerokit.cli, in the order `zerokit --help` lists them.
-SUBCOMMANDS = ["demo", "plan", "translate", "consolidate"]
+SUBCOMMANDS = ["demo", "plan", "translate", "consolidate", "convert"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -162,3 +163,88 @@ def test_bad_input_is_named_in_one_line(written: Path, tmp_path: Path) -> None:
     assert is_deepspeed_checkpoint(written / "stage2_fp32_w2" / "ckpt")
     assert not is_deepspeed_checkpoint(tmp_path / "nowhere")
     assert pickle  # the hostile file above is a pickle torch.load(weights_only=False) would run
+
+
+# --- resuming in zerokit ---------------------------------------------------------------------------------
+# Per zerokit world size, the (DeepSpeed case, zerokit stage) pairs resumed in one spawn: every case at 1 rank
+# and stage 0; at 2 and 3 ranks each saved size at its own size and stage, and each saved stage at another size
+# and another stage.
+RESUMES = {1: [(case, 0) for case in CASES],
+           2: [("stage1_fp32_w2", 1), ("stage2_bf16_w2", 2), ("stage3_fp32_w2", 3), ("stage2_fp32_w3", 3),
+               ("stage3_bf16_w3", 1)],
+           3: [("stage2_fp32_w3", 2), ("stage3_bf16_w3", 3), ("stage1_bf16_w2", 2), ("stage2_fp32_w2", 1),
+               ("stage3_bf16_w2", 2)]}
+# bf16: zerokit and DeepSpeed each run the forward and backward in bf16 (8 significant bits, a relative rounding
+# of up to 2^-8 = 3.9e-3), with other casts and reduction orders, so they differ in the forward already: losses
+# are compared to rtol 2e-3 (measured: 7e-4 at most), and masters to atol 4e-3, under one step's Adam update at
+# the restored learning rate (5e-3), so that a master not restored or not stepped is still caught (measured:
+# 9e-4 at most). The masters as loaded are compared exactly in both precisions.
+TOLERANCES = {"fp32": (1e-5, 2e-5), "bf16": (2e-3, 4e-3)}
+
+
+def _global_losses(results: list[dict]) -> list[float]:
+    steps = range(len(results[0]["losses"]))
+    return [sum(r["losses"][s][0] * r["losses"][s][1] for r in results) / sum(r["losses"][s][1] for r in results)
+            for s in steps]
+
+
+def test_resumes_at_any_size_and_stage_as_deepspeed_continues(written: Path) -> None:
+    """zerokit loads each DeepSpeed checkpoint with the drop-in's HF-Trainer-shaped call, restores exactly the
+    fp32 masters, counters, learning rates and client_state, and its next steps on the same global batches equal
+    DeepSpeed's own continuation."""
+    import ds_resume
+
+    for world_size, cases in RESUMES.items():
+        per_rank = spawn(ds_resume.resume_all, world_size, str(written), cases, timeout=600)
+        for index, (case, stage) in enumerate(cases):
+            results = [rank_results[index] for rank_results in per_rank]
+            where = (case, world_size, stage)
+            reference = torch.load(written / case / "reference.pt")
+            for name, master in results[0]["loaded"].items():
+                assert torch.equal(master, reference[name]), (where, name)
+            for result in results:
+                assert result["client_state"] == {"epoch": 4, "note": "from deepspeed"}, where
+                assert result["path"].endswith(f"{case}/ckpt/global_step3"), where
+                assert result["global_steps"] == 3 and result["lr"] == [0.005, 0.005], where  # WarmupLR at 3 of 4
+                assert result["weight_decay"] == [0.1, 0.0], where
+            saved_world_size = int(case.rsplit("_w", 1)[1])
+            losses = [torch.load(written / case / f"continued_losses_rank{r}.pt") for r in range(saved_world_size)]
+            theirs = [sum(rank[step] for rank in losses) / saved_world_size for step in range(len(losses[0]))]
+            rtol, atol = TOLERANCES[case.split("_")[1]]
+            assert _global_losses(results) == pytest.approx(theirs, rel=rtol), where
+            continued = torch.load(written / case / "continued.pt")
+            for name, master in results[0]["masters"].items():
+                torch.testing.assert_close(master, continued[name], rtol=0, atol=atol, msg=lambda m: f"{where} {m}")
+
+
+def test_bad_deepspeed_checkpoints_fail_on_every_rank_before_anything_changes(written: Path, tmp_path: Path) -> None:
+    """A missing file, a truncated one, another model's checkpoint and a tensor-parallel one: every rank raises
+    the same one-line error, and the engine's weights and masters are those it had (nothing restored)."""
+    import ds_resume
+
+    def copy(case: str, name: str) -> Path:
+        shutil.copytree(written / case / "ckpt", tmp_path / name)
+        return tmp_path / name / "global_step3"
+
+    missing = copy("stage3_bf16_w2", "missing")
+    (missing / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    truncated = copy("stage3_fp32_w2", "truncated")
+    path = truncated / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    parallel = copy("stage2_fp32_w2", "parallel")
+    shutil.copy(parallel / "mp_rank_00_model_states.pt", parallel / "mp_rank_01_model_states.pt")
+    cases = [(missing.parent, False, r"optim_states.pt: saved by 2 ranks but 1 optimizer files are here"),
+             (truncated.parent, False, r"zero_pp_rank_1_mp_rank_00_optim_states.pt: truncated"),
+             (written / "stage2_fp32_w2" / "ckpt", True, r"another model: the model has extra.bias, extra.weight"),
+             (parallel.parent, False, r"mp_rank_01_model_states.pt: a pipeline-, tensor- or expert-parallel"),
+             # rank 1 alone finds its copy damaged: rank 0 must not have restored its own meanwhile
+             ([written / "stage3_fp32_w2" / "ckpt", truncated.parent], False,
+              r"^rank 1: .*zero_pp_rank_1_mp_rank_00_optim_states.pt: truncated")]
+    directories = [[str(d) for d in c[0]] if isinstance(c[0], list) else str(c[0]) for c in cases]
+    per_rank = spawn(ds_resume.failed_loads, 2, directories, [c[1] for c in cases], timeout=600)
+    for index, (_, _, match) in enumerate(cases):
+        results = [rank_results[index] for rank_results in per_rank]
+        assert results[0]["error"] is not None and re.search(match, results[0]["error"]), (match, results[0])
+        assert "\n" not in results[0]["error"], results[0]["error"]
+        assert all(r["error"] == results[0]["error"] for r in results), results
+        assert all(r["unchanged"] and r["steps"] == 0 for r in results), (match, results)

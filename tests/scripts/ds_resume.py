@@ -5,7 +5,7 @@ the same global batches as DeepSpeed's own continuation, for tests/test_deepspee
 
 Each case (the DeepSpeed case's folder, the zerokit stage) returns, per rank: what load_checkpoint returned and
 restored (client_state, counters, learning rates), each continued step's loss as (mean over this rank's
-sequences, their count), and on rank 0 the fp32 masters the steps end at.
+sequences, their count), and on rank 0 the fp32 masters as loaded and as the steps end them.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def resume_case(root: Path, case: str, stage: int, rank: int, world_size: int) -
     path, client_state = engine.load_checkpoint(str(root / case / "ckpt"), load_module_strict=True,
                                                 load_optimizer_states=True, load_lr_scheduler_states=True)
     result = {"path": path, "client_state": client_state, "global_steps": engine.global_steps, "lr": engine.get_lr(),
-              "weight_decay": [g["weight_decay"] for g in engine.optimizer.param_groups], "losses": []}
+              "weight_decay": [g["weight_decay"] for g in engine.optimizer.param_groups], "losses": [],
+              "loaded": fp32_masters(engine)}
     for step in range(ds.STEPS_BEFORE, ds.STEPS_BEFORE + ds.STEPS_AFTER):
         share = torch.tensor_split(global_batch(step, saved_world_size), world_size)[rank]
         loss = engine(share)
@@ -71,3 +72,32 @@ def resume_case(root: Path, case: str, stage: int, rank: int, world_size: int) -
 
 def resume_all(rank: int, world_size: int, root: str, cases: list[tuple[str, int]]) -> list[dict[str, Any]]:
     return [resume_case(Path(root), case, stage, rank, world_size) for case, stage in cases]
+
+
+def failed_loads(rank: int, world_size: int, directories: list[str | list[str]],
+                 extra_param: list[bool]) -> list[dict[str, Any]]:
+    """Each load of a bad DeepSpeed checkpoint into a 2-rank stage-2 engine (a list: each rank's own directory, as
+    where one node's copy is damaged): the error this rank raised, and whether the engine's weights and masters
+    are still those it had before (nothing of the failed load restored)."""
+    import zerokit.deepspeed as deepspeed
+
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size))
+    results = []
+    for directory, extra in zip(directories, extra_param):
+        model = ds.build_model(seed=99)
+        if extra:
+            model.extra = torch.nn.Linear(2, 2)  # another model: one more layer
+        engine, *_ = deepspeed.initialize(model=model, optimizer=ds.make_optimizer(model),
+                                          config=ds.ds_config(2, "fp32"))
+        before, masters = engine.full_state_dict(), fp32_masters(engine)
+        try:
+            engine.load_checkpoint(directory if isinstance(directory, str) else directory[rank])
+            error = None
+        except ValueError as failure:
+            error = str(failure)
+        after, masters_after = engine.full_state_dict(), fp32_masters(engine)
+        unchanged = all(torch.equal(before[k], after[k]) for k in before) and (
+            masters is None or all(torch.equal(masters[k], masters_after[k]) for k in masters))
+        results.append({"error": error, "unchanged": unchanged, "steps": engine.global_steps})
+        engine.destroy()
+    return results

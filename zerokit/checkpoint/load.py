@@ -70,9 +70,14 @@ def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | No
     directory = deepspeed or checkpoint_directory(load_dir, tag)
     error, manifest, source = None, None, None
     with_state = load_optimizer_states and not load_module_only
-    try:
-        if deepspeed is not None:
+    if deepspeed is not None:  # every rank's files opened and checked before any rank restores anything
+        try:
             source = open_deepspeed(deepspeed, engine)
+        except ValueError as failure:
+            error = _ranked(engine, failure)
+        _raise_first(session, error)
+    try:
+        if source is not None:
             manifest, readers = source.manifest, source.readers
         else:
             manifest = read_manifest(directory)
@@ -84,14 +89,24 @@ def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | No
             if source is not None and load_lr_scheduler_states:
                 restore_schedule(engine, source.lr_scheduler, directory)
     except ValueError as failure:
-        error = f"rank {engine.rank}: {failure}" if engine.world_size > 1 else str(failure)
-    errors = [e for e in session.group.all_gather(error) if e]
-    if errors:  # See [Note: a load fails on every rank or on none]
-        raise ValueError(errors[0])
+        error = _ranked(engine, failure)
+    _raise_first(session, error)
     _publish(engine)
     if source is not None:
         return str(directory), source.client_state
     return str(directory), _client_state(directory, manifest, weights_only)
+
+
+def _ranked(engine: "Engine", failure: Exception) -> str:
+    return f"rank {engine.rank}: {failure}" if engine.world_size > 1 else str(failure)
+
+
+def _raise_first(session: Any, error: str | None) -> None:
+    """Every rank raises the first rank's error if any rank has one (See [Note: a load fails on every rank or on
+    none])."""
+    errors = [e for e in session.group.all_gather(error) if e]
+    if errors:
+        raise ValueError(errors[0])
 
 
 def _deepspeed_checkpoint(load_dir: str | os.PathLike, tag: str | None) -> Path | None:

@@ -3,9 +3,9 @@ ds_checkpoints.py (a frozen parameter, a buffer, two param groups, a tied weight
 convert`, real DeepSpeed loads the universal checkpoint with `"checkpoint": {"load_universal": true}` at each
 stage of a sweep and trains on; zerokit's own continuation is the reference.
 
-    spawn(ds_universal.zerokit_train, 2, root, 3)                 # root/zk, and zerokit's continuation
-    spawn(ds_universal.deepspeed_resume, 2, root, [1, 2, 3])      # root/universal, stage after stage
-    spawn(ds_universal.zerokit_then_deepspeed, 1, root, 3, [2])   # another world size: both sides
+    spawn(ds_universal.zerokit_train, 2, root, [(3, "fp32")])        # root/zk-fp32, and zerokit's continuation
+    spawn(ds_universal.deepspeed_resume, 2, root, [(1, "fp32"), (3, "fp32")])   # root/universal-fp32, in turn
+    spawn(ds_universal.zerokit_then_deepspeed, 1, root, 2, [(2, "fp32")])       # another world size: both sides
 
 Each returns, per rank, what the test compares: losses of the steps after the save, the fp32 weights they end at
 (rank 0), and what the loaded engine says of its counters and param groups.
@@ -34,32 +34,36 @@ def _environment(rank: int, world_size: int) -> None:
     os.environ.setdefault("MASTER_PORT", "29500")
 
 
-def _zerokit_engine(stage: int):
+def _zerokit_engine(stage: int, precision: str):
     import zerokit.deepspeed
 
     model = build_model()
     engine, *_ = zerokit.deepspeed.initialize(model=model, optimizer=make_optimizer(model),
-                                              config=model_side.ds_config(stage, "fp32"))
+                                              config=model_side.ds_config(stage, precision))
     return engine
 
 
-def zerokit_train(rank: int, world_size: int, root: str, stage: int) -> dict:
-    """Train STEPS_BEFORE steps, save root/zk, then continue: zerokit's own continuation."""
+def zerokit_train(rank: int, world_size: int, root: str, cases: list[tuple[int, str]]) -> dict[str, dict]:
+    """Per (stage, precision): train STEPS_BEFORE steps, save root/zk-<precision>, then continue: zerokit's own
+    continuation."""
     _environment(rank, world_size)
-    engine = _zerokit_engine(stage)
-    train(engine, range(STEPS_BEFORE), rank)
-    engine.save_checkpoint(str(Path(root) / "zk"), client_state=CLIENT_STATE)
-    losses = train(engine, AFTER, rank)
-    weights = engine.full_state_dict()
-    engine.close()
-    return {"losses": losses, "weights": weights if rank == 0 else None}
+    results = {}
+    for stage, precision in cases:
+        engine = _zerokit_engine(stage, precision)
+        train(engine, range(STEPS_BEFORE), rank)
+        engine.save_checkpoint(str(Path(root) / f"zk-{precision}"), client_state=CLIENT_STATE)
+        losses = train(engine, AFTER, rank)
+        weights = engine.full_state_dict()
+        engine.close()
+        results[precision] = {"losses": losses, "weights": weights if rank == 0 else None}
+    return results
 
 
-def zerokit_resume(rank: int, world_size: int, root: str, stage: int) -> dict:
-    """zerokit's own continuation of root/zk at this world size."""
+def zerokit_resume(rank: int, world_size: int, root: str, stage: int, precision: str) -> dict:
+    """zerokit's own continuation of root/zk-<precision> at this world size."""
     _environment(rank, world_size)
-    engine = _zerokit_engine(stage)
-    engine.load_checkpoint(str(Path(root) / "zk"))
+    engine = _zerokit_engine(stage, precision)
+    engine.load_checkpoint(str(Path(root) / f"zk-{precision}"))
     losses = train(engine, AFTER, rank)
     weights = engine.full_state_dict()
     engine.close()
@@ -87,16 +91,16 @@ def unshare_steps(engine) -> bool:
     return shared
 
 
-def deepspeed_stage(rank: int, root: str, stage: int, unshare: bool, save: bool = False) -> dict:
-    """Real DeepSpeed loads root/universal at `stage` and trains on (unshare: after unshare_steps); save: then
-    saves its own checkpoint under root/ds (for ds_to_universal)."""
+def deepspeed_stage(rank: int, root: str, stage: int, precision: str, unshare: bool, save: bool = False) -> dict:
+    """Real DeepSpeed loads root/universal-<precision> at `stage` and trains on (unshare: after unshare_steps);
+    save: then saves its own checkpoint under root/ds (for ds_to_universal)."""
     import deepspeed
 
-    config = {**model_side.ds_config(stage, "fp32"), "checkpoint": {"load_universal": True}}
+    config = {**model_side.ds_config(stage, precision), "checkpoint": {"load_universal": True}}
     model = build_model()
     with contextlib.redirect_stdout(io.StringIO()):
         engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(model), config=config)
-        path, client_state = engine.load_checkpoint(str(Path(root) / "universal"))
+        path, client_state = engine.load_checkpoint(str(Path(root) / f"universal-{precision}"))
         loaded = {"path": path, "client_state": {k: client_state.get(k) for k in CLIENT_STATE},
                   "global_steps": engine.global_steps, "global_samples": engine.global_samples,
                   "skipped_steps": engine.skipped_steps, "lr": engine.get_lr(),
@@ -119,18 +123,21 @@ def _deepspeed_comm() -> None:
         deepspeed.init_distributed(dist_backend="gloo")
 
 
-def deepspeed_resume(rank: int, world_size: int, root: str, stages: list[int], unshare: bool = True,
-                     save_stage: int | None = None) -> dict[int, dict]:
-    """Each stage of `stages`, one DeepSpeed engine after another in this launch; the one at save_stage saves."""
+def deepspeed_resume(rank: int, world_size: int, root: str, cases: list[tuple[int, str]], unshare: bool = True,
+                     save_case: tuple[int, str] | None = None) -> dict[tuple[int, str], dict]:
+    """Each (stage, precision) of `cases`, one DeepSpeed engine after another in this launch; the one at
+    save_case saves."""
     _environment(rank, world_size)
     _deepspeed_comm()
-    results = {stage: deepspeed_stage(rank, root, stage, unshare, stage == save_stage) for stage in stages}
+    results = {(stage, precision): deepspeed_stage(rank, root, stage, precision, unshare,
+                                                   (stage, precision) == save_case)
+               for stage, precision in cases}
     dist.barrier()
     return results
 
 
 def zerokit_then_deepspeed(rank: int, world_size: int, root: str, zerokit_stage: int,
-                           stages: list[int]) -> dict:
-    """At a world size other than the saving run's: zerokit's continuation, then DeepSpeed's at each stage."""
-    reference = zerokit_resume(rank, world_size, root, zerokit_stage)
-    return {"zerokit": reference, "deepspeed": deepspeed_resume(rank, world_size, root, stages)}
+                           cases: list[tuple[int, str]]) -> dict:
+    """At a world size other than the saving run's (fp32): zerokit's continuation, then DeepSpeed's per case."""
+    reference = zerokit_resume(rank, world_size, root, zerokit_stage, "fp32")
+    return {"zerokit": reference, "deepspeed": deepspeed_resume(rank, world_size, root, cases)}

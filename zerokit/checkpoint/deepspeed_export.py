@@ -31,6 +31,14 @@ copies `optimizer_state_dict["param_groups"][0]` into every param group, so two 
 weight_decay would both get group 0's. That record therefore holds only the hyperparameters every group
 agrees on: a key that differs keeps, at stage 3, the value the loading run built its optimizer with, as
 in the saving run (stages 1-2 restore each group's own values from `param_groups`).
+
+The same loader gives every sub-group (a param group, or a piece of one past sub_group_size) the one `step`
+tensor it read, and torch's Adam counts `step += 1` in place, so after such a load each step counts once per
+sub-group and the bias corrections drift from the first step on. No file can avoid that (it holds one step);
+a checkpoint DeepSpeed's own ds_to_universal wrote loads the same way. After `load_checkpoint` at stage 3 with
+more than one sub-group, give each its own: `for state in engine.optimizer.optimizer.state.values():
+state["step"] = state["step"].clone()` (tests/scripts/ds_universal.py's unshare_steps does, and its test checks
+that the steps were shared).
 """
 
 from __future__ import annotations

@@ -30,12 +30,15 @@ from zerokit.dsconfig.auto import resolve as resolve_auto
 from zerokit.dsconfig.blocks import (ActivationCheckpointing, CommsLogger, FlopsProfiler, Monitor, Offload,
                                      OptimizerSpec, SchedulerSpec, Wandb, block_fields, tensorboard_available)
 from zerokit.dsconfig.precision import compute_dtype
+from zerokit.settings import ELEMENT_BYTES, EngineSettings
 
 DTYPES_BY_NAME = {
     "fp32": torch.float32, "float32": torch.float32,
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
     "fp16": torch.float16, "float16": torch.float16,
 }
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+"""The config name of each floating dtype the engine computes or communicates in."""
 Z = "zero_optimization."
 
 
@@ -370,12 +373,22 @@ SCALAR_FIELDS = {
 }
 
 
+def engine_settings(config: ZeroConfig, world_size: int, backend: str) -> EngineSettings:
+    """What an engine with this (resolved) config does on these ranks and back-end, decided once (See [Note: one place for
+    each engine decision] in settings.py)."""
+    return EngineSettings.resolve(stage=config.stage, world_size=world_size, backend=backend,
+                                  reduce_scatter=config.reduce_scatter,
+                                  reduce_every_micro_step=config.reduce_every_micro_step,
+                                  bucket_bytes=config.reduce_bucket_bytes,
+                                  reduce_dtype=DTYPE_NAMES[config.precision.reduce_dtype])
+
+
 def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return ELEMENT_BYTES[DTYPE_NAMES[dtype]]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    return DTYPE_NAMES[dtype]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,6 +465,6 @@ def load_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None) -> Z
     raise ValueError(f"config must be a ZeroConfig, a dict or a JSON file path, not {type(config).__name__}")
 
 
-__all__ = ["ZeroConfig", "MixedPrecision", "LossScaling", "Stage3Policy", "Offload", "OptimizerSpec",
+__all__ = ["engine_settings", "ZeroConfig", "MixedPrecision", "LossScaling", "Stage3Policy", "Offload", "OptimizerSpec",
            "SchedulerSpec", "ActivationCheckpointing", "CommsLogger", "FlopsProfiler", "Monitor", "Wandb",
            "load_config", "from_dict", "hidden_size_of", "replace"]

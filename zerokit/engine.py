@@ -18,7 +18,7 @@ from torch import nn
 
 from zerokit.checkpoint.session import close as close_checkpoints
 from zerokit.comm import Communicator
-from zerokit.config import ZeroConfig, hidden_size_of, load_config
+from zerokit.config import ZeroConfig, engine_settings, hidden_size_of, load_config
 from zerokit.engine_blocks import grad_accum_dtype_lines, learning_rates, lr_schedules_for, optimizers_for
 from zerokit.masters import OptimizerPlan, optimizer_kind, trainable_groups
 from zerokit.offload.activations import ActivationCheckpointer
@@ -76,7 +76,10 @@ class Engine:
         params, group_of_param = _backward_ordered(model, groups)
         plan = OptimizerPlan(tuple(optimizers), tuple(refs))
         extra = {"construction": construction} if construction is not None else {}
-        self.stage = STAGES[config.stage].build(model, params, group_of_param, plan, config, self.comm, **extra)
+        # See [Note: one place for each engine decision] in zerokit/settings.py
+        self.settings = engine_settings(config, self.world_size, self.comm.backend)
+        self.stage = STAGES[config.stage].build(model, params, group_of_param, plan, config, self.settings, self.comm,
+                                                **extra)
         # Frozen parameters (stages 0-2; stage 3 shards them in the compute dtype already) and buffers;
         # trainable ones are cast.
         model.to(dtype=config.precision.param_dtype)

@@ -28,10 +28,10 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from zerokit.config import ZeroConfig
+from zerokit.config import DTYPE_NAMES as NAMES, ZeroConfig
+from zerokit.settings import reduces_every_micro_step as reduces_every_micro_step_at
 from zerokit.schedules import DeepSpeedLR, both_given_error, build_optimizer, build_scheduler
 
-NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def optimizers_for(model: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None,
@@ -68,7 +68,7 @@ def learning_rates(optimizers: list[torch.optim.Optimizer]) -> list[float]:
 
 def reduces_every_micro_step(config: ZeroConfig) -> bool:
     """Stage 3, and stage 2 by default, reduce each micro-step's gradients and accumulate the reduced shards."""
-    return config.stage == 3 or (config.stage == 2 and config.reduce_every_micro_step)
+    return reduces_every_micro_step_at(config.stage, config.reduce_every_micro_step)
 
 
 def accumulation_dtype(config: ZeroConfig) -> torch.dtype:

@@ -1,6 +1,19 @@
-from zerokit.flat.buffers import FlatParameters, bucket_view, own_part, shard_view, tensor_bytes
-from zerokit.flat.layout import Bucket, FlatLayout, ParamEntry, ParamSlice, RankShards, Slot, assign_owners, build_layout
-from zerokit.flat.sharded import ShardedFlat, gather_bucket
+"""Flat buffers and their shard arithmetic. layout.py is pure arithmetic, which the planner calls as the engine
+does, so names are imported on first use: importing zerokit.flat.layout does not import torch."""
 
-__all__ = ["Bucket", "FlatLayout", "FlatParameters", "ParamEntry", "ParamSlice", "RankShards", "ShardedFlat", "gather_bucket", "Slot", "assign_owners", "build_layout",
-           "bucket_view", "own_part", "shard_view", "tensor_bytes"]
+from importlib import import_module
+
+_LAZY = {
+    **dict.fromkeys(["FlatParameters", "bucket_view", "own_part", "shard_view", "tensor_bytes"], "zerokit.flat.buffers"),
+    **dict.fromkeys(["Bucket", "FlatLayout", "ParamEntry", "ParamSlice", "RankShards", "Slot", "assign_owners",
+                     "build_layout"], "zerokit.flat.layout"),
+    **dict.fromkeys(["ShardedFlat", "gather_bucket"], "zerokit.flat.sharded"),
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'zerokit.flat' has no attribute {name!r}")
+    value = globals()[name] = getattr(import_module(_LAZY[name]), name)
+    return value

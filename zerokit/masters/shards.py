@@ -19,7 +19,6 @@ piece size follows where the master lives, not where the model computes.
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -28,24 +27,18 @@ from typing import Any, Iterator, NamedTuple, Protocol, Sequence
 import torch
 from torch import nn
 
-from zerokit.defaults import CPU_OPTIMIZER_PIECE_NUMEL
 from zerokit.flat import ParamSlice, tensor_bytes
 from zerokit.masters.optimizer import GroupRef, rebuild_optimizer
 from zerokit.precision import scale_, square_sum, unscale_
+from zerokit.settings import optimizer_piece_numel
 
-# Default elements per optimizer piece, by the type of device the master lives on; absent: one piece per
-# parameter part. See [Note: optimizer pieces].
-OPTIMIZER_PIECE_NUMEL = {"cpu": CPU_OPTIMIZER_PIECE_NUMEL}
 TIERS = ("device", "host", "nvme")
 
 
 def piece_numel(sub_group_size: int | None, device_type: str) -> int:
-    """The most elements an optimizer piece holds (See [Note: optimizer pieces]): sub_group_size where given,
-    except 0, which is one piece per parameter (DeepSpeed's 0 makes every parameter its own sub-group); else
-    the default for where the master lives."""
-    if sub_group_size == 0:
-        return sys.maxsize
-    return sub_group_size or OPTIMIZER_PIECE_NUMEL.get(device_type, sys.maxsize)
+    """The most elements an optimizer piece of a master on `device_type` holds (the decision is the planner's
+    too: zerokit/settings.py)."""
+    return optimizer_piece_numel(sub_group_size, master_on_host=device_type == "cpu")
 
 
 class Home(Protocol):

@@ -200,7 +200,7 @@ def data_parallel(rank: RankParams, training: Training, stage: int, groups: dict
         whole, shard = round(whole_tensor_fraction(rank, training) * trainable), g["dp_shard"]
         if stage == 3:
             out += _stage3(rank, training, shard, blocks)
-        elif stage == 2 and training.reduce_every_micro_step:
+        elif training.reduces_every_micro_step(stage):  # stage 2 by default
             out += _split(reduce, _whole_reduce(training), shard, "backward", m * buckets, m * trainable, m * whole, r)
         else:
             out += _split(reduce, _whole_reduce(training), shard, "boundary", buckets, trainable, whole, r)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerokit.planner.estimate import Estimate
+from zerokit.settings import bucket_numel
 
 TARGETS = ("zerokit", "deepspeed", "fsdp")
 DEFAULT_CLIPPING = 1.0  # a common choice (Hugging Face Trainer's max_grad_norm); not part of the plan
@@ -69,7 +70,7 @@ def emit_zerokit(result: Estimate, clipping: float = DEFAULT_CLIPPING) -> dict:
         raise ValueError("zerokit's engine shards over one flat group; HSDP (replicas > 1) is on paper only: "
                          "use --emit fsdp (2-D device mesh)")
     t = result.training
-    zero = {"stage": result.stage, "reduce_bucket_size": max(1, t.bucket_bytes // t.reduce_bytes),
+    zero = {"stage": result.stage, "reduce_bucket_size": bucket_numel(t.bucket_bytes, t.reduce_bytes),
             "overlap_comm": t.overlap_comm}
     if result.stage == 2 and not t.reduce_every_micro_step:
         zero["reduce_every_micro_step"] = False
@@ -99,7 +100,7 @@ def emit_deepspeed(result: Estimate, clipping: float = DEFAULT_CLIPPING) -> dict
                          "was removed in 0.19.8; use --emit fsdp")
     t = result.training
     zero = {"stage": result.stage, "overlap_comm": t.overlap_comm, "contiguous_gradients": True,
-            "reduce_bucket_size": max(1, t.bucket_bytes // t.reduce_bytes)}
+            "reduce_bucket_size": bucket_numel(t.bucket_bytes, t.reduce_bytes)}
     zero.update(_stage3_limits(result))
     zero.update(_offload_blocks(result, {"pin_memory": True}))
     return {**_common(result, clipping), "zero_optimization": zero}

@@ -34,9 +34,12 @@ zerokit.profiling.inventory). From it, as the engine does (zerokit/flat/layout.p
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
-from zerokit.defaults import CPU_OPTIMIZER_PIECE_NUMEL, DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
+from zerokit.defaults import DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
+from zerokit.flat.layout import build_layout, round_up
+from zerokit.settings import EngineSettings, optimizer_piece_numel
 from zerokit.planner.spec import BYTES_PER_ELEMENT, OFFLOAD_DEVICES, PRECISIONS, _choice, _positive_int
 
 BACKENDS = ("gloo", "nccl")
@@ -145,22 +148,26 @@ class EngineSetup:
             raise ValueError(f"buffer_size={self.buffer_size!r} must be an integer >= 0")
 
     @property
+    def settings(self) -> EngineSettings:
+        """The engine's own decisions for this setup (zerokit/settings.py), not a copy of them."""
+        return EngineSettings.resolve(stage=self.stage, world_size=self.world, backend=self.backend,
+                                      reduce_scatter=self.reduce_scatter,
+                                      reduce_every_micro_step=self.reduce_every_micro_step,
+                                      bucket_bytes=self.bucket_bytes, reduce_dtype=self.reduce_dtype)
+
+    @property
     def reduces_by_scatter(self) -> bool:
-        return self.reduce_scatter if self.reduce_scatter is not None else self.backend != "gloo"
+        return self.settings.reduce_scatter
 
     @property
     def piece_numel(self) -> int:
-        if self.sub_group_size == 0:  # one piece per parameter, as the engine reads DeepSpeed's 0
-            return 2**63
-        if self.sub_group_size:
-            return self.sub_group_size
         # the piece size follows where the master lives: an offloaded one is in host memory
-        on_host = self.device == "cpu" or self.offload_optimizer != "none"
-        return CPU_OPTIMIZER_PIECE_NUMEL if on_host else 2**63
+        return optimizer_piece_numel(self.sub_group_size,
+                                     master_on_host=self.device == "cpu" or self.offload_optimizer != "none")
 
     @property
     def reduce_every_step(self) -> bool:
-        return self.stage == 3 or (self.stage == 2 and self.reduce_every_micro_step)
+        return self.settings.reduces_every_micro_step
 
 
 @dataclass(frozen=True)
@@ -190,36 +197,20 @@ class BucketPlan:
         return parts
 
 
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def engine_buckets(inventory: ParamInventory, setup: EngineSetup) -> tuple[BucketPlan, ...]:
-    """The engine's bucket layout (zerokit/flat/layout.py `build_layout`, greedy per key, launched in the
-    order of their last parameter); tests check it against the engine's own function."""
+    """The engine's bucket layout, made by the engine's own function (zerokit/flat/layout.py `build_layout`)
+    from the parameters in expected backward order, keyed as the stages key them."""
     trainable = [e for e in reversed(inventory.entries) if e.trainable]  # expected backward order
-    groups_per_unit = max((e.group for e in trainable), default=0) + 1
-    if setup.stage == 3:
-        keys, limit = [e.unit * groups_per_unit + e.group for e in trainable], math.inf
+    settings = setup.settings
+    if setup.stage == 3:  # one bucket per (unit, param group): See ShardedParameters.build
+        groups_per_unit = max((e.group for e in trainable), default=0) + 1
+        keys, limit = [e.unit * groups_per_unit + e.group for e in trainable], sys.maxsize
     else:
-        keys, limit = [e.group for e in trainable], max(1, setup.bucket_bytes // BYTES_PER_ELEMENT[setup.reduce_dtype])
-    open_members: dict[int, list[int]] = {}
-    open_size: dict[int, int] = {}
-    closed: list[list[int]] = []
-    for index, (entry, key) in enumerate(zip(trainable, keys)):
-        open_members.setdefault(key, []).append(index)
-        open_size[key] = open_size.get(key, 0) + entry.numel
-        if open_size[key] >= limit:
-            closed.append(open_members.pop(key))
-            open_size[key] = 0
-    closed.extend(open_members.values())
-    world = setup.world if setup.stage >= 1 else 1
-    buckets = []
-    for index, members in enumerate(sorted(closed, key=max)):
-        sizes = tuple(trainable[i].numel for i in members)
-        first = trainable[members[0]]
-        buckets.append(BucketPlan(index, first.group, first.unit, round_up(max(sum(sizes), 1), world), sizes, world))
-    return tuple(buckets)
+        keys, limit = [e.group for e in trainable], settings.bucket_numel
+    world = settings.layout_world_size
+    layout = build_layout([(e.numel, key) for e, key in zip(trainable, keys)], world, bucket_numel=limit)
+    return tuple(BucketPlan(b.index, trainable[b.slots[0].param_index].group, trainable[b.slots[0].param_index].unit,
+                            b.numel, tuple(slot.numel for slot in b.slots), world) for b in layout.buckets)
 
 
 @dataclass(frozen=True)

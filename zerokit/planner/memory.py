@@ -152,7 +152,7 @@ def optimizer_state_total(rank: RankParams, training: Training, elements: int) -
 
 
 def gradients_sharded(stage: int, training: Training) -> bool:
-    return stage == 3 or (stage == 2 and training.reduce_every_micro_step)
+    return training.reduces_every_micro_step(stage)
 
 
 def gradients_on_host(stage: int, training: Training, offload: Offload) -> bool:

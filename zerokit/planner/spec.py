@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from zerokit.defaults import DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
+from zerokit.settings import ELEMENT_BYTES, reduces_by_scatter, reduces_every_micro_step
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd-momentum", "sgd", "muon", "adafactor")
@@ -22,7 +23,7 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 BACKENDS = ("nccl", "gloo")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
-BYTES_PER_ELEMENT = {"bf16": 2, "fp16": 2, "fp32": 4}
+BYTES_PER_ELEMENT = ELEMENT_BYTES  # the engine's table (zerokit/settings.py)
 GB = 10**9  # reports use decimal GB, as the ZeRO paper does; capacities are stored in bytes
 
 
@@ -141,7 +142,11 @@ class Training:
 
     @property
     def reduces_by_scatter(self) -> bool:
-        return self.reduce_scatter if self.reduce_scatter is not None else self.backend != "gloo"
+        return reduces_by_scatter(self.backend, self.reduce_scatter)
+
+    def reduces_every_micro_step(self, stage: int) -> bool:
+        """Whether gradients leave the rank every micro-step at `stage` (the engine's decision)."""
+        return reduces_every_micro_step(stage, self.reduce_every_micro_step)
 
     @property
     def widened(self) -> bool:

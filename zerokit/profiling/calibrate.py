@@ -18,13 +18,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from zerokit.config import DTYPES_BY_NAME
 from zerokit.extras import require
 from zerokit.planner.calibration import RELATIVE_PHASES, Calibration, Fit
 from zerokit.planner.models import ModelSpec, resolve_model
 from zerokit.profiling.inventory import blocks_of
 from zerokit.profiling.measure import PHASES, AllocationTimeline, SavedTensorCounter, backward_phases
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {name: DTYPES_BY_NAME[name] for name in ("fp32", "bf16", "fp16")}  # the planner's precision names
 Inputs = Callable[[int, int], tuple[tuple, dict]]
 LossOf = Callable[[Any], torch.Tensor]
 BATCHES = (1, 2, 4, 8)  # with two lengths: enough shapes for the logits' gradients to show above the floor

@@ -17,11 +17,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from zerokit.config import DTYPES_BY_NAME
 from zerokit.defaults import CPU_OPTIMIZER_PIECE_NUMEL
 from zerokit.planner.device import DeviceProfile
 from zerokit.profiling.measure import resident_bytes
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {name: DTYPES_BY_NAME[name] for name in ("fp32", "bf16")}  # the compute dtypes the catalogue rates
 
 
 def _best_of(repeats: int, fn: Callable[[], None]) -> float:

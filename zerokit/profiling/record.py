@@ -29,12 +29,12 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from zerokit.config import DTYPE_NAMES
 from zerokit.planner.engine_model import EngineSetup
 from zerokit.profiling.inventory import blocks_of, param_inventory
 from zerokit.profiling.measure import AllocationTimeline, SavedTensorCounter, backward_phases, resident_peak
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _LAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its latest RunRecord
 
 

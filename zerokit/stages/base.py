@@ -37,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 
 from zerokit.comm import Communicator, Pending, ProcessGroups, Reduction, wait
 from zerokit.config import ZeroConfig
+from zerokit.settings import EngineSettings
 from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT
 from zerokit.flat import (Bucket, FlatParameters, ParamEntry, assign_owners, bucket_view, build_layout, gather_bucket,
                           shard_view, tensor_bytes)
@@ -59,13 +60,13 @@ class ZeroStage:
     """How many bucket reductions the reducer keeps in flight before it waits for the oldest."""
 
     def __init__(self, flat: FlatParameters, masters: ShardMasters, groups: ProcessGroups, config: ZeroConfig,
-                 reduces_every_micro_step: bool = False) -> None:
+                 settings: EngineSettings) -> None:
         self.flat, self.layout, self.masters = flat, flat.layout, masters
-        self.groups, self.comm, self.config = groups, groups.shard, config
+        self.groups, self.comm, self.config, self.settings = groups, groups.shard, config, settings
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.reduce_dtype = config.precision.reduce_dtype
-        self.reduce_scatter = uses_reduce_scatter(config, self.comm)  # See [Note: reducing a bucket to a shard]
-        self.reduces_every_micro_step = reduces_every_micro_step
+        self.reduce_scatter = settings.reduce_scatter  # See [Note: reducing a bucket to a shard]
+        self.reduces_every_micro_step = settings.reduces_every_micro_step
         """True where gradients must leave the rank on every micro-step (stage 2's default, stage 3)."""
         self.usage = GradientUsage(len(flat.params))  # See [Note: parameters no rank used]
         # See [Note: gradient pre-division]: what gradients are divided by before their sum (1: averaged as usual)
@@ -73,15 +74,14 @@ class ZeroStage:
 
     @classmethod
     def build(cls, model: nn.Module, params: list[nn.Parameter], groups: list[int], plan: OptimizerPlan,
-              config: ZeroConfig, comm: Communicator) -> "ZeroStage":
+              config: ZeroConfig, settings: EngineSettings, comm: Communicator) -> "ZeroStage":
         """Stages 0-2: every rank holds the whole parameters, in one flat buffer; masters are made from the
         parameters as given (fp32), before the cast to a 16-bit param dtype, so mixed precision starts
         from exactly the user's weights, not from their bf16 rounding. `groups[i]`: params[i]'s flattened
         param group in `plan`."""
-        element_bytes = torch.empty((), dtype=config.precision.reduce_dtype).element_size()
-        world_size = comm.world_size if cls.shards_optimizer else 1
+        world_size = settings.layout_world_size
         entries = param_entries(model, params, groups, whole_tensor_owners(params, groups, plan, world_size))
-        layout = build_layout(entries, world_size, bucket_numel=max(1, config.reduce_bucket_bytes // element_bytes))
+        layout = build_layout(entries, world_size, bucket_numel=settings.bucket_numel)
         flat = FlatParameters(params, layout, config.precision.param_dtype)
         full_precision = flat.pack()
         flat.adopt(full_precision)
@@ -93,7 +93,7 @@ class ZeroStage:
                                [groups[b.slots[0].param_index] for b in layout.buckets], plan, config.sub_group_size)
         for index, (begin, end) in enumerate(owned):
             masters.initialise(index, full_precision[begin:end])
-        return cls(flat, masters, ProcessGroups.for_stage(comm, config.stage), config)
+        return cls(flat, masters, ProcessGroups.for_stage(comm, config.stage), config, settings)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -269,10 +269,6 @@ class ZeroStage:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.masters.load_state_dict(state["masters"])
         self.publish_params()
-
-
-def uses_reduce_scatter(config: ZeroConfig, comm: Communicator) -> bool:
-    return config.reduce_scatter if config.reduce_scatter is not None else comm.backend != "gloo"
 
 
 def param_entries(model: nn.Module, params: list[nn.Parameter], keys: list[int],

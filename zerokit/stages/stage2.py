@@ -11,6 +11,7 @@ from zerokit.comm import ProcessGroups, Reduction
 from zerokit.config import ZeroConfig
 from zerokit.flat import Bucket, FlatParameters, Slot
 from zerokit.masters import ShardMasters
+from zerokit.settings import EngineSettings
 from zerokit.stages.base import ZeroStage
 
 
@@ -18,10 +19,8 @@ class ShardedGradients(ZeroStage):
     shards_optimizer = True
 
     def __init__(self, flat: FlatParameters, masters: ShardMasters, groups: ProcessGroups, config: ZeroConfig,
-                 reduces_every_micro_step: bool | None = None) -> None:
-        """`reduces_every_micro_step`: None reads the config's choice (stage 3 always reduces)."""
-        every = config.reduce_every_micro_step if reduces_every_micro_step is None else reduces_every_micro_step
-        super().__init__(flat, masters, groups, config, every)
+                 settings: EngineSettings) -> None:
+        super().__init__(flat, masters, groups, config, settings)
         # 1-D, reduce dtype: this rank's shard of every bucket, back to back (See FlatLayout.shards_of).
         # Micro-steps accumulate here, so fp32 (the default reduce dtype) keeps accumulation exact.
         self.local = self.layout.shards_of(self.rank)

@@ -44,6 +44,7 @@ from zerokit.flat import Bucket, FlatParameters, ParamEntry, ShardedFlat, build_
 from zerokit.masters import OptimizerPlan, ShardMasters
 from zerokit.offload import master_homes, shard_home
 from zerokit.offload.swap import SwapDirectory
+from zerokit.settings import EngineSettings
 from zerokit.stages.agreement import GATHER
 from zerokit.stages.base import param_entries, swap_directories_of, whole_tensor_owners
 from zerokit.stages.construction import Construction, materialise
@@ -58,8 +59,8 @@ if TYPE_CHECKING:
 
 class ShardedParameters(ShardedGradients):
     def __init__(self, flat: FlatParameters, masters: ShardMasters, groups: ProcessGroups, config: ZeroConfig,
-                 shards: UnitShards) -> None:
-        super().__init__(flat, masters, groups, config, reduces_every_micro_step=True)  # parameters go after backward
+                 settings: EngineSettings, shards: UnitShards) -> None:
+        super().__init__(flat, masters, groups, config, settings)  # reduces every micro-step: parameters go after it
         self.shards = shards
         self.units, self.trainable, self.frozen = shards.units, shards.trainable, shards.frozen
         self.unit_hooks = UnitHooks(shards)
@@ -71,7 +72,8 @@ class ShardedParameters(ShardedGradients):
 
     @classmethod
     def build(cls, model: nn.Module, params: list[nn.Parameter], groups: list[int], plan: OptimizerPlan,
-              config: ZeroConfig, comm: Communicator, construction: Construction | None = None) -> "ShardedParameters":
+              config: ZeroConfig, settings: EngineSettings, comm: Communicator,
+              construction: Construction | None = None) -> "ShardedParameters":
         """Units, then their layouts (one bucket per unit and param group; frozen: one per unit), then the
         shards and the masters, then each unit's values placed, unit by unit (See `_place`)."""
         units = find_units(model, config.stage3)
@@ -92,7 +94,7 @@ class ShardedParameters(ShardedGradients):
         masters = ShardMasters(homes, [b.param_slices(comm.rank) for b in layout.buckets],
                                [groups[b.slots[0].param_index] for b in layout.buckets], plan, config.sub_group_size)
         _place(model, shards, masters, comm, construction or Construction())
-        return cls(trainable.flat, masters, process_groups, config, shards)
+        return cls(trainable.flat, masters, process_groups, config, settings, shards)
 
     # --- gradients, step -----------------------------------------------------------------------------
     def reduce_bucket(self, bucket: Bucket) -> Reduction:

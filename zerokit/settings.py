@@ -1,0 +1,87 @@
+"""What the engine will do, decided once: the choices a config and the back-end make together (whether a
+bucket is reduce-scattered or all-reduced, whether gradients leave the rank every micro-step, how many
+elements a gradient bucket and an optimizer piece hold). Pure Python, no torch: the stages read these
+decisions, and the planner predicts from the very same functions, so the two cannot drift apart.
+
+[Note: one place for each engine decision]
+Each decision here was once worked out again wherever it was needed (the stages, the engine's blocks, the
+planner's engine model, memory and communication models), and the copies had begun to differ. A decision
+that needs a value only known on a rank (where one master lives, for the optimizer piece size) is a
+function of that value here, called by the engine with it and by the planner with its prediction of it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from zerokit.defaults import CPU_OPTIMIZER_PIECE_NUMEL
+
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per element of each floating dtype the engine computes or communicates in, by its config name."""
+
+ONE_PIECE_PER_PARAMETER = sys.maxsize
+
+
+def reduces_by_scatter(backend: str, forced: bool | None) -> bool:
+    """Whether stages 1-3 reduce-scatter a gradient bucket (True) or all-reduce it in place and keep this rank's
+    shard: `zero_optimization.reduce_scatter` where set, else all but gloo (See [Note: reducing a bucket to a
+    shard] in stages/base.py). Stage 0, which keeps whole gradients, all-reduces either way."""
+    return forced if forced is not None else backend != "gloo"
+
+
+def reduces_every_micro_step(stage: int, reduce_every_micro_step: bool) -> bool:
+    """Stage 3, and stage 2 unless told otherwise, reduce each micro-step's gradients and accumulate the reduced
+    shards; stages 0-1 (and stage 2 with reduce_every_micro_step=False) accumulate full gradients locally."""
+    return stage == 3 or (stage == 2 and reduce_every_micro_step)
+
+
+def bucket_numel(bucket_bytes: int, element_bytes: int) -> int:
+    """Elements of a gradient bucket of `bucket_bytes` in a reduce dtype of `element_bytes` (at least one)."""
+    return max(1, bucket_bytes // element_bytes)
+
+
+def optimizer_piece_numel(sub_group_size: int | None, master_on_host: bool) -> int:
+    """The most elements an optimizer piece holds (See [Note: optimizer pieces] in masters/shards.py):
+    sub_group_size where given, except 0, which is one piece per parameter (DeepSpeed's 0 makes every
+    parameter its own sub-group); else cache-sized pieces for a master in host memory, whole parameter parts
+    on a device."""
+    if sub_group_size == 0:
+        return ONE_PIECE_PER_PARAMETER
+    if sub_group_size:
+        return sub_group_size
+    return CPU_OPTIMIZER_PIECE_NUMEL if master_on_host else ONE_PIECE_PER_PARAMETER
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The decisions of one engine on one back-end (See [Note: one place for each engine decision])."""
+
+    stage: int
+    world_size: int
+    reduce_scatter: bool
+    """Stages 1-3: gradient buckets are reduce-scattered (else all-reduced in place, the shard kept)."""
+    reduces_every_micro_step: bool
+    """Gradients leave the rank on every micro-step (stage 3; stage 2 by default)."""
+    bucket_numel: int
+    """Elements per gradient bucket at stages 0-2 (stage 3: one bucket per unit and param group)."""
+    shards_optimizer: bool
+    """Every rank updates a shard (stages 1-3); at stage 0 every rank updates everything."""
+
+    @classmethod
+    def resolve(cls, *, stage: int, world_size: int, backend: str, reduce_scatter: bool | None,
+                reduce_every_micro_step: bool, bucket_bytes: int, reduce_dtype: str) -> "EngineSettings":
+        return cls(stage=stage, world_size=world_size,
+                   reduce_scatter=reduces_by_scatter(backend, reduce_scatter),
+                   reduces_every_micro_step=reduces_every_micro_step(stage, reduce_every_micro_step),
+                   bucket_numel=bucket_numel(bucket_bytes, ELEMENT_BYTES[reduce_dtype]),
+                   shards_optimizer=stage > 0)
+
+    @property
+    def layout_world_size(self) -> int:
+        """The ranks a bucket is split over: every rank from stage 1 up; one at stage 0, which shards nothing."""
+        return self.world_size if self.shards_optimizer else 1
+
+
+__all__ = ["ELEMENT_BYTES", "EngineSettings", "bucket_numel", "optimizer_piece_numel", "reduces_by_scatter",
+           "reduces_every_micro_step"]

@@ -15,19 +15,33 @@ Contenders, each on fresh ranks, after two training steps (so optimizer state ex
 Times are the slowest rank's, each after a barrier, the median over rounds. The load is into freshly
 built ranks of the same world size. Consolidation runs in a fresh process on the saved checkpoints,
 measuring time and peak RSS growth (VmHWM, reset after the imports), beside the largest tensor.
+
+    python benchmarks/bench_checkpoint.py --deepspeed-import                 # 2 ranks; another size: 1
+    python benchmarks/bench_checkpoint.py --deepspeed-import --other-world-size 3 --stage 2
+
+--deepspeed-import measures bringing a DeepSpeed run over instead: real DeepSpeed trains two steps and saves at
+the stage and world size given; then, each on freshly built ranks, (same world size) DeepSpeed resumes its own
+checkpoint beside zerokit resuming it, and (--other-world-size) DeepSpeed's offline ds_to_universal followed by
+its load_universal load beside zerokit resuming the DeepSpeed checkpoint directly. Per load: seconds (slowest
+rank) and peak RSS growth during the load (VmHWM reset before it, the largest rank's); the conversion: seconds
+and the peak RSS of its process (wait4's ru_maxrss, its worker processes included where it starts any).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
+import importlib.util
 import io
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -174,6 +188,122 @@ def run_contender(rank: int, world_size: int, name: str, settings: BenchSettings
     return _dcp_fsdp2(settings, directory, rank, name.endswith("async"))
 
 
+# --- a DeepSpeed run brought over: DeepSpeed's resume, ds_to_universal + load_universal, zerokit's -------
+
+def _rss(key: str) -> int:
+    return int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1]) * 1024
+
+
+def _measured_load(load: Callable[[], Any]) -> dict:
+    """Seconds (slowest rank) and peak RSS growth (largest rank) of `load`."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
+    baseline = _rss("VmRSS")
+    seconds = _timed(load)
+    growth = torch.tensor([_rss("VmHWM") - baseline], dtype=torch.float64)
+    dist.all_reduce(growth, op=dist.ReduceOp.MAX)
+    return {"load_s": seconds, "peak_growth": growth.item()}
+
+
+def _deepspeed_config(settings: BenchSettings, stage: int, universal: bool = False) -> dict:
+    config = {"train_micro_batch_size_per_gpu": settings.batch_size, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "gradient_clipping": 0.0, "steps_per_print": 2**30}
+    return {**config, "checkpoint": {"load_universal": True}} if universal else config
+
+
+def _deepspeed_engine(settings: BenchSettings, stage: int, universal: bool = False):
+    import deepspeed
+
+    model = make_model(settings)
+    with contextlib.redirect_stdout(io.StringIO()):
+        engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(model, settings),
+                                          config=_deepspeed_config(settings, stage, universal))
+    return engine
+
+
+def deepspeed_save(rank: int, world_size: int, settings: BenchSettings, stage: int, root: str) -> None:
+    """Real DeepSpeed trains two steps and saves root/ds, tag t."""
+    _deepspeed_comm()
+    engine = _deepspeed_engine(settings, stage)
+
+    def step(tokens):
+        engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))
+        engine.step()
+
+    _train(step, settings, rank)
+    with contextlib.redirect_stdout(io.StringIO()):
+        engine.save_checkpoint(str(Path(root) / "ds"), tag="t")
+    dist.barrier()
+
+
+def resume_deepspeed_run(rank: int, world_size: int, who: str, settings: BenchSettings, stage: int,
+                         root: str) -> dict:
+    """One load of root/ds into fresh ranks: `deepspeed` (its own checkpoint), `deepspeed-universal` (root/ds's
+    universal conversion, tag t_universal) or `zerokit` (the DeepSpeed checkpoint itself)."""
+    settings = replace(settings, world_size=world_size)
+    if who == "zerokit":
+        import zerokit
+
+        model = make_model(settings)
+        engine = zerokit.initialize(model, make_optimizer(model, settings), {"zero_optimization": {"stage": stage}})
+        return _measured_load(lambda: engine.load_checkpoint(Path(root) / "ds", tag="t"))
+    _deepspeed_comm()
+    engine = _deepspeed_engine(settings, stage, universal=who == "deepspeed-universal")
+    tag = "t_universal" if who == "deepspeed-universal" else "t"
+    with contextlib.redirect_stdout(io.StringIO()):
+        return _measured_load(lambda: engine.load_checkpoint(str(Path(root) / "ds"), tag=tag))
+
+
+def ds_to_universal(root: Path) -> dict:
+    """DeepSpeed's offline conversion of root/ds/t to root/ds/t_universal: seconds and the process's peak RSS."""
+    converter = Path(importlib.util.find_spec("deepspeed.checkpoint.ds_to_universal").origin)
+    start = time.perf_counter()
+    process = subprocess.Popen([sys.executable, str(converter), "--input_folder", str(root / "ds" / "t"),
+                                "--output_folder", str(root / "ds" / "t_universal"), "--num_extract_workers", "1",
+                                "--num_merge_workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - start
+    if status:
+        return {"error": process.stderr.read().decode().strip().splitlines()[-1]}
+    return {"seconds": seconds, "peak_rss": usage.ru_maxrss * 1024}
+
+
+def deepspeed_import(args: argparse.Namespace, settings: BenchSettings) -> dict:
+    rows: dict[str, list[dict]] = {"deepspeed": [], "zerokit": [], "deepspeed-universal": [], "zerokit-other": []}
+    with tempfile.TemporaryDirectory(prefix="zerokit-bench-dsimport-") as root:
+        spawn(deepspeed_save, args.world_size, settings, args.stage, root)
+        conversion = ds_to_universal(Path(root))
+        for round_index in range(args.rounds):
+            order = list(rows) if round_index % 2 == 0 else list(rows)[::-1]
+            for name in order:
+                who, size = name.removesuffix("-other"), args.world_size
+                if name in ("deepspeed-universal", "zerokit-other"):
+                    size = args.other_world_size
+                if who == "deepspeed-universal" and "error" in conversion:
+                    continue
+                rows[name].append(spawn(resume_deepspeed_run, size, who, settings, args.stage, root)[0])
+    summary = {name: {key: statistics.median(r[key] for r in runs) for key in ("load_s", "peak_growth")}
+               for name, runs in rows.items() if runs}
+    params = sum(p.numel() for p in make_model(settings).parameters())
+    print(f"{params / 1e6:.1f}M parameters (fp32, AdamW), DeepSpeed ZeRO stage {args.stage} checkpoint saved on "
+          f"{args.world_size} gloo ranks, median of {args.rounds} rounds")
+    print(f"{'resume':44} {'ranks':>5} {'load s':>8} {'peak RSS growth MiB':>20}")
+    labels = {"deepspeed": "DeepSpeed load_checkpoint (its own)", "zerokit": "zerokit load_checkpoint (DeepSpeed's)",
+              "deepspeed-universal": "DeepSpeed load_universal (after conversion)",
+              "zerokit-other": "zerokit load_checkpoint (DeepSpeed's)"}
+    for name, row in summary.items():
+        size = args.other_world_size if name in ("deepspeed-universal", "zerokit-other") else args.world_size
+        print(f"{labels[name]:44} {size:5d} {row['load_s']:8.3f} {row['peak_growth'] / 2**20:20.1f}")
+    if "error" in conversion:
+        print(f"ds_to_universal failed: {conversion['error']}")
+    else:
+        print(f"ds_to_universal (offline, before load_universal): {conversion['seconds']:.2f} s, peak RSS "
+              f"{conversion['peak_rss'] / 2**20:.1f} MiB")
+    return {"settings": settings.as_dict(), "stage": args.stage, "world_size": args.world_size,
+            "other_world_size": args.other_world_size, "rounds": rows, "median": summary, "ds_to_universal": conversion}
+
+
 # --- consolidation, in a fresh process ---------------------------------------------------------------
 
 MEASURE = """
@@ -219,8 +349,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-layer", type=int, default=BenchSettings().n_layer)
     parser.add_argument("--n-embd", type=int, default=BenchSettings().n_embd)
     parser.add_argument("--out", default="bench_results/bench_checkpoint.json")
+    parser.add_argument("--deepspeed-import", action="store_true",
+                        help="measure resuming a DeepSpeed checkpoint instead (See the module's docstring)")
+    parser.add_argument("--other-world-size", type=int, default=1)
     args = parser.parse_args(argv)
     settings = BenchSettings(world_size=args.world_size, n_layer=args.n_layer, n_embd=args.n_embd)
+    if args.deepspeed_import:
+        results = deepspeed_import(args, settings)
+        out = Path(args.out).with_name(Path(args.out).stem + "_deepspeed_import.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+        return 0
     names = [n for n in args.only.split(",") if n]
     rows: dict[str, list[dict]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="zerokit-bench-ckpt-") as root:

@@ -3,7 +3,8 @@
 window each epoch), launched with torchrun on 2 gloo ranks through `python -m zerokit.deepspeed.install` at
 stages 2 and 3, against the same loop under accelerate's own DDP. Per micro-step losses, and grad norms and
 learning rates at each optimizer step, equal DDP's within the tolerance of tests/test_hf_trainer.py (fp32; sums
-in another order). Also what accelerate needs of the drop-in before any training: `steps_per_print` set to
+in another order). `accelerator.save_state()` mid-epoch and `load_state()` in a new launch continue exactly as the
+uninterrupted run did (the same engine, world size and data: bit for bit). Also what accelerate needs of the drop-in before any training: `steps_per_print` set to
 infinity, and `deepspeed.runtime.*` read as attributes after `import deepspeed` alone."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 from test_hf_trainer import ZEROKIT_ENGINE, assert_zerokit_trained, environment, launch
 
 TOLERANCE = 2e-6  # See tests/test_hf_trainer.py
+SAVE_AT = 6  # micro-steps: two windows into the first epoch, so the resumed run crosses an epoch's short window
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
@@ -25,15 +27,21 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    """accelerate's DDP, then zerokit at stages 2 and 3 (one launch each)."""
+    """accelerate's DDP, then zerokit at stages 2 and 3 (one launch each, saving its state after SAVE_AT
+    micro-steps), and each stage resumed from that state in a launch of its own."""
     root = tmp_path_factory.mktemp("accelerate")
     pretrained = root / "pretrained"
     code = f"import hf_trainer; hf_trainer.save_pretrained_model({str(pretrained)!r})"
     subprocess.run([sys.executable, "-c", code], env=environment(), check=True, timeout=300)
     out = {}
-    for name, stage in (("ddp", None), ("zero2", 2), ("zero3", 3)):
+    for name, stage in (("ddp", None), ("zero2", 2), ("zero3", 3), ("zero2_resumed", 2), ("zero3_resumed", 3)):
         args = ["--out", str(root / name), "--pretrained", str(pretrained)]
-        launch("accelerate_loop.py", args + (["--stage", str(stage)] if stage else []), zerokit=stage is not None)
+        if stage is not None:
+            args += ["--stage", str(stage)]
+            resumed = name.endswith("_resumed")
+            args += (["--resume-from", str(root / f"zero{stage}" / "state"), "--resume-at", str(SAVE_AT)] if resumed
+                     else ["--save-at", str(SAVE_AT)])
+        launch("accelerate_loop.py", args, zerokit=stage is not None)
         out[name] = [json.loads((root / name / f"rank{rank}.json").read_text()) for rank in range(2)]
     return out
 
@@ -56,6 +64,18 @@ def test_an_accumulate_loop_trains_as_accelerates_ddp(runs: dict[str, list[dict]
             assert relative(ddp[key], zerokit[key]) <= TOLERANCE, key
         if stage == 3:  # from_pretrained under the plugin's zero.Init loads the file's weights
             assert zerokit["loaded_difference"] == 0.0
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_load_state_resumes_the_uninterrupted_run(runs: dict[str, list[dict]], stage: int) -> None:
+    for rank in range(2):
+        uninterrupted, resumed = runs[f"zero{stage}"][rank], runs[f"zero{stage}_resumed"][rank]
+        assert_zerokit_trained(resumed, stage)
+        steps = uninterrupted["saved_after_steps"]
+        assert steps == 2 and len(resumed["losses"]) == len(uninterrupted["losses"]) - SAVE_AT == 14
+        assert resumed["losses"] == uninterrupted["losses"][SAVE_AT:]
+        assert resumed["grad_norms"] == uninterrupted["grad_norms"][steps:]
+        assert resumed["lrs"] == uninterrupted["lrs"][steps:]
 
 
 def test_steps_per_print_infinity_means_never() -> None:

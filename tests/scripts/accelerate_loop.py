@@ -6,7 +6,10 @@ warm-up schedule. Launched by tests/test_accelerate.py under torchrun on 2 gloo 
     torchrun --nproc_per_node 2 -m zerokit.deepspeed.install accelerate_loop.py ... --stage 3    # zerokit
 
 Each rank writes DIR/rank{r}.json: its loss at every micro-step and, at every optimizer step, the grad norm
-and learning rate; what engine trained and its collectives.
+and learning rate; what engine trained and its collectives. With --save-at K the run also saves
+`accelerator.save_state(DIR/state)` after its K-th micro-step (a window's end) and goes on; a run with
+--resume-from DIR/state --resume-at K is a new launch that loads it with `accelerator.load_state()`, skips the K
+micro-batches already trained (`accelerator.skip_first_batches`) and records only what follows.
 """
 
 from __future__ import annotations
@@ -55,9 +58,16 @@ def train(args: argparse.Namespace) -> dict:
     result = {"losses": [], "grad_norms": [], "lrs": []}
     if hasattr(model, "full_state_dict"):
         result["loaded_difference"] = loaded_difference(model, args.pretrained)
+    if args.resume_from:
+        accelerator.load_state(args.resume_from)
     model.train()
-    for _ in range(args.epochs):
-        for batch in loader:
+    micro_step = 0
+    for epoch in range(args.epochs):
+        trained = min(max(args.resume_at - epoch * len(loader), 0), len(loader))  # before the resume, this epoch
+        micro_step += trained
+        if trained == len(loader):
+            continue
+        for batch in accelerator.skip_first_batches(loader, trained) if trained else loader:
             with accelerator.accumulate(model):
                 loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
                 accelerator.backward(loss)
@@ -69,6 +79,10 @@ def train(args: argparse.Namespace) -> dict:
                 schedule.step()
                 optimizer.zero_grad()
             result["losses"].append(loss.item())
+            micro_step += 1
+            if micro_step == args.save_at:
+                accelerator.save_state(str(Path(args.out) / "state"))
+                result["saved_after_steps"] = len(result["grad_norms"])  # optimizer steps taken by then
     return {**result, **engine_facts(model)}
 
 
@@ -78,6 +92,9 @@ def main() -> None:
     parser.add_argument("--pretrained", required=True)
     parser.add_argument("--stage", type=int, default=None, help="a DeepSpeed plugin at this ZeRO stage; none: DDP")
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--save-at", type=int, default=None, help="save_state() after this many micro-steps")
+    parser.add_argument("--resume-from", default=None, help="load_state() from this directory, then go on")
+    parser.add_argument("--resume-at", type=int, default=0, help="micro-steps the loaded state had trained")
     args = parser.parse_args()
     result = train(args)
     out = Path(args.out)

@@ -29,6 +29,13 @@ A schedule the engine does not step (accelerate steps the Trainer's LambdaLR its
 reaches the rebuilt twin the same way: before each optimizer step, every hyperparameter that changed in the
 user's optimizer since the last step is copied to its twin (only changed ones, so that a script that sets
 engine.optimizer's learning rate itself is not overridden by the user's stale value).
+Checkpoints keep that contract across a resume. In DeepSpeed the optimizer passed in is the one that trains, so
+its checkpoint holds the hyperparameters the schedule last set, and loading it puts them back into that object.
+Here save_checkpoint first copies what changed in the user's optimizer to the twin (a schedule stepped after
+the last optimizer step has set the next step's learning rate there only), and load_checkpoint copies the
+loaded twin's hyperparameters back into the user's optimizer: a schedule whose own state is loaded apart
+(accelerate's load_state, the Trainer's scheduler.pt) sets no learning rate until it next steps, so without
+this the first step after a resume took the rate of the step before the save.
 """
 
 from __future__ import annotations
@@ -110,6 +117,13 @@ class HyperparameterMirror:
             for before, after, rebuilt in zip(self.seen[index], now, twin.param_groups, strict=True):
                 rebuilt.update({key: value for key, value in after.items() if before.get(key, object()) != value})
             self.seen[index] = now
+
+    def adopt_loaded(self) -> None:
+        """The twins' hyperparameters (just loaded from a checkpoint) become the user's optimizers' too."""
+        for index, (user, twin) in enumerate(self.pairs):
+            for given, rebuilt in zip(user.param_groups, twin.param_groups, strict=True):
+                given.update({key: rebuilt[key] for key in given if key != "params" and key in rebuilt})
+            self.seen[index] = self._settings(user)
 
 
 class DeepSpeedEngine(Engine):
@@ -340,6 +354,7 @@ class DeepSpeedEngine(Engine):
         if exclude_frozen_parameters and any(not param.requires_grad for param in self.module.parameters()):
             logger.info("save_checkpoint(exclude_frozen_parameters=True): zerokit keeps the frozen parameters in the "
                         "checkpoint too (it resumes at any world size and stage)")
+        self._mirror.sync()  # See [Note: a scheduler passed to initialize]
         state = dict(client_state or {})
         if self.lr_schedules:
             state[SCHEDULES_KEY] = [schedule.state_dict() for schedule in self.lr_schedules]
@@ -358,6 +373,8 @@ class DeepSpeedEngine(Engine):
         path, client_state = load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                              load_module_only=load_module_only,
                                              load_lr_scheduler_states=load_lr_scheduler_states, **zerokit)
+        if load_optimizer_states and not load_module_only:
+            self._mirror.adopt_loaded()  # before the schedules' mirror: See [Note: a scheduler passed to initialize]
         client_state = dict(client_state or {})
         saved = client_state.pop(SCHEDULES_KEY, None)
         if saved is not None and load_lr_scheduler_states and not load_module_only:

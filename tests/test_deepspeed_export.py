@@ -206,3 +206,27 @@ def test_checkpoints_the_layout_cannot_hold_are_refused(runs: dict, tmp_path: Pa
             convert_to_universal(_edited(runs, tmp_path, edit), tmp_path / f"out-{edit.__name__}")
         assert "\n" not in str(error.value)
         assert not (tmp_path / f"out-{edit.__name__}").exists()
+
+
+def test_schedule_position_without_the_drop_ins_record(runs: dict, tmp_path: Path) -> None:
+    """An engine built by zerokit.initialize keeps no schedule record in the client state: the position DeepSpeed
+    resumes its schedule at comes from the optimizer steps when the run had a `scheduler` block, else none."""
+    def model_states(edit) -> dict:
+        source = _edited(runs, tmp_path, edit)
+        client_state = torch.load(source / TAG / "client_state.pt")
+        client_state.pop("zerokit.lr_schedules")
+        torch.save(client_state, source / TAG / "client_state.pt")
+        out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+        convert_to_universal(source, out)
+        return torch.load(out / TAG / "mp_rank_00_model_states.pt", weights_only=False)
+
+    def keep(manifest: dict) -> None:
+        pass
+
+    def no_scheduler(manifest: dict) -> None:
+        manifest["config"]["scheduler"] = None
+
+    with_block = model_states(keep)
+    assert with_block["lr_scheduler"] == {"last_batch_iteration": 2} and with_block["epoch"] == 4
+    assert "zerokit.lr_schedules" not in with_block
+    assert model_states(no_scheduler)["lr_scheduler"] is None

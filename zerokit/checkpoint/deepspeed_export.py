@@ -77,6 +77,7 @@ class Converted:
     out: Path  # the save_dir DeepSpeed loads (latest_universal names the tag)
     tag: str
     params: int  # trainable parameters written with their optimizer state
+    groups: int  # param groups (more than one: See [Note: one param group's hyperparameters at ZeRO-3])
     bytes: int  # bytes of all files written
     seconds: float
 
@@ -114,7 +115,8 @@ def convert_to_universal(checkpoint: str | os.PathLike, out: str | os.PathLike, 
         readers.close()
         shutil.rmtree(staging, ignore_errors=True)
     written = sum(path.stat().st_size for path in out.rglob("*") if path.is_file())
-    return Converted(out, manifest.tag, len(trainable), written, time.perf_counter() - started)
+    return Converted(out, manifest.tag, len(trainable), len(manifest.optimizers[0]["param_groups"]), written,
+                     time.perf_counter() - started)
 
 
 def _zerokit_directory(checkpoint: str | os.PathLike, tag: str | None) -> Path:
@@ -245,7 +247,7 @@ def model_state(manifest: Manifest, trainable: dict[str, ParamRecord], module: O
         "frozen_param_shapes": OrderedDict((name, torch.Size(manifest.params[name].shape)) for name in frozen),
         "shared_params": {key: name for key, name, kind in manifest.model["state_dict"] if kind == "param" and key != name},
         "frozen_param_fragments": OrderedDict((name, module[name]) for name in frozen if name in module),
-        "lr_scheduler": _lr_scheduler(schedules),
+        "lr_scheduler": _lr_scheduler(schedules, manifest),
         "data_sampler": None, "random_ltd": None, "sparse_tensor_module_names": set(),
         "skipped_steps": int(progress["total_skips"]), "global_steps": global_steps,
         "global_samples": global_steps * int(config.get("train_batch_size") or 0),
@@ -256,12 +258,16 @@ def model_state(manifest: Manifest, trainable: dict[str, ParamRecord], module: O
     return {**state, **{key: value for key, value in client.items() if key not in state}}
 
 
-def _lr_scheduler(schedules: list[dict[str, Any]] | None) -> dict[str, int] | None:
-    """DeepSpeed's schedule state ({'last_batch_iteration'}) from zerokit's (a torch scheduler's last_epoch, which
-    counts from 0 where DeepSpeed counts from -1)."""
-    if not schedules:
-        return None
-    return {"last_batch_iteration": int(schedules[0]["last_epoch"]) - 1}
+def _lr_scheduler(schedules: list[dict[str, Any]] | None, manifest: Manifest) -> dict[str, int] | None:
+    """DeepSpeed's schedule state ({'last_batch_iteration'}, counted from -1): from the schedule zerokit.deepspeed
+    saved (a torch scheduler's last_epoch, counted from 0), else, when the run's config has a `scheduler` block,
+    from the optimizer steps (the engine steps its schedule once per step not skipped, as DeepSpeed does); None
+    without a schedule, as DeepSpeed writes it."""
+    if schedules:
+        return {"last_batch_iteration": int(schedules[0]["last_epoch"]) - 1}
+    if (manifest.config.get("scheduler") or {}).get("type"):
+        return {"last_batch_iteration": int(manifest.progress["optimizer_step"]) - 1}
+    return None
 
 
 def _ds_config(manifest: Manifest) -> dict[str, Any]:

@@ -119,7 +119,7 @@ def _adam_line(row: dict) -> str:
 def bench_nvme(nvme_path: str, mib: int) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
-    from zerokit.offload.swap import SwapFile, aligned_bytes
+    from zerokit.tiers.swap import SwapFile, aligned_bytes
 
     records = max(1, mib * 2**20 // RECORD_BYTES)
     with tempfile.TemporaryDirectory(dir=nvme_path) as folder:

@@ -7,7 +7,7 @@ import torch
 
 import zerokit
 from zerokit.config import ActivationCheckpointing
-from zerokit.offload import activations
+from zerokit import activations
 from zerokit.testing.models import Block, TinyGPT, TinyGPTConfig, lm_loss, param_groups
 
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import zerokit
-import zerokit.offload.preflight as preflight
-from zerokit.offload.swap import SWAP_FOLDER, remove_leftovers
+import zerokit.tiers.preflight as preflight
+from zerokit.tiers.swap import SWAP_FOLDER, remove_leftovers
 from zerokit.testing.spawn import spawn
 
 WIDTH, DEPTH = 512, 32  # 8.4M parameters: AdamW's state alone is 8 bytes each, 67 MiB

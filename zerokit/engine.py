@@ -21,7 +21,7 @@ from zerokit.comm import Communicator
 from zerokit.config import ZeroConfig, engine_settings, hidden_size_of, load_config
 from zerokit.engine_blocks import grad_accum_dtype_lines, learning_rates, lr_schedules_for, optimizers_for
 from zerokit.masters import OptimizerPlan, optimizer_kind, trainable_groups
-from zerokit.offload.activations import ActivationCheckpointer
+from zerokit.activations import ActivationCheckpointer
 from zerokit.observe import EngineMonitor, collective_stats
 from zerokit.precision import StepResult, clip_coefficient, global_norm, make_loss_scaler
 from zerokit.reliability import Safeguards, check_at_start
@@ -91,7 +91,7 @@ class Engine:
         self.loss_scaler = make_loss_scaler(config.loss_scaling)
         self.progress = Progress()
         self.monitor = EngineMonitor(config, self)  # the observability keys; all off unless the config asks
-        # See [Note: each engine checkpoints with its own settings] in zerokit/offload/activations.py
+        # See [Note: each engine checkpoints with its own settings] in zerokit/activations.py
         self.activations = ActivationCheckpointer(config.activation_checkpointing, self.comm.stats, self.device)
         self.activations.checkpoint_modules(self.stage.recomputed_modules())
         setup_lines += self.activations.startup_lines()

@@ -158,7 +158,7 @@ class ActivationCheckpointing:
     profile: bool = False
     """Log forward/backward time of each checkpointed function."""
     checkpoint_units: bool = False
-    """zerokit's own, stage 3: checkpoint every unit's forward (See zerokit/offload/activations.py)."""
+    """zerokit's own, stage 3: checkpoint every unit's forward (See zerokit/activations.py)."""
 
     def __post_init__(self) -> None:
         if self.number_checkpoints is not None and self.number_checkpoints < 1:

@@ -19,7 +19,7 @@ from zerokit.flat.layout import Bucket, RankShards
 
 
 class ShardHome(Protocol):
-    """Where the shards live between gathers: zerokit/offload/params.py."""
+    """Where the shards live between gathers: zerokit/tiers/shards.py."""
 
     tier: str
 

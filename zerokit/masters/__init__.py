@@ -1,8 +1,8 @@
-"""The optimizer side of a step: fp32 master weights, their gradients, and the optimizers over them."""
+"""The optimizer side of a step: fp32 master weights, their gradients, and the optimizers over them. Where each
+master lives (device, host memory, NVMe) is its home's business: zerokit/tiers/."""
 
-from zerokit.masters.homes import DeviceHome, HostHome, copy_edits
 from zerokit.masters.optimizer import GroupRef, optimizer_kind, rebuild_optimizer, trainable_groups
 from zerokit.masters.shards import OptimizerPlan, PieceRef, ShardMasters
 
-__all__ = ["DeviceHome", "GroupRef", "HostHome", "OptimizerPlan", "PieceRef", "ShardMasters", "copy_edits",
-           "optimizer_kind", "rebuild_optimizer", "trainable_groups"]
+__all__ = ["GroupRef", "OptimizerPlan", "PieceRef", "ShardMasters", "optimizer_kind", "rebuild_optimizer",
+           "trainable_groups"]

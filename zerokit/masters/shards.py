@@ -1,8 +1,8 @@
 """The fp32 master weights of the slices this rank updates, their gradients, and the user's optimizers
 rebuilt over them: one owner, with a small interface a stage and the engine talk to (hand in a reduced
 gradient shard, sum its squares, step, publish the updated values into the compute-dtype shards, count
-bytes, save and load). Where each master lives is its home's business (homes.py: the device, host
-memory; nvme.py: files), so the same step runs on every tier.
+bytes, save and load). Where each master lives is its home's business (zerokit/tiers/: homes.py, the device
+and host memory; nvme_masters.py, files), so the same step runs on every tier.
 
 [Note: optimizer pieces]
 A master is one flat tensor per bucket (25 MiB by default), but the optimizer does not step it whole.
@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple, Protocol, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from zerokit.flat import ParamSlice, tensor_bytes
 from zerokit.masters.optimizer import GroupRef, rebuild_optimizer
 from zerokit.precision import scale_, square_sum, unscale_
 from zerokit.settings import optimizer_piece_numel
+from zerokit.tiers.homes import Home
 
 TIERS = ("device", "host", "nvme")
 
@@ -39,24 +40,6 @@ def piece_numel(sub_group_size: int | None, device_type: str) -> int:
     """The most elements an optimizer piece of a master on `device_type` holds (the decision is the planner's
     too: zerokit/settings.py)."""
     return optimizer_piece_numel(sub_group_size, master_on_host=device_type == "cpu")
-
-
-class Home(Protocol):
-    tier: str
-    master: torch.Tensor
-
-    def initialise(self, values: torch.Tensor) -> None: ...
-    def accept_grad(self, grad: torch.Tensor) -> None: ...
-    def grad32(self) -> torch.Tensor: ...
-    def release(self) -> None: ...
-    def publish(self) -> None: ...
-    def write_back(self) -> None: ...
-    def held(self) -> dict[str, int]: ...
-
-
-def _paged(home: Home) -> bool:
-    """The master lives on NVMe and comes into memory only for its own step."""
-    return getattr(home, "paged", False)
 
 
 class PieceRef(NamedTuple):
@@ -99,7 +82,7 @@ class ShardMasters:
         self.pieces: list[list[Piece]] = [
             self._cut(master, parts, plan.refs[group].whole_tensor) for master, parts, group in zip(self.masters, slices, groups)]
         for home, pieces in zip(homes, self.pieces):
-            if _paged(home):  # its records are runs of pieces (See [Note: paging a master through a bounded pool])
+            if home.paged:  # its records are runs of pieces (See [Note: paging a master through a bounded pool])
                 home.divide([(piece.offset, piece.offset + piece.param.numel()) for piece in pieces])
         by_group: list[list[nn.Parameter]] = [[] for _ in plan.refs]
         for pieces, group in zip(self.pieces, groups):
@@ -146,7 +129,7 @@ class ShardMasters:
         the sum of its squares (float64: See [Note: one scalar decides overflow and norm] in precision.py)."""
         grads = [home.grad32() for home in self.homes]
         for home, pieces, grad in zip(self.homes, self.pieces, grads):
-            if not _paged(home):  # a paged master's gradient is attached when it is paged in (See nvme.py)
+            if not home.paged:  # a paged master's gradient is attached when it is paged in (See tiers/nvme_masters.py)
                 for piece in pieces:
                     piece.param.grad = grad[piece.offset:piece.offset + piece.param.numel()].view(piece.param.shape)
         self._grads = grads
@@ -171,7 +154,7 @@ class ShardMasters:
             scale_(self._grads, clip)
         for optimizer in self.optimizers:
             optimizer.step()
-        paged = [index for index, home in enumerate(self.homes) if _paged(home)]
+        paged = [index for index, home in enumerate(self.homes) if home.paged]
         if paged:
             for pieces in self.pieces:  # resident pieces are done: they must not be stepped again
                 for piece in pieces:
@@ -233,7 +216,7 @@ class ShardMasters:
                 held[home.tier][category] += count
             held[home.tier]["optimizer_state"] += sum(
                 tensor_bytes(state_of.get(id(piece.param), {}).values()) for piece in pieces)
-        paged = [home for home in self.homes if _paged(home)]
+        paged = [home for home in self.homes if home.paged]
         if paged:
             held["nvme"]["optimizer_state"] += sum(home.nvme_bytes() for home in paged)
             held["host"]["optimizer_state"] += paged[0].pool.held_bytes()
@@ -267,7 +250,7 @@ class ShardMasters:
         shard first, as a step publishes it). Reading or writing masters outside a step (state_dict,
         checkpoints) goes through this."""
         home = self.homes[index]
-        if not _paged(home):
+        if not home.paged:
             yield
             return
         pieces, optimizer_of = self.pieces[index], self._optimizer_of()
@@ -299,8 +282,8 @@ class ShardMasters:
         for index, master in enumerate(self.masters):
             with self.resident(index):
                 # a paged master's tensor is its placeholder: its values are in the records paged in
-                masters.append(self.homes[index].resident_values() if _paged(self.homes[index]) else master.detach())
-                if _paged(self.homes[index]):
+                masters.append(self.homes[index].resident_values() if self.homes[index].paged else master.detach())
+                if self.homes[index].paged:
                     paged_state[index] = [_clone(self._state_of(piece.param)) for piece in self.pieces[index]]
         return {"masters": masters, "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
                 "paged_state": paged_state}
@@ -313,7 +296,7 @@ class ShardMasters:
             optimizer.load_state_dict(saved)
         for index, (master, saved) in enumerate(zip(self.masters, state["masters"])):
             with self.resident(index), torch.no_grad():
-                if _paged(self.homes[index]):
+                if self.homes[index].paged:
                     self._load_paged(index, saved, state.get("paged_state", {}).get(index, []))
                 else:
                     master.copy_(saved)

@@ -2,8 +2,8 @@
 
 [Note: offload traffic, copy by copy]
 What `engine.comm_stats()` counts under device_to_host, host_to_device, nvme_read and nvme_write over one
-optimizer step, once the optimizer's state exists (zerokit/masters/homes.py, nvme.py; zerokit/offload/
-params.py, nvme_params.py). Per bucket, n = this rank's shard of it (padding included), p = compute-dtype
+optimizer step, once the optimizer's state exists (zerokit/tiers/homes.py, nvme_masters.py,
+shards.py, nvme_shards.py). Per bucket, n = this rank's shard of it (padding included), p = compute-dtype
 bytes, r = reduce-dtype bytes:
   gradient down, once per step (each bucket's reduction at the accumulation boundary hands it over; the
   micro-steps before it accumulate on the device, so m does not multiply it):
@@ -51,11 +51,11 @@ from zerokit.planner.engine_model import (BucketPlan, EngineSetup, ParamInventor
 from zerokit.planner.spec import BYTES_PER_ELEMENT
 
 # The same state as torch keeps it per piece, as (key, bytes per element, bytes per piece), keys sorted as an
-# NVMe record stores them (zerokit/masters/nvme.py): Adam's moments and its 0-d fp32 step count.
+# NVMe record stores them (zerokit/tiers/nvme_masters.py): Adam's moments and its 0-d fp32 step count.
 STATE_TENSORS = {"adamw": (("exp_avg", 4, 0), ("exp_avg_sq", 4, 0), ("step", 0, 4)),
                  "adam": (("exp_avg", 4, 0), ("exp_avg_sq", 4, 0), ("step", 0, 4)),
                  "sgd-momentum": (("momentum_buffer", 4, 0),), "sgd": ()}
-NVME_BLOCK = 4096  # every swap record's size is a multiple of it (zerokit/offload/swap.py, direct I/O)
+NVME_BLOCK = 4096  # every swap record's size is a multiple of it (zerokit/tiers/swap.py, direct I/O)
 NVME_TENSOR_ALIGN = 64  # each state tensor of an optimizer record starts at such a boundary
 TRANSFERS = ("device_to_host", "host_to_device", "nvme_read", "nvme_write")
 
@@ -115,7 +115,7 @@ class OptimizerRecord:
 
 def optimizer_records(numel: int, parts: list[int], setup: EngineSetup) -> list[OptimizerRecord]:
     """The NVMe records of a master of `numel` elements holding parameter parts `parts`, with their optimizer
-    state (See [Note: paging a master through a bounded pool] in zerokit/masters/nvme.py)."""
+    state (See [Note: paging a master through a bounded pool] in zerokit/tiers/nvme_masters.py)."""
     size = setup.sub_group_size if setup.sub_group_size is not None else NVME_SUB_GROUP_NUMEL
     runs: list[list[int]] = []  # runs of consecutive pieces of at most `size` elements (a larger piece alone)
     for piece in (piece for part in parts for piece in _pieces(part, setup.piece_numel)):
@@ -206,7 +206,7 @@ ChunkKey = tuple[RecordKey, int]  # a shard's record, and which of its chunks
 
 
 class _ReadAhead:
-    """NvmeShards' reads of chunks (zerokit/offload/nvme_params.py): a fetch takes the read already started
+    """NvmeShards' reads of chunks (zerokit/tiers/nvme_shards.py): a fetch takes the read already started
     for its chunk or starts one, then starts reading the chunk that followed it last time, dropping any other
     read still pending; a write drops a read still pending for its chunk (dropped reads were read all the
     same)."""

@@ -43,10 +43,8 @@ from zerokit.flat import (Bucket, FlatParameters, ParamEntry, assign_owners, buc
                           shard_view, tensor_bytes)
 from zerokit.masters import OptimizerPlan, ShardMasters
 from zerokit.masters.shards import TIERS
-from zerokit.offload import DeviceShards, master_homes
-from zerokit.masters.nvme import NvmeHome  # after zerokit.offload, which it imports (a cycle the other way round)
-from zerokit.offload.nvme_params import NvmeShards
-from zerokit.offload.swap import SwapDirectory
+from zerokit.tiers import DeviceShards, Home, ShardIO, master_homes
+from zerokit.tiers.swap import SwapDirectory
 from zerokit.stages.usage import GradientUsage
 
 if TYPE_CHECKING:
@@ -290,7 +288,7 @@ def whole_tensor_owners(params: list[nn.Parameter], groups: list[int], plan: Opt
     return owners
 
 
-def swap_directories_of(holders: list[Any]) -> list[SwapDirectory]:
-    """The distinct swap folders of the NVMe tiers among `holders` (master homes, a shard home)."""
-    found = {id(holder.swap): holder.swap for holder in holders if isinstance(holder, (NvmeHome, NvmeShards))}
+def swap_directories_of(holders: list[Home | ShardIO]) -> list[SwapDirectory]:
+    """The distinct swap folders among `holders` (master homes, a shard home): the NVMe tiers'."""
+    found = {id(holder.swap): holder.swap for holder in holders if holder.swap is not None}
     return list(found.values())

@@ -42,8 +42,8 @@ from zerokit.comm import Communicator, ProcessGroups, Reduction
 from zerokit.config import ZeroConfig
 from zerokit.flat import Bucket, FlatParameters, ParamEntry, ShardedFlat, build_layout, tensor_bytes
 from zerokit.masters import OptimizerPlan, ShardMasters
-from zerokit.offload import master_homes, shard_home
-from zerokit.offload.swap import SwapDirectory
+from zerokit.tiers import master_homes, shard_home
+from zerokit.tiers.swap import SwapDirectory
 from zerokit.settings import EngineSettings
 from zerokit.stages.agreement import GATHER
 from zerokit.stages.base import param_entries, swap_directories_of, whole_tensor_owners

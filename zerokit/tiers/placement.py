@@ -16,14 +16,12 @@ import torch
 from zerokit.comm import CommStats
 from zerokit.config import ZeroConfig
 from zerokit.defaults import NVME_SUB_GROUP_NUMEL
-from zerokit.masters import DeviceHome, HostHome
-from zerokit.masters.homes import ShardIO
-from zerokit.masters.nvme import NvmeHome
-from zerokit.masters.shards import Home
-from zerokit.offload.nvme_params import NvmeShards
-from zerokit.offload.params import DeviceShards, HostShards
-from zerokit.offload.preflight import aligned, check_host_memory, check_nvme, state_bytes_per_element
-from zerokit.offload.swap import BufferPool, SwapDirectory
+from zerokit.tiers.homes import DeviceHome, Home, HostHome, ShardIO
+from zerokit.tiers.nvme_masters import NvmeHome
+from zerokit.tiers.nvme_shards import NvmeShards
+from zerokit.tiers.shards import DeviceShards, HostShards
+from zerokit.tiers.preflight import aligned, check_host_memory, check_nvme, state_bytes_per_element
+from zerokit.tiers.swap import BufferPool, SwapDirectory
 from zerokit.runtime import logger
 
 

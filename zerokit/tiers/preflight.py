@@ -14,7 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
-from zerokit.offload.swap import ALIGN, SwapFile, aligned_bytes
+from zerokit.tiers.swap import ALIGN, SwapFile, aligned_bytes
 
 GIB = 2**30
 PROBE_BYTES = 4 * 2**20

@@ -8,7 +8,7 @@ changes), `write` values into a shard (construction, published masters, kept edi
 values into a tier's memory (masters keeping edits). Every byte that crosses between tiers is counted in
 comm_stats() (host_to_device, device_to_host, nvme_read, nvme_write). As for masters, the host tier keeps
 its own copy and moves it even when the "device" is the CPU (See [Note: the host tier on a machine without
-a GPU] in zerokit/masters/homes.py).
+a GPU] in zerokit/tiers/homes.py).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import torch
 
 from zerokit.comm import CommStats, Transfer
 from zerokit.flat.layout import RankShards
-from zerokit.offload.preflight import check_host_memory
+from zerokit.tiers.preflight import check_host_memory
 
 
 class DeviceShards:
     """The default: shards on the device the model computes on."""
 
-    tier = "device"
+    tier, swap = "device", None
 
     def __init__(self, device: torch.device, stats: CommStats) -> None:
         self.device, self.stats = device, stats
@@ -53,7 +53,7 @@ class DeviceShards:
 class HostShards:
     """offload_param.device=cpu: shards in (pinned) host memory."""
 
-    tier = "host"
+    tier, swap = "host", None
 
     def __init__(self, device: torch.device, pin_memory: bool, stats: CommStats) -> None:
         self.device, self.stats = device, stats

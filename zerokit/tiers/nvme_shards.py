@@ -34,8 +34,8 @@ import torch
 from zerokit.comm import CommStats, Transfer
 from zerokit.config import Offload
 from zerokit.flat.layout import RankShards
-from zerokit.offload.preflight import check_host_memory, check_nvme
-from zerokit.offload.swap import BufferPool, SwapDirectory, round_up
+from zerokit.tiers.preflight import check_host_memory, check_nvme
+from zerokit.tiers.swap import BufferPool, SwapDirectory, round_up
 from zerokit.runtime import logger
 
 ChunkKey = tuple[str, int]  # (file, byte offset)

@@ -17,18 +17,43 @@ reduced and waited for only at the optimizer step.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from zerokit.comm import CommStats, Transfer
 
+if TYPE_CHECKING:
+    from zerokit.tiers.swap import SwapDirectory
+
+
+class Home(Protocol):
+    """Where one fp32 master lives: what ShardMasters and a checkpoint see of any tier."""
+
+    tier: str
+    """device | host | nvme"""
+    master: torch.Tensor
+    paged: bool
+    """The master lives in swap files and comes into memory only for its own step (See tiers/nvme_masters.py)."""
+    swap: "SwapDirectory | None"
+    """The swap files of a paged master; None elsewhere."""
+
+    def initialise(self, values: torch.Tensor) -> None: ...
+    def accept_grad(self, grad: torch.Tensor) -> None: ...
+    def grad32(self) -> torch.Tensor: ...
+    def release(self) -> None: ...
+    def publish(self) -> None: ...
+    def write_back(self) -> None: ...
+    def held(self) -> dict[str, int]: ...
+
 
 class ShardIO(Protocol):
-    """The home of a compute shard (zerokit/offload/params.py): writes into it and reads from it, counting
+    """The home of a compute shard (zerokit/tiers/shards.py): writes into it and reads from it, counting
     what crosses between tiers."""
 
     tier: str
+    swap: "SwapDirectory | None"
+    """The swap files of shards on NVMe; None elsewhere."""
 
     def write(self, shard: torch.Tensor, values: torch.Tensor, source: str) -> None: ...
     def read(self, shard: torch.Tensor, target: str) -> torch.Tensor: ...
@@ -58,7 +83,7 @@ class HeldGradient:
 class DeviceHome(HeldGradient):
     """The default tier: the master on the device the model computes on. `io`: the compute shard's home."""
 
-    tier = "device"
+    tier, paged, swap = "device", False, None
 
     def __init__(self, compute: torch.Tensor, device: torch.device, io: ShardIO) -> None:
         self.compute, self.io = compute, io
@@ -86,7 +111,7 @@ class HostHome:
     """The CPU tier (offload_optimizer.device=cpu): master and gradient in host memory, stepped on the CPU.
     See [Note: the host tier on a machine without a GPU]."""
 
-    tier = "host"
+    tier, paged, swap = "host", False, None
 
     def __init__(self, compute: torch.Tensor, pin_memory: bool, stats: CommStats, io: ShardIO) -> None:
         pin = pin_memory and torch.cuda.is_available()  # page-locking needs the CUDA driver

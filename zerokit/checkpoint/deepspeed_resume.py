@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from zerokit.engine import Engine
 
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-Path_ = tuple[Any, ...]  # keys from a rank's loaded files ({"optim": ..., "model": ...}) down to a flat tensor
+Source = tuple[Any, ...]  # keys from a rank's loaded files ({"optim": ..., "model": ...}) down to a flat tensor
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Run:
     rank: int
     begin: int
     end: int
-    source: Path_
+    source: Source
     offset: int
 
 
@@ -275,8 +275,8 @@ def _stage12_runs(layout: Layout, shapes: dict[str, Any], group: int, state: dic
         offset += numel
 
 
-def _stage3_runs(layout: Layout, shapes: dict[str, Any], source: Path_, group: int, state: dict[str, Any],
-                 state_source: Path_) -> None:
+def _stage3_runs(layout: Layout, shapes: dict[str, Any], source: Source, group: int, state: dict[str, Any],
+                 state_source: Source) -> None:
     """Stage 3: each parameter cut into world-size pieces of ceil(numel / world size) (the last padded); rank R
     keeps its piece of each, back to back."""
     offset = 0
@@ -289,7 +289,7 @@ def _stage3_runs(layout: Layout, shapes: dict[str, Any], source: Path_, group: i
         offset += math.ceil(math.prod(shape) / layout.world_size)
 
 
-def _pieces(numel: int, world_size: int, source: Path_, offset: int) -> list[Run]:
+def _pieces(numel: int, world_size: int, source: Source, offset: int) -> list[Run]:
     piece = math.ceil(numel / world_size)
     return [Run(rank, rank * piece, min(numel, (rank + 1) * piece), source, offset)
             for rank in range(world_size) if rank * piece < numel]
@@ -315,7 +315,7 @@ def _stage12_frozen(layout: Layout, model: dict) -> None:
             _whole(layout, name, FROZEN, tensor, ("model", "module", name))
 
 
-def _whole(layout: Layout, name: str, role: str, tensor: torch.Tensor, source: Path_) -> None:
+def _whole(layout: Layout, name: str, role: str, tensor: torch.Tensor, source: Source) -> None:
     """A tensor rank 0's model file holds whole."""
     layout.shapes[name], layout.roles[name], layout.dtypes[name] = tuple(tensor.shape), role, tensor.dtype
     layout.runs[name] = [Run(0, 0, tensor.numel(), source, 0)]
@@ -332,7 +332,7 @@ def _alias(layout: Layout, alias: str, source: str) -> None:
             layout.dtypes[key.removesuffix(source) + alias] = dtype
 
 
-def _follow(files: dict[str, Any], source: Path_) -> torch.Tensor:
+def _follow(files: dict[str, Any], source: Source) -> torch.Tensor:
     value: Any = files
     for key in source:
         value = value[key]
@@ -342,7 +342,7 @@ def _follow(files: dict[str, Any], source: Path_) -> torch.Tensor:
 def _check_rank_files(layout: Layout, rank: int, files: dict[str, Any], path: Path) -> None:
     """The flat tensors of this rank's files are as long as the computed layout says; at stages 1-2 its
     param_slice_mappings agree with it (a run elsewhere would be read as the wrong parameter's values)."""
-    needs: dict[Path_, int] = {}
+    needs: dict[Source, int] = {}
     for name_runs in [*layout.runs.values(), *(r for keys in layout.state_runs.values() for r in keys.values())]:
         for run in name_runs:
             if run.rank == rank:

@@ -6,7 +6,8 @@ losses, and per optimizer step grad norms (before clipping) and learning rates, 
 the strategy, the engine and its collectives, so that a silent fallback to DDP fails; a fit resumed through
 ckpt_path from the first epoch's end reproduces the uninterrupted one exactly; trainer.save_checkpoint(...,
 weights_only=True) loads into the plain model, equal to DDP's weights. Each launch costs 10-15 s here; one launch
-serves several checks and runs once per module.
+serves several checks and runs once per module. The DDP launch and the stage-3 object's also run extra fits:
+configure_model() (stage 3 builds on the meta device), bf16 and fp16.
 
 Tolerance: fp32; DDP all-reduces its gradient buckets, zerokit reduces flat buckets and steps AdamW on flat master
 pieces, so sums are added in another order (measured: losses near 4 within 1.2e-7 relative, grad norms within
@@ -14,6 +15,13 @@ pieces, so sums are added in another order (measured: losses near 4 within 1.2e-
 schedule step lost). Weights after 6 AdamW steps of lr 3e-3: within 6.7e-7 absolute (Adam divides each gradient by
 its own root mean square, so an element whose gradient is near zero moves by the order-of-summation noise
 magnified); 2e-6 is under a thousandth of one step's size, which is what a lost or different step moves a weight.
+
+16-bit runs against DDP's fp32 (Lightning's own 16-bit is autocast, which keeps other ops in fp32, so it is no
+closer a reference): zerokit computes with 16-bit copies of the fp32 masters, so each loss, grad norm and
+validation loss carries the rounding of its 16-bit inputs, averaged over the many terms of each sum. Bound: one
+rounding of the quantity itself, 2^-8 relative for bf16 (8 significant bits) and 2^-11 for fp16 (11); measured
+over 6 steps: bf16 2.3e-4 on losses, 1.1e-3 on grad norms; fp16 7.3e-5 and 1.5e-4. The runs must also differ from
+DDP by more than the fp32 tolerance, or they did not compute in 16 bits.
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ from zerokit.integrations.lightning import (ZerokitPrecision, ZerokitStrategy, a
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TOLERANCE, WEIGHTS_TOLERANCE = 2e-6, 2e-6
+HALF_TOLERANCE = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}  # one rounding, relative: See the module docstring
+HALF_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
+EXTRAS = {"ddp": "configured", "object3": "configured,bf16,fp16"}  # fits added to these launches
 QUANTITIES = ("losses", "grad_norms", "lrs", "val_losses")
 ENGINE = "zerokit.integrations.lightning.LightningEngine"
 ZEROKIT_RUNS = {"object2": ("object:2", 2), "object3": ("object:3", 3), "name2": ("zerokit_stage_2", 2),
@@ -51,8 +62,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list
     out = {}
     for name, (strategy, _) in {"ddp": ("ddp", None), **ZEROKIT_RUNS}.items():
         resume = [] if name == "ddp" else ["--resume"]
+        extra = ["--extra", EXTRAS[name]] if name in EXTRAS else []
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   str(SCRIPTS / "lightning_fit.py"), "--out", str(root / name), "--strategy", strategy, *resume]
+                   str(SCRIPTS / "lightning_fit.py"), "--out", str(root / name), "--strategy", strategy, *resume,
+                   *extra]
         done = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
         out[name] = [json.loads((root / name / f"rank{rank}.json").read_text()) for rank in range(2)]
@@ -97,6 +110,36 @@ def test_ckpt_path_resumes_exactly(runs, name: str) -> None:
         assert_zerokit_trained(resumed, ZEROKIT_RUNS[name][1])
         assert resumed["losses"] == run["losses"][12:] and resumed["grad_norms"] == run["grad_norms"][3:]
         assert resumed["lrs"] == run["lrs"][3:] and resumed["val_losses"] == run["val_losses"][2:]
+
+
+def test_configure_model_at_stage_3_builds_on_meta_and_trains_as_the_plain_build(runs) -> None:
+    """configure_model() under stage 3 registers its parameters on the meta device (no rank holds the model
+    whole); the engine initialises them unit by unit with the strategy's param_init, and the first loss is the
+    plain (DDP) build's to the bit, the whole fit DDP's within the fp32 tolerance."""
+    _, results = runs
+    for rank in range(2):
+        plain, sharded = results["ddp"][rank]["configured"], results["object3"][rank]["configured"]
+        assert plain["built_on_meta"] is False and sharded["built_on_meta"] is True
+        assert_zerokit_trained(sharded, 3)
+        assert sharded["losses"][0] == plain["losses"][0]
+        assert plain["losses"][0] != results["ddp"][rank]["run"]["losses"][0]  # its own init, not build_model's
+        worst = {key: relative(plain[key], sharded[key]) for key in QUANTITIES}
+        assert max(worst.values()) <= TOLERANCE, worst
+
+
+@pytest.mark.parametrize("extra", ["bf16", "fp16"])
+def test_16_bit_fits_follow_ddps_fp32_within_one_rounding(runs, extra: str) -> None:
+    """bf16 from Trainer(precision="bf16-mixed"); fp16 from plugins=[ZerokitPrecision("16-mixed")], since on a
+    CPU Lightning turns precision="16-mixed" into "bf16-mixed" before the strategy sees it. Both keep fp32
+    masters (DeepSpeed's meaning); fp16 scales its loss dynamically and skipped no step here."""
+    _, results = runs
+    for rank in range(2):
+        ddp, half = results["ddp"][rank]["run"], results["object3"][rank][extra]
+        assert_zerokit_trained(half, 3)
+        assert half["param_dtype"] == HALF_DTYPES[extra] and len(half["grad_norms"]) == len(ddp["grad_norms"]) == 6
+        assert half["lrs"] == ddp["lrs"]
+        worst = {key: relative(ddp[key], half[key]) for key in QUANTITIES if key != "lrs"}
+        assert TOLERANCE < max(worst.values()) <= HALF_TOLERANCE[extra], worst
 
 
 @pytest.mark.parametrize("name", ["object2", "name3"])

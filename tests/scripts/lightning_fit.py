@@ -12,18 +12,25 @@ Each rank writes DIR/rank{r}.json: the loss of every micro-batch, the grad norm 
 optimizer step, the validation losses, what trained (strategy, engine class, stage, collectives), and with
 --resume the same from a second Trainer resumed (fit(ckpt_path=...)) from the end of the first epoch. Rank 0
 saves the final weights with trainer.save_checkpoint(DIR/weights.ckpt, weights_only=True).
+
+--extra NAME[,NAME...] adds fits of their own after those, each a new Trainer: `configured` builds the model in
+configure_model() (under ZerokitStrategy at stage 3: on the meta device, initialised by the engine with the
+same name-seeded init the plain build applies), `bf16` and `fp16` train with precision="bf16-mixed" and
+"16-mixed". Each writes what it trained beside "run", under its own name.
 """
 
 from __future__ import annotations
 
 import argparse
+import zlib
 
 import torch
+from torch import nn
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import grad_norm
 
-from common import build_model, dataset, write_result
+from common import TokenModel, build_model, dataset, write_result
 
 ACCUMULATION, MICRO_BATCH, CLIP, LR, EPOCHS = 5, 2, 0.5, 3e-3, 2
 
@@ -59,6 +66,46 @@ class TokenLM(LightningModule):
         return torch.utils.data.DataLoader(held_out, batch_size=MICRO_BATCH)
 
 
+class NameSeededInit:
+    """Each module's parameters drawn from a generator seeded by the module's name: the same values whichever order
+    modules are initialised in (the plain build initialises them in construction order, stage 3 unit by unit)."""
+
+    def __init__(self) -> None:
+        self.names: dict[nn.Module, str] = {}
+
+    def __call__(self, module: nn.Module) -> None:
+        generator = torch.Generator().manual_seed(zlib.crc32(self.names[module].encode()))
+        with torch.no_grad():
+            for name, param in module.named_parameters(recurse=False):
+                if isinstance(module, nn.LayerNorm):
+                    param.fill_(1.0 if name == "weight" else 0.0)
+                else:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+
+
+INIT = NameSeededInit()
+
+
+class ConfiguredTokenLM(TokenLM):
+    """TokenLM whose model is built in configure_model(), as a model no rank may hold whole is."""
+
+    def __init__(self) -> None:
+        LightningModule.__init__(self)
+        self.net: TokenModel | None = None
+        self.losses, self.val_losses = [], []
+        self.built_on_meta: bool | None = None
+
+    def configure_model(self) -> None:
+        if self.net is not None:
+            return
+        self.net = TokenModel()
+        INIT.names = {module: f"net.{name}" for name, module in self.net.named_modules()}
+        self.built_on_meta = all(param.is_meta for param in self.net.parameters())
+        if not self.built_on_meta:  # the plain build: initialised here; at stage 3 the engine calls INIT
+            for module in self.net.modules():
+                INIT(module)
+
+
 class StepRecorder(Callback):
     """Per optimizer step: the global grad norm before clipping (DDP: of the reduced gradients Lightning is about to
     clip; zerokit: the engine's, from its last step) and the learning rate it stepped with."""
@@ -84,25 +131,41 @@ def strategy_of(spec: str):
         from zerokit.integrations.lightning import ZerokitStrategy
 
         return ZerokitStrategy(config={"zero_optimization": {"stage": int(spec.split(":")[1])},
-                                       "train_micro_batch_size_per_gpu": MICRO_BATCH})
+                                       "train_micro_batch_size_per_gpu": MICRO_BATCH}, param_init=INIT)
     if spec.startswith("zerokit_"):
         import zerokit.integrations.lightning  # noqa: F401  (registers the names)
     return spec
 
 
-def fit(args: argparse.Namespace, resume: str | None = None) -> dict:
-    module, recorder = TokenLM(), StepRecorder()
+def precision_arguments(precision: str) -> dict:
+    """Trainer(precision=...), but fp16 as a plugin: on a CPU, Lightning turns precision="16-mixed" into
+    "bf16-mixed" before any strategy sees it, and zerokit runs fp16 there."""
+    if precision != "16-mixed":
+        return {"precision": precision}
+    from zerokit.integrations.lightning import ZerokitPrecision
+
+    return {"plugins": [ZerokitPrecision(precision)]}
+
+
+def fit(args: argparse.Namespace, resume: str | None = None, extra: str | None = None) -> dict:
+    torch.manual_seed(0)  # the shuffle's seed: every fit, extra or not, sees the batches in the same order
+    module, recorder = (ConfiguredTokenLM() if extra == "configured" else TokenLM()), StepRecorder()
     checkpoints = ModelCheckpoint(dirpath=f"{args.out}/checkpoints", filename="epoch{epoch}", save_top_k=-1,
                                   every_n_epochs=1, save_on_train_epoch_end=True, auto_insert_metric_name=False)
+    precision = {"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(extra or "", "32-true")
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy_of(args.strategy), max_epochs=EPOCHS,
-                      accumulate_grad_batches=ACCUMULATION, gradient_clip_val=CLIP, callbacks=[recorder, checkpoints],
+                      accumulate_grad_batches=ACCUMULATION, gradient_clip_val=CLIP,
+                      callbacks=[recorder] + ([] if extra else [checkpoints]), **precision_arguments(precision),
                       logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       deterministic=True)
     trainer.fit(module, ckpt_path=resume)
-    if resume is None:
+    if resume is None and extra is None:
         trainer.save_checkpoint(f"{args.out}/weights.ckpt", weights_only=True)
-    return {"losses": module.losses, "grad_norms": recorder.grad_norms, "lrs": recorder.lrs,
-            "val_losses": module.val_losses, **facts(trainer)}
+    result = {"losses": module.losses, "grad_norms": recorder.grad_norms, "lrs": recorder.lrs,
+              "val_losses": module.val_losses, "precision": precision, **facts(trainer)}
+    if extra == "configured":
+        result["built_on_meta"] = module.built_on_meta
+    return result
 
 
 def facts(trainer: Trainer) -> dict:
@@ -112,6 +175,7 @@ def facts(trainer: Trainer) -> dict:
     engine = getattr(strategy, "engine", None)
     if engine is not None:
         result.update(engine=f"{type(engine).__module__}.{type(engine).__qualname__}", stage=engine.config.stage,
+                      param_dtype=str(engine.config.precision.param_dtype),
                       gradient_clipping=engine.config.gradient_clipping,
                       comm_calls={kind: counts["calls"] for kind, counts in engine.comm_stats().items()})
     return result
@@ -122,10 +186,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--strategy", required=True)
     parser.add_argument("--resume", action="store_true", help="then resume a second fit from the first epoch's end")
+    parser.add_argument("--extra", default="", help="then these fits: configured, bf16, fp16 (comma-separated)")
     args = parser.parse_args()
     result = {"run": fit(args)}
     if args.resume:
         result["resumed"] = fit(args, resume=f"{args.out}/checkpoints/epoch0.ckpt")
+    for extra in filter(None, args.extra.split(",")):
+        result[extra] = fit(args, extra=extra)
     write_result(args.out, torch.distributed.get_rank(), result)
 
 

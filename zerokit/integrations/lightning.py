@@ -44,6 +44,16 @@ as its client state; `fit(ckpt_path=path)` resumes from it exactly, at any world
 for the state dict before it says which of the two it is saving, so every save gathers it once (the model's size
 in host memory on every rank, for the duration of the save). A single-file checkpoint holds no sharded
 optimizer state, so fit(ckpt_path=file) is refused; validate/test/predict load its weights.
+
+[Note: configure_model at stage 3]
+Lightning calls the LightningModule's configure_model() inside strategy.model_sharded_context(); its DeepSpeed
+strategy enters zero.Init there, so that a model too large for one rank is never whole. At stage 3 this one enters
+zerokit's zero.Init: each parameter goes to the meta device as its module registers it (See [Note: zero.Init is
+meta construction] in zerokit/deepspeed/zero.py), and the engine fit() starts materialises them one unit at a
+time with `param_init` (ZerokitStrategy(param_init=fn); default: each module's reset_parameters()), the same on
+every rank, which the engine checks. As with zero.Init, a constructor's own initialisation of parameters does not
+survive the meta device: give it as param_init. Stages 1 and 2 hold whole parameters, so configure_model builds
+as usual there.
 """
 
 from __future__ import annotations
@@ -76,8 +86,10 @@ from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E402
 
 from zerokit.deepspeed.engine import HyperparameterMirror  # noqa: E402
+from zerokit.deepspeed.zero import Init  # noqa: E402
 from zerokit.engine import Engine  # noqa: E402
 from zerokit.precision import StepResult  # noqa: E402
+from zerokit.stages.construction import ParamInit  # noqa: E402
 
 TAG = "checkpoint"  # the tag inside a checkpoint directory, as Lightning's DeepSpeed strategy names it
 COMPUTE_DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -90,9 +102,9 @@ class LightningEngine(Engine):
     LightningModule's optimizer and the one that trains])."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, config: ZeroConfig,
-                 device: torch.device) -> None:
+                 device: torch.device, param_init: ParamInit | None = None) -> None:
         self.ends_window = False  # True while the closure of Lightning's optimizer step runs
-        super().__init__(module, optimizer, config, device=device)
+        super().__init__(module, optimizer, config, device=device, param_init=param_init)
         trains = self.stage.masters.optimizers[0]
         self.mirror = HyperparameterMirror([(optimizer, trains)] if optimizer not in (None, trains) else [])
         self.last_step: StepResult | None = None  # the last optimizer step's result: grad norm, clipped, skipped
@@ -109,10 +121,7 @@ class LightningEngine(Engine):
 
     def adopt_restored_hyperparameters(self) -> None:
         """After a load: the user's optimizer takes the param groups the training one was restored with."""
-        for user, trains in self.mirror.pairs:
-            for given, restored in zip(user.param_groups, trains.param_groups, strict=True):
-                given.update({key: value for key, value in restored.items() if key != "params"})
-        self.mirror = HyperparameterMirror(self.mirror.pairs)
+        self.mirror.adopt_loaded()
 
 
 def engine_of(module: LightningModule) -> LightningEngine:
@@ -262,7 +271,9 @@ def check_trainer(trainer: Trainer, module: LightningModule) -> None:
 class ZerokitStrategy(DDPStrategy):
     """ZeRO stages 1-3 (and zerokit's offload, checkpoints, observability) for Lightning's Trainer. `config`:
     a DeepSpeed-style dict, the path of a JSON file, or a zerokit.ZeroConfig; `stage` writes its ZeRO stage
-    (the registered names pass it). The engine is `strategy.engine` (a zerokit Engine) once fit() sets it up."""
+    (the registered names pass it). `param_init`: how stage 3 initialises a model configure_model() built on the
+    meta device (See [Note: configure_model at stage 3]); a model built with real parameters keeps them. The
+    engine is `strategy.engine` (a zerokit Engine) once fit() sets it up."""
 
     strategy_name = "zerokit"
 
@@ -270,12 +281,13 @@ class ZerokitStrategy(DDPStrategy):
                  accelerator: Any = None, parallel_devices: list[torch.device] | None = None,
                  cluster_environment: Any = None, checkpoint_io: Any = None,
                  precision_plugin: Precision | None = None, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout) -> None:
+                 timeout: timedelta | None = default_pg_timeout, param_init: ParamInit | None = None) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout)
         self.config = given_config(config, stage)
+        self.param_init = param_init
         self.engine: LightningEngine | None = None
 
     @property
@@ -321,7 +333,9 @@ class ZerokitStrategy(DDPStrategy):
         optimizer, self.lr_scheduler_configs = None, []
         if config.optimizer is None:  # else the config's optimizer block: the engine builds it
             optimizer, self.lr_scheduler_configs = self._module_optimizer(module)
-        self.engine = LightningEngine(module, optimizer, config, self.root_device)
+        on_meta = any(param.is_meta for param in module.parameters())  # See [Note: configure_model at stage 3]
+        self.engine = LightningEngine(module, optimizer, config, self.root_device,
+                                      param_init=self.param_init if on_meta else None)
         self.optimizers = [optimizer] if optimizer is not None else list(self.engine.stage.masters.optimizers)
 
     @staticmethod
@@ -331,6 +345,13 @@ class ZerokitStrategy(DDPStrategy):
             raise ValueError(f"configure_optimizers gave {len(optimizers)} optimizers; ZerokitStrategy trains with one "
                              "(automatic optimization steps one), or with the config's optimizer block")
         return optimizers[0], schedules
+
+    @contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        """Around configure_model(): at stage 3 its parameters are built on the meta device. See [Note:
+        configure_model at stage 3]."""
+        with Init(config_dict_or_path=self.config):
+            yield
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """training_step through the engine's forward (its observability: forward time, FLOPs)."""

@@ -25,17 +25,25 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import torch.distributed as dist
 
-from zerokit.comm.flight import FlightEntry
-
-if TYPE_CHECKING:
-    from zerokit.comm.collectives import Communicator
+from zerokit.comm.flight import FlightEntry, FlightRecorder
 
 COMPLETED_IN_REPORT = 6  # last completed collectives quoted in an error
 REPORT_POLL_SECONDS = 0.05
+
+
+class Communicator(Protocol):
+    """What a deadline reads of the Communicator (collectives.py) whose collectives it waits on."""
+
+    rank: int
+    world_size: int
+    timeout_seconds: float | None
+    blocking_waits: bool
+    incident: str
+    recorder: FlightRecorder
 
 
 class CollectiveError(RuntimeError):
@@ -53,7 +61,7 @@ class TrackedWork:
     """The work of one issued collective (several torch works for gloo's all-gather; See [Note: all-gather on
     gloo] in collectives.py), its flight-recorder entry, and the Communicator whose deadline it keeps."""
 
-    def __init__(self, works: Sequence[dist.Work], entry: FlightEntry, owner: "Communicator") -> None:
+    def __init__(self, works: Sequence[dist.Work], entry: FlightEntry, owner: Communicator) -> None:
         self.works = list(works)
         self.entry = entry
         self.owner = owner
@@ -85,7 +93,7 @@ class TrackedWork:
             self.entry.end = time.time()
 
 
-def failure(comm: "Communicator", entry: FlightEntry, error: BaseException, waited: float) -> CollectiveError:
+def failure(comm: Communicator, entry: FlightEntry, error: BaseException, waited: float) -> CollectiveError:
     """The error every failing rank raises: what it waited on and for how long, what it completed last, where
     the other ranks stood, and the file its flight recorder went to. See [Note: deadlines on collectives]."""
     timeout = comm.timeout_seconds or 0.0
@@ -112,7 +120,7 @@ def failure(comm: "Communicator", entry: FlightEntry, error: BaseException, wait
     return CollectiveError("\n".join(lines))
 
 
-def exchange_reports(comm: "Communicator", summary: str, grace: float) -> list[str]:
+def exchange_reports(comm: Communicator, summary: str, grace: float) -> list[str]:
     """Post this rank's summary to the job's store and collect the others' for up to `grace` seconds."""
     store = _default_store()
     if store is None:
@@ -145,7 +153,7 @@ class Watcher:
     """For back-ends whose waits do not block the CPU (NCCL): a daemon thread that notices a collective past
     its deadline and writes the report before the back-end's watchdog aborts the process. One per recorder."""
 
-    def __init__(self, comm: "Communicator", period: float) -> None:
+    def __init__(self, comm: Communicator, period: float) -> None:
         self.comm, self.period = comm, period
         self.works: list[TrackedWork] = []
         self.lock = threading.Lock()

@@ -28,7 +28,7 @@ reduce dtype, with a SUM collective: (sum of g/f) x f/N. Dividing and multiplyin
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 import torch.distributed as dist
@@ -46,10 +46,6 @@ from zerokit.masters.shards import TIERS
 from zerokit.tiers import DeviceShards, Home, ShardIO, master_homes
 from zerokit.tiers.swap import SwapDirectory
 from zerokit.stages.usage import GradientUsage
-
-if TYPE_CHECKING:
-    from zerokit.stages.reducer import BucketReducer
-
 
 class ZeroStage:
     shards_optimizer: ClassVar[bool] = True
@@ -168,8 +164,9 @@ class ZeroStage:
         self.usage.reset()
         self.zero_grads()
 
-    def install_module_hooks(self, reducer: "BucketReducer") -> list[RemovableHandle]:
-        """Hooks of the stage's own on the model's modules (stage 3: its units'); none below stage 3."""
+    def install_module_hooks(self, release_reductions: Callable[[], None]) -> list[RemovableHandle]:
+        """Hooks of the stage's own on the model's modules (stage 3: its units'); none below stage 3.
+        `release_reductions` launches every gradient reduction not launched yet (the reducer's)."""
         return []
 
     def end_of_autograd(self) -> None:

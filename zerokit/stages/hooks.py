@@ -61,7 +61,7 @@ def install_hooks(stage: "ZeroStage", reducer: "BucketReducer") -> list[Removabl
     the units' forward hooks. Returns the handles, so that they can be removed."""
     handles = [param.register_post_accumulate_grad_hook(partial(_grad_ready, reducer, index))
                for index, param in enumerate(stage.flat.params)]
-    return handles + stage.install_module_hooks(reducer)
+    return handles + stage.install_module_hooks(reducer.launch_remaining)
 
 
 def _grad_ready(reducer: "BucketReducer", index: int, param: torch.Tensor) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -52,9 +52,6 @@ from zerokit.stages.hooks import TrainingState, UnitHooks
 from zerokit.stages.stage2 import ShardedGradients
 from zerokit.stages.unit_shards import UnitShards
 from zerokit.stages.units import Unit, find_units
-
-if TYPE_CHECKING:
-    from zerokit.stages.reducer import BucketReducer
 
 
 class ShardedParameters(ShardedGradients):
@@ -102,11 +99,11 @@ class ShardedParameters(ShardedGradients):
         self.unit_hooks.bucket_launched(bucket)
         return reduction
 
-    def install_module_hooks(self, reducer: "BucketReducer") -> list[RemovableHandle]:
+    def install_module_hooks(self, release_reductions: Callable[[], None]) -> list[RemovableHandle]:
         """The units' forward hooks; a rank that leaves the backward's agreed order releases the reducer's
         remaining reductions (See [Note: stage-3 units every rank agrees on] in stages/agreement.py)."""
         if self.shards.agreement is not None and self.shards.agreement.mode != GATHER:
-            self.shards.agreement.connect(reducer.launch_remaining)
+            self.shards.agreement.connect(release_reductions)
         return self.unit_hooks.install()
 
     def end_of_autograd(self) -> None:

@@ -7,6 +7,13 @@ built from its config (8.3M parameters), fp32, AdamW, the Trainer's default clip
     python benchmarks/bench_frameworks.py                       # every contender, 20 steps each
     python benchmarks/bench_frameworks.py --only ddp,zerokit-3 --steps 10
 
+FSDP2 on a CPU: accelerate 1.15 (state.py) makes a job FSDP only when its distributed type is a GPU-like one
+(MULTI_GPU, MULTI_XPU, ...); on CPU ranks it is MULTI_CPU and the Trainer's fsdp= job trains with DDP, so the
+`fsdp2` row is refused there (See EXPECTED_ENGINE). `fsdp2-torch`, shown as "fsdp2 (torch loop)", is FSDP2 on
+CPU without the Trainer: the same model, data, micro-batch and steps, torch's fully_shard on each decoder layer
+and the root, and the loop the Trainer runs (fused AdamW, lr 1e-4 decaying linearly to 0, clipping at 1.0, the
+same sampler); the row checks that each rank holds half of every parameter as a DTensor shard.
+
 Measured per contender, in a fresh torchrun launch each:
 - **s/step**: each step's wall time (the Trainer's on_step_begin to on_step_end) on the slower rank, the median
   over the steps after the first `--warmup`.
@@ -33,7 +40,8 @@ from pathlib import Path
 
 import torch
 
-CONTENDERS = ("ddp", "deepspeed-2", "deepspeed-3", "fsdp2", "zerokit-2", "zerokit-3")
+CONTENDERS = ("ddp", "deepspeed-2", "deepspeed-3", "fsdp2", "fsdp2-torch", "zerokit-2", "zerokit-3")
+LABELS = {"fsdp2-torch": "fsdp2 (torch loop)"}  # rows whose job is not the Trainer's
 VOCAB, SEQUENCE, MICRO_BATCH = 2048, 128, 4
 
 
@@ -117,6 +125,51 @@ def run_job(args: argparse.Namespace) -> None:
     Path(args.out, f"rank{os.environ.get('RANK', 0)}.json").write_text(json.dumps(result))
 
 
+def run_torch_fsdp2(args: argparse.Namespace) -> None:
+    """The job of run_job under torch's FSDP2, in the loop the Trainer would run."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from here
+    before = resident_kib("VmRSS")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(llama_config())
+    parameters = sum(p.numel() for p in model.parameters())
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    held = sum(p.to_local().numel() for p in model.parameters())  # DTensors: this rank's shard of each
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                                  fused=True)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / args.steps))
+    data = Tokens(args.steps * MICRO_BATCH * world)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=MICRO_BATCH, sampler=sampler)
+    durations, losses = [], []
+    model.train()
+    for batch in loader:
+        started = time.perf_counter()
+        loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        durations.append(time.perf_counter() - started)
+        losses.append(loss.item())
+    result = {"durations": durations, "losses": losses, "vmhwm_kib": resident_kib("VmHWM"), "before_kib": before,
+              "engine": f"{type(model).__module__}.{type(model).__qualname__}", "parameters": None,
+              "held_fraction": held / parameters}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
 # --- the driver --------------------------------------------------------------------------------------------
 
 def launch(contender: str, steps: int, out: Path) -> str | None:
@@ -152,6 +205,9 @@ def summarise(contender: str, out: Path, warmup: int) -> dict:
     expected = EXPECTED_ENGINE[contender.split("-")[0]]
     if expected not in ranks[0]["engine"]:
         raise SilentFallback(f"asked for {contender}, trained with {ranks[0]['engine']}")
+    unsharded = [rank["held_fraction"] for rank in ranks if rank.get("held_fraction", 0.0) > 0.51]
+    if unsharded:  # each rank holds half of every parameter (and at most a row of padding)
+        raise SilentFallback(f"asked for {contender}, a rank held {unsharded[0]:.0%} of the parameters")
     slowest = [max(steps) for steps in zip(*(rank["durations"] for rank in ranks))][warmup:]
     return {"seconds_per_step": statistics.median(slowest),
             "vmhwm_mib": max(rank["vmhwm_kib"] for rank in ranks) / 1024,
@@ -167,7 +223,7 @@ def table(rows: dict[str, dict], failed: dict[str, str]) -> str:
     for name, row in rows.items():
         def ratio(key: str) -> str:
             return f"{row[key] / base[key]:.2f}" if base else "-"
-        lines.append(f"| {name} | {row['seconds_per_step']:.3f} | {ratio('seconds_per_step')} | {row['vmhwm_mib']:.0f} "
+        lines.append(f"| {LABELS.get(name, name)} | {row['seconds_per_step']:.3f} | {ratio('seconds_per_step')} | {row['vmhwm_mib']:.0f} "
                      f"| {ratio('vmhwm_mib')} | {row['growth_mib']:.0f} | {ratio('growth_mib')} | "
                      f"{row['first_loss']:.3f} -> {row['last_loss']:.3f} | {row['engine'].rsplit('.', 1)[-1]} |")
     lines += [f"| {name} | did not run: {error} ||||||||" for name, error in failed.items()]
@@ -185,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        run_job(args)
+        (run_torch_fsdp2 if args.contender == "fsdp2-torch" else run_job)(args)
         return 0
     chosen = [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = sorted(set(chosen) - set(CONTENDERS))

@@ -79,3 +79,21 @@ def test_the_frameworks_benchmark_refuses_a_row_another_engine_trained(tmp_path)
         assert "asked for fsdp2, trained with torch.nn.parallel.distributed.DistributedDataParallel" in str(error)
     else:
         raise AssertionError("a DDP row passed as FSDP2's")
+
+
+def test_the_frameworks_benchmarks_torch_fsdp2_row_must_be_sharded(tmp_path) -> None:
+    """fsdp2 (torch loop): an FSDP module whose ranks each hold half the parameters is a row; one that held them all
+    is refused."""
+    from benchmarks import bench_frameworks
+
+    for held, refused in ((0.5, False), (1.0, True)):
+        for rank in range(2):
+            (tmp_path / f"rank{rank}.json").write_text(json.dumps(
+                {"durations": [3.0, 1.0, 2.0], "losses": [7.7, 7.6], "vmhwm_kib": 2048, "before_kib": 1024,
+                 "engine": "torch.distributed.fsdp.FSDPLlamaForCausalLM", "parameters": None, "held_fraction": held}))
+        try:
+            bench_frameworks.summarise("fsdp2-torch", tmp_path, warmup=1)
+        except bench_frameworks.SilentFallback as error:
+            assert refused and "a rank held 100% of the parameters" in str(error)
+        else:
+            assert not refused

@@ -248,3 +248,31 @@ def test_bad_deepspeed_checkpoints_fail_on_every_rank_before_anything_changes(wr
         assert "\n" not in results[0]["error"], results[0]["error"]
         assert all(r["error"] == results[0]["error"] for r in results), results
         assert all(r["unchanged"] and r["steps"] == 0 for r in results), (match, results)
+
+
+def test_fp16_loss_scaler_state_reads_as_zerokits(monkeypatch) -> None:
+    """DeepSpeed cannot write an fp16 checkpoint on a CPU, so its DynamicLossScaler itself goes through a history of
+    overflows and clean updates (hysteresis spent, the scale halved, clean updates since), and its state, read as
+    a checkpoint holds it, equals the state zerokit's scaler reaches through the same history."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed: this test runs DeepSpeed's own loss scaler")
+    from types import SimpleNamespace
+
+    import deepspeed.runtime.fp16.loss_scaler as ds_scaler
+
+    from zerokit.checkpoint.deepspeed_resume import loss_scaler_state
+    from zerokit.config import LossScaling
+    from zerokit.precision import DynamicLossScaler
+
+    monkeypatch.setattr(ds_scaler, "dist", SimpleNamespace(get_rank=lambda: 1))  # its overflow log asks the rank
+    theirs = ds_scaler.DynamicLossScaler(init_scale=2.0**12, scale_window=8, delayed_shift=2, min_scale=1.0,
+                                         consecutive_hysteresis=False)
+    ours = DynamicLossScaler(LossScaling(initial_scale_power=12, window=8, hysteresis=2))
+    for overflow in (False, True, False, True, True, False, False, False):
+        theirs.update_scale(overflow)
+        ours.update(overflow)
+    assert ours.state_dict() == {"scale": 2.0**10, "clean_steps": 3, "hysteresis_left": 1}  # halved twice
+    fresh = DynamicLossScaler(LossScaling(initial_scale_power=16, window=8, hysteresis=2))
+    assert loss_scaler_state(dict(vars(theirs)), fresh.state_dict()) == ours.state_dict()
+    static = ds_scaler.LossScaler(scale=128.0)
+    assert loss_scaler_state(dict(vars(static)), {"scale": 1.0})["scale"] == 128.0

@@ -15,7 +15,9 @@ any world size and stage, and the counters then go through the code a zerokit ch
 
 Each rank opens rank 0's two files (the shapes, the hyperparameters, the counters) and the files of the
 DeepSpeed ranks whose runs overlap the pieces it steps and holds, and nothing else; the files are memory-mapped
-(torch.load(mmap=True)), so only the pages of those runs are read. Every file a rank needs is opened and
+(torch.load(mmap=True)), so only the pages of those runs are read. (zerokit's shards follow its buckets, in
+backward order, DeepSpeed's its flat groups, in forward order, so a rank's pieces usually overlap every
+DeepSpeed rank's file: it is the memory map that keeps a rank to the bytes it needs.) Every file a rank needs is opened and
 checked against the computed layout before anything is restored, so a missing, truncated or foreign file fails
 before the engine changes (See [Note: a load fails on every rank or on none] in load.py).
 """
@@ -122,13 +124,15 @@ class DeepSpeedReaders:
             raise DeepSpeedCheckpointError(f"{self.directory}: no DeepSpeed rank holds {name} (an internal bug)")
         return self.views[name]
 
-    def open(self, rank: int) -> dict[str, Any]:
-        """DeepSpeed rank `rank`'s optimizer file (and at stage 3 its model file), memory-mapped, checked."""
+    def open(self, rank: int, files: dict[str, Any] | None = None) -> dict[str, Any]:
+        """DeepSpeed rank `rank`'s optimizer file (and at stage 3 its model file), memory-mapped, checked;
+        `files`: those already loaded."""
         if rank not in self.loaded:
-            files = {"optim": _load(self.optim_paths[rank])}
-            _require(files["optim"], ("optimizer_state_dict",), self.optim_paths[rank])
-            if self.layout.stage == 3 or rank == 0:
-                files["model"] = _load(self.model_paths[rank])
+            if files is None:
+                files = {"optim": _load(self.optim_paths[rank])}
+                _require(files["optim"], ("optimizer_state_dict",), self.optim_paths[rank])
+                if self.layout.stage == 3 or rank == 0:
+                    files["model"] = _load(self.model_paths[rank])
             _check_rank_files(self.layout, rank, files, self.optim_paths[rank])
             self.loaded[rank] = files
         return self.loaded[rank]
@@ -180,6 +184,7 @@ def open_deepspeed(directory: Path, engine: "Engine") -> DeepSpeedSource:
                                        f"not known here ({type(error).__name__}: {error})") from None
     _check_engine(directory, layout, param_groups, engine)
     readers = DeepSpeedReaders(directory, layout, model_paths, optim_paths)
+    readers.open(0, {"optim": optim, "model": model})
     for rank in sorted(_ranks_needed(layout, engine)):
         readers.open(rank)
     manifest = _manifest(directory, layout, model, optimizer_state, param_groups, precision, engine)
@@ -444,17 +449,18 @@ def _manifest(directory: Path, layout: Layout, model: dict, optimizer_state: dic
                      "param_groups": [encode_hyperparameters(group) for group in param_groups]}],
         progress={"micro_step": global_steps * window, "optimizer_step": global_steps - skipped,
                   "total_skips": skipped, "consecutive_skips": 0},
-        loss_scaler=_loss_scaler(optimizer_state.get("loss_scaler"), engine),
+        loss_scaler=loss_scaler_state(optimizer_state.get("loss_scaler"), engine.loss_scaler.state_dict()),
         files={}, rng={}, config={"gradient_accumulation_steps": window}, layout=[])
 
 
-def _loss_scaler(saved: Any, engine: "Engine") -> dict[str, Any]:
-    """DeepSpeed's loss scaler (fp32 and bf16 runs save a static one of scale 1) in zerokit's terms. Its
-    DynamicLossScaler doubles after scale_window clean updates since the last overflow, counted as
-    cur_iter - last_overflow_iter - 1 (loss_scaler.py), which is zerokit's clean_steps; cur_hysteresis is
-    hysteresis_left. (fp16: read per DeepSpeed's source; DeepSpeed cannot write an fp16 run on a CPU.)"""
+def loss_scaler_state(saved: Any, current: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeed's saved loss scaler (fp32 and bf16 runs save a static one of scale 1) as zerokit's state dict,
+    over `current` (the engine's). DeepSpeed's DynamicLossScaler counts the clean updates since the last overflow
+    as cur_iter - last_overflow_iter - 1 (runtime/fp16/loss_scaler.py), which is zerokit's clean_steps;
+    cur_hysteresis is hysteresis_left. (fp16: read per DeepSpeed's source; DeepSpeed cannot write an fp16 run on
+    a CPU, so no real fp16 file has been read.)"""
     state = saved.state() if hasattr(saved, "state") else dict(saved or {})
-    mapped = {**engine.loss_scaler.state_dict(), "scale": float(state.get("cur_scale", 1.0))}
+    mapped = {**current, "scale": float(state.get("cur_scale", 1.0))}
     if state.get("dynamic") and "cur_iter" in state:
         mapped["clean_steps"] = int(state["cur_iter"]) - int(state.get("last_overflow_iter", -1)) - 1
         mapped["hysteresis_left"] = int(state.get("cur_hysteresis", mapped.get("hysteresis_left", 1)))

@@ -123,20 +123,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {params / 1e6:.1f}M parameters ({params * 4 / 2**20:,.0f} MiB fp32), saved by {args.world_size} "
               f"ranks at stage {args.stage}: zerokit {directory_bytes(root / 'zk') / 2**20:,.0f} MiB, DeepSpeed "
               f"{directory_bytes(root / 'ds') / 2**20:,.0f} MiB")
+        print(f"load average before the conversions: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
+              "(others' work on a shared machine slows both converters alike)")
         print(f"{'converter':<28}{'seconds':>9}{'peak RSS MiB':>14}{'floor s':>9}{'floor MiB':>11}{'written MiB':>13}")
-        for name in commands(root, 0):
-            runs, floors = [], []
-            for round_ in range(args.rounds):
-                conversion, floor = commands(root, round_)[name]
-                runs.append(measured(conversion))
-                floors.append(measured(floor))
+        runs: dict[str, list[dict]] = {name: [] for name in commands(root, 0)}
+        floors: dict[str, list[dict]] = {name: [] for name in runs}
+        for round_ in range(args.rounds):  # the converters take turns, so a change in others' load hits both
+            for name, (conversion, floor) in commands(root, round_).items():
+                runs[name].append(measured(conversion))
+                floors[name].append(measured(floor))
+        for name in runs:
             written = directory_bytes(root / ("zk_universal0" if name.startswith("zerokit") else "ds_universal0"))
-            print(f"{name:<28}{statistics.median(r['seconds'] for r in runs):>9.2f}"
-                  f"{statistics.median(r['peak_rss'] for r in runs) / 2**20:>14,.0f}"
-                  f"{statistics.median(f['seconds'] for f in floors):>9.2f}"
-                  f"{statistics.median(f['peak_rss'] for f in floors) / 2**20:>11,.0f}{written / 2**20:>13,.0f}")
-            for round_ in range(args.rounds):
-                shutil.rmtree(root / f"zk_universal{round_}", ignore_errors=True)
+            print(f"{name:<28}{statistics.median(r['seconds'] for r in runs[name]):>9.2f}"
+                  f"{statistics.median(r['peak_rss'] for r in runs[name]) / 2**20:>14,.0f}"
+                  f"{statistics.median(f['seconds'] for f in floors[name]):>9.2f}"
+                  f"{statistics.median(f['peak_rss'] for f in floors[name]) / 2**20:>11,.0f}{written / 2**20:>13,.0f}")
+        print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 0
 
 

@@ -15,8 +15,6 @@ import torch
 from torch import nn
 
 import zerokit
-from zerokit.config import load_config
-from zerokit.engine import refuse_unimplemented
 from zerokit.schedules import warmup_decay_lr
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups
 from zerokit.testing.spawn import spawn
@@ -189,20 +187,11 @@ def test_grad_accum_dtype_elsewhere_is_refused_in_one_line(one_process, keys, st
 
 # --- the fixture configs train (2 ranks, one spawn) --------------------------------------------------------
 
-def run_fixtures(rank: int, world_size: int, directory: str) -> dict[str, tuple[str | None, list[float]]]:
+def run_fixtures(rank: int, world_size: int, directory: str) -> dict[str, list[float]]:
     os.chdir(directory)  # csv_monitor and flops_profiler write relative to it
     out = {}
     for path in sorted(FIXTURES.glob("*.json")):
         raw = json.loads(path.read_text())
-        config = load_config(raw).resolve(world_size=world_size, hidden_size=24)
-        refused = None
-        try:
-            refuse_unimplemented(config)
-        except ValueError as error:  # keys another issue still has to act on: train without them
-            refused = str(error).split(" ")[0]
-            raw.setdefault("activation_checkpointing", {})["cpu_checkpointing"] = False
-            raw.setdefault("zero_optimization", {}).pop("offload_param", None)
-            raw["zero_optimization"].pop("offload_optimizer", None)
         model = tiny()
         optimizer = None if "optimizer" in raw else torch.optim.AdamW(param_groups(model), lr=1e-3)
         engine = zerokit.initialize(model, optimizer, raw)
@@ -214,14 +203,12 @@ def run_fixtures(rank: int, world_size: int, directory: str) -> dict[str, tuple[
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        out[path.name] = (refused, losses)
+        out[path.name] = losses
     return out
 
 
 def test_every_fixture_config_trains_on_two_ranks(tmp_path) -> None:
     trained = spawn(run_fixtures, 2, str(tmp_path))
-    for name, (refused, losses) in trained[0].items():
-        assert refused in (None, "activation_checkpointing.cpu_checkpointing", "zero_optimization.offload_param",
-                           "zero_optimization.offload_optimizer.device=nvme"), name
+    for name, losses in trained[0].items():
         assert all(torch.isfinite(torch.tensor(losses))), name
     assert (tmp_path / "logs" / "run1" / "Train_Samples_lr.csv").is_file()  # observability.json's csv_monitor

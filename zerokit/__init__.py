@@ -9,7 +9,7 @@ from importlib import import_module
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Engine": "zerokit.engine", "SkippedStepsError": "zerokit.engine", "initialize": "zerokit.engine",
+    "Engine": "zerokit.engine", "SkippedStepsError": "zerokit.step", "initialize": "zerokit.engine",
     "LossScaling": "zerokit.config", "MixedPrecision": "zerokit.config", "Stage3Policy": "zerokit.config",
     "ZeroConfig": "zerokit.config", "load_config": "zerokit.config", "StepResult": "zerokit.precision",
     "plan": "zerokit.planner", "estimate": "zerokit.planner", "safetensors_init": "zerokit.stages.construction",

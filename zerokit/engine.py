@@ -9,7 +9,7 @@ One optimizer step, in order (See [Note: buckets are the unit of sharding]):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, Union
 
@@ -23,31 +23,15 @@ from zerokit.engine_blocks import grad_accum_dtype_lines, learning_rates, lr_sch
 from zerokit.masters import OptimizerPlan, optimizer_kind, trainable_groups
 from zerokit.activations import ActivationCheckpointer
 from zerokit.observe import EngineMonitor, collective_stats
-from zerokit.precision import StepResult, clip_coefficient, global_norm, make_loss_scaler
+from zerokit.precision import StepResult, make_loss_scaler
 from zerokit.reliability import Safeguards, check_at_start
 from zerokit.runtime import close_at_exit, default_device, ensure_process_group, forget_at_exit, log_startup
 from zerokit.stages import STAGES, BucketReducer, install_hooks
-from zerokit.stages.construction import (Construction, ParamInit, has_meta_parameters, init_buffer_owners,
-                                        replace_meta_parameters, reset_parameters)
+from zerokit.step import Progress, Stepper
+from zerokit.stages.construction import ParamInit, place_model
 
 
 Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
-
-
-class SkippedStepsError(RuntimeError):
-    """Too many optimizer steps in a row were skipped for inf/nan gradients."""
-
-
-@dataclass
-class Progress:
-    """Where training stands: what a resumed run must restore besides the model states."""
-
-    micro_step: int = 0
-    optimizer_step: int = 0
-    consecutive_skips: int = 0
-    total_skips: int = 0
-    backward_since_step: bool = False  # a second step() after one backward() would step on stale gradients
-    window_ended: bool = False  # the last backward ended an accumulation window, so the step() after it steps
 
 
 class Engine:
@@ -64,13 +48,12 @@ class Engine:
         self.comm = Communicator.create(config.comm_timeout_seconds, stats=collective_stats(config.comms_logger))
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         config = self.config = config.resolve(world_size=self.world_size, hidden_size=hidden_size_of(model))
-        refuse_unimplemented(config)
         setup_lines = grad_accum_dtype_lines(config)
         self.device = device or default_device()
         optimizers = optimizers_for(model, optimizer, config, model_parameters)
         kinds = [optimizer_kind(o, config.optimizer_kinds, config.allow_untested_optimizer) for o in optimizers]
         check_at_start(model, optimizers, config, self.comm, self.device)  # before any collective on the model
-        construction = self._place_model(model, optimizers, param_init)
+        construction = place_model(model, optimizers, param_init, config.stage, self.device, self.comm)
         self.module = model
         groups, refs = trainable_groups(model, optimizers, kinds)
         params, group_of_param = _backward_ordered(model, groups)
@@ -90,6 +73,8 @@ class Engine:
         self.safeguards = Safeguards(model, self.comm, config)  # zerokit/reliability: requires_grad, buffers
         self.loss_scaler = make_loss_scaler(config.loss_scaling)
         self.progress = Progress()
+        self.stepper = Stepper(self.stage, self.loss_scaler, self.lr_schedules, self.safeguards, config.gradient_clipping,
+                               config.max_consecutive_skipped_steps)
         self.monitor = EngineMonitor(config, self)  # the observability keys; all off unless the config asks
         # See [Note: each engine checkpoints with its own settings] in zerokit/activations.py
         self.activations = ActivationCheckpointer(config.activation_checkpointing, self.comm.stats, self.device)
@@ -98,27 +83,6 @@ class Engine:
         log_startup(self.stage, config.startup_log_lines() + setup_lines, config.warnings)
         self.closed = False
         close_at_exit(self)  # See [Note: leaving at exit] in runtime.py
-
-    def _place_model(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
-                     param_init: ParamInit | None) -> Construction | None:
-        """Move the model to this rank's device. A model built on the meta device is left for stage 3 to
-        materialise unit by unit (See [Note: sharded construction]); any other starts from rank 0's
-        weights and buffers, as torch DDP does."""
-        if has_meta_parameters(model):
-            if self.config.stage != 3:
-                raise ValueError(f"a model on the meta device needs zero_optimization.stage=3 (got "
-                                 f"{self.config.stage}): only stage 3 never holds the whole model")
-            pending, buffer_owners = replace_meta_parameters(model, optimizers, self.device)
-            init_buffer_owners(buffer_owners, param_init or reset_parameters)
-            model.to(device=self.device)
-            return Construction(pending, param_init or reset_parameters, verify=True)
-        if param_init is not None:
-            raise ValueError("param_init is for models built on the meta device; this model has real parameters")
-        model.to(device=self.device)
-        with torch.no_grad():
-            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-                self.comm.broadcast(tensor.data, src=0, purpose=f"rank 0's {name}")
-        return None
 
     # --- the training loop ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -159,64 +123,7 @@ class Engine:
         """Step the optimizer if this micro-step ended an accumulation window; report either way."""
         self._refuse_if_closed("step")
         with self.monitor.step() as done:  # observability (zerokit/observe): step time, logs, monitors
-            return done(self._step())
-
-    def _step(self) -> StepResult:
-        progress = self.progress
-        if not progress.backward_since_step:
-            raise RuntimeError("engine.step() was called without an engine.backward() since the last step; "
-                               "call engine.backward(loss) once before each engine.step()")
-        progress.backward_since_step = False
-        self.safeguards.at_step()  # broadcast_buffers: equal on every rank between steps too
-        if not progress.window_ended:
-            return self._result(boundary=False, stepped=False, norm=None, clipped=False)
-        stage, masters = self.stage, self.stage.masters
-        norm = self._norm_and_usage(masters.unscaled_square_sum(self.loss_scaler.scale))
-        overflow = norm != norm  # nan: some gradient was inf or nan on some rank
-        self.loss_scaler.update(overflow)
-        if overflow:
-            stage.release_grads()
-            return self._skip()
-        masters.drop_unused(stage.usage.agreed)
-        coefficient = clip_coefficient(norm, self.config.gradient_clipping)
-        masters.step(coefficient)
-        self.stage.release_grads()
-        self.stage.publish_params()
-        for schedule in self.lr_schedules:  # only on steps not skipped, as DeepSpeed steps its schedules
-            schedule.step()
-        progress.optimizer_step += 1
-        progress.consecutive_skips = 0
-        return self._result(boundary=True, stepped=True, norm=norm, clipped=coefficient < 1.0)
-
-    def _norm_and_usage(self, squares: float) -> float:
-        """The global gradient norm from this rank's sum of squares; at stages 1-3 the same all-reduce sums
-        which parameters each rank used (stage 0's last bucket carried them: See [Note: parameters no rank
-        used])."""
-        comm, usage = self.stage.norm_comm, self.stage.usage
-        if comm is None:
-            return global_norm(squares, None)
-        flags = usage.flags(torch.float64, comm.device)
-        norm = global_norm(squares, comm, flags)
-        usage.agree(flags)
-        return norm
-
-    def _skip(self) -> StepResult:
-        progress = self.progress
-        progress.consecutive_skips += 1
-        progress.total_skips += 1
-        if progress.consecutive_skips >= self.config.max_consecutive_skipped_steps:
-            raise SkippedStepsError(
-                f"{progress.consecutive_skips} optimizer steps in a row were skipped for inf/nan gradients "
-                f"(loss scale now {self.loss_scaler.scale:g}); the model is not training. Lower the learning "
-                "rate, check the data, or raise max_consecutive_skipped_steps")
-        return self._result(boundary=True, stepped=False, norm=float("nan"), clipped=False)
-
-    def _result(self, boundary: bool, stepped: bool, norm: float | None, clipped: bool) -> StepResult:
-        progress = self.progress
-        return StepResult(micro_step=progress.micro_step, optimizer_step=progress.optimizer_step, boundary=boundary,
-                          stepped=stepped, skipped=boundary and not stepped, loss_scale=self.loss_scaler.scale,
-                          grad_norm=norm, clipped=clipped, consecutive_skips=progress.consecutive_skips,
-                          total_skips=progress.total_skips)
+            return done(self.stepper.step(self.progress))
 
     def get_lr(self) -> list[float]:
         """The learning rate of every param group, optimizer by optimizer, as the next step will use it."""
@@ -367,17 +274,6 @@ def _backward_ordered(model: nn.Module, groups: list[list[nn.Parameter]]) -> tup
     position = {id(p): i for i, p in enumerate(model.parameters())}
     entries = sorted(((p, g) for g, params in enumerate(groups) for p in params), key=lambda e: -position[id(e[0])])
     return [p for p, _ in entries], [g for _, g in entries]
-
-
-def refuse_unimplemented(config: ZeroConfig) -> None:
-    """Keys the config reader accepts with DeepSpeed's meaning but this engine does not act on yet: a knob
-    that is read and then ignored would train differently from what the user asked, without a word."""
-    unimplemented = {
-    }
-    asked = [key for key, on in unimplemented.items() if on]
-    if asked:
-        raise ValueError(f"{asked[0]} is read but not yet acted on by this version of zerokit's engine; remove it "
-                         "(or turn it off) for now")
 
 
 def initialize(model: nn.Module, optimizer: Optimizers | None = None,

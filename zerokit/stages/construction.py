@@ -26,6 +26,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from zerokit.comm import Communicator
+
 ParamInit = Callable[[nn.Module], None]
 
 
@@ -86,6 +88,28 @@ def init_buffer_owners(owners: list[nn.Module], param_init: ParamInit) -> None:
     with torch.no_grad():
         for module in owners:
             param_init(module)
+
+
+def place_model(model: nn.Module, optimizers: list[torch.optim.Optimizer], param_init: ParamInit | None,
+                stage: int, device: torch.device, comm: Communicator) -> Construction | None:
+    """Move the model to this rank's device. A model built on the meta device is left for stage 3 to
+    materialise unit by unit (See [Note: sharded construction]); any other starts from rank 0's
+    weights and buffers, as torch DDP does."""
+    if has_meta_parameters(model):
+        if stage != 3:
+            raise ValueError(f"a model on the meta device needs zero_optimization.stage=3 (got {stage}): only stage 3 "
+                             "never holds the whole model")
+        pending, buffer_owners = replace_meta_parameters(model, optimizers, device)
+        init_buffer_owners(buffer_owners, param_init or reset_parameters)
+        model.to(device=device)
+        return Construction(pending, param_init or reset_parameters, verify=True)
+    if param_init is not None:
+        raise ValueError("param_init is for models built on the meta device; this model has real parameters")
+    model.to(device=device)
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            comm.broadcast(tensor.data, src=0, purpose=f"rank 0's {name}")
+    return None
 
 
 def materialise(model: nn.Module, param_ids: set[int], construction: Construction) -> None:

@@ -80,6 +80,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="pick a ZeRO stage and explain it (no GPU needed)",
                               description="Predict memory and communication per ZeRO stage, pick one, justify it.")
     one_line_errors(p)
+    _model_arguments(p)
+    _hardware_arguments(p)
+    _training_arguments(p)
+    add_measure_arguments(p)
+    _output_arguments(p)
+    return p
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("model (give one of --model, --params, --arch; not needed with --check or "
                                  "--measure-device)")
     which = model.add_mutually_exclusive_group()
@@ -89,6 +98,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     model.add_argument("--trainable-fraction", type=finite_float, default=1.0, help="share of parameters that train")
     model.add_argument("--lora-rank", type=int, help="LoRA rank r; the base model is frozen")
     model.add_argument("--lora-targets", help=f"comma list of {','.join(LORA_TARGETS)} (default: all)")
+
+
+def _hardware_arguments(p: argparse.ArgumentParser) -> None:
     hw = p.add_argument_group("hardware (catalogue keys; numbers override them)")
     hw.add_argument("--gpu", default="a100-80gb", choices=[*GPUS, "cpu"], help="cpu: a measured device (--device-file)")
     hw.add_argument("--gpus-per-node", type=int, default=8)
@@ -108,6 +120,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     hw.add_argument("--nvme-tb", type=finite_float)
     hw.add_argument("--nvme-read-gb-per-s", type=finite_float)
     hw.add_argument("--nvme-write-gb-per-s", type=finite_float)
+
+
+def _training_arguments(p: argparse.ArgumentParser) -> None:
     train = p.add_argument_group("training")
     train.add_argument("--dtype", default="bf16", choices=PRECISIONS)
     train.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
@@ -133,14 +148,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     pol.add_argument("--mfu", type=finite_float, default=0.40, help="achieved / peak FLOPS")
     pol.add_argument("--bandwidth-efficiency", type=finite_float, default=0.80)
     pol.add_argument("--overhead-gb", type=finite_float, default=1.0, help="per-GPU allowance (CUDA context, NCCL)")
-    add_measure_arguments(p)
+
+
+def _output_arguments(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--memo", metavar="PATH", help="write the markdown memo here")
     out.add_argument("--plot", metavar="PATH", help="write stacked bars per stage (needs matplotlib)")
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
     out.add_argument("--emit", choices=TARGETS, help="print the config that implements the pick")
     out.add_argument("--gradient-clipping", type=finite_float, default=DEFAULT_CLIPPING, help="written by --emit")
-    return p
 
 
 def add_measure_arguments(p: argparse.ArgumentParser) -> None:

@@ -18,7 +18,6 @@ import contextlib
 import importlib.util
 import io
 import os
-import shutil
 import statistics
 import subprocess
 import sys

@@ -150,8 +150,9 @@ def check_convertible(manifest: Manifest, directory: Path) -> dict[str, ParamRec
                              f"Adam's {' and '.join(ADAM_STATE)} and step (Adam, AdamW after a step)")
     steps = {float(_value(record.scalars["step"])) for record in trainable.values()}
     if len(steps) > 1:
-        raise ValueError(f"{where}: parameters were stepped {', '.join(f'{step:g}' for step in sorted(steps))} times; DeepSpeed's universal layout "
-                         "keeps one step count for all of them")
+        counts = ", ".join(f"{step:g}" for step in sorted(steps))
+        raise ValueError(f"{where}: parameters were stepped {counts} times; DeepSpeed's universal layout keeps one "
+                         "step count for all of them")
     return trainable
 
 
@@ -245,7 +246,8 @@ def model_state(manifest: Manifest, trainable: dict[str, ParamRecord], module: O
         "param_shapes": [OrderedDict((name, torch.Size(trainable[name].shape)) for name in group)
                          for group in _groups(manifest, trainable)],
         "frozen_param_shapes": OrderedDict((name, torch.Size(manifest.params[name].shape)) for name in frozen),
-        "shared_params": {key: name for key, name, kind in manifest.model["state_dict"] if kind == "param" and key != name},
+        "shared_params": {key: name for key, name, kind in manifest.model["state_dict"]
+                          if kind == "param" and key != name},
         "frozen_param_fragments": OrderedDict((name, module[name]) for name in frozen if name in module),
         "lr_scheduler": _lr_scheduler(schedules, manifest),
         "data_sampler": None, "random_ltd": None, "sparse_tensor_module_names": set(),

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     print('DeepSpeed loads it with "checkpoint": {"load_universal": true}: '
           f"engine.load_checkpoint({str(result.out)!r})")
     if result.groups > 1:
-        print(f"{result.groups} param groups: at ZeRO-3, DeepSpeed 0.19.8's universal load gives every group one shared "
-              "Adam step tensor; after load_checkpoint, give each its own: for state in "
+        print(f"{result.groups} param groups: at ZeRO-3, DeepSpeed 0.19.8's universal load gives every group one "
+              "shared Adam step tensor; after load_checkpoint, give each its own: for state in "
               "engine.optimizer.optimizer.state.values(): state['step'] = state['step'].clone()")
     return 0

@@ -17,6 +17,7 @@ import torch
 
 import zerokit
 from zerokit.defaults import NVME_SUB_GROUP_NUMEL
+from zerokit.masters.state import masters_state_dict
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups, rank_batch, small_zero_config
 from zerokit.testing.spawn import spawn
 
@@ -196,7 +197,7 @@ def train_pair(rank: int, world_size: int, nvme_path: str) -> dict:
                 masters = engine.stage.masters
                 out[(stage, dtype, offload)] = {
                     "losses": losses, "params": engine.full_state_dict(),
-                    "masters": [m.clone() for m in masters.state_dict()["masters"]],  # every sub-group at once
+                    "masters": [m.clone() for m in masters_state_dict(masters)["masters"]],  # every sub-group at once
                     "records": sum(len(getattr(home, "sub_groups", ())) for home in masters.homes),
                     "pool": (masters.homes[0].pool.held_bytes(), masters.homes[0].pool.count) if offload else None}
     return out

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -163,7 +163,7 @@ class ShardMasters:
 
     def _step_paged(self, paged: list[int]) -> None:
         """Sub-group by sub-group, master by master; See [Note: paging a master through a bounded pool]."""
-        optimizer_of = self._optimizer_of()
+        optimizer_of = self.optimizer_of()
         order = [(index, sub) for index in paged for sub in range(len(self.homes[index].sub_groups))]
         params = {index: [p.param for p in self.pieces[index]] for index in paged}
         offsets = {index: [p.offset for p in self.pieces[index]] for index in paged}
@@ -184,7 +184,7 @@ class ShardMasters:
             home.page_out(sub, params[index], optimizer_of)
         self.homes[paged[0]].pool.drain()
 
-    def _optimizer_of(self) -> dict[int, torch.optim.Optimizer]:
+    def optimizer_of(self) -> dict[int, torch.optim.Optimizer]:
         return {id(p): o for o in self.optimizers for g in o.param_groups for p in g["params"]}
 
     def release_grads(self) -> None:
@@ -253,7 +253,7 @@ class ShardMasters:
         if not home.paged:
             yield
             return
-        pieces, optimizer_of = self.pieces[index], self._optimizer_of()
+        pieces, optimizer_of = self.pieces[index], self.optimizer_of()
         params, offsets = [p.param for p in pieces], [p.offset for p in pieces]
         for sub in range(len(home.sub_groups)):  # all at once: the pool lends beyond its count until they are back
             home.page_in(sub, params, offsets, optimizer_of, with_grad=False)
@@ -275,43 +275,3 @@ class ShardMasters:
             for index in range(len(self.homes)):
                 stack.enter_context(self.resident(index, publish))
             yield
-
-    def state_dict(self) -> dict[str, Any]:
-        """Masters and optimizer state; a paged master's pieces' state under "paged_state", by piece position."""
-        masters, paged_state = [], {}
-        for index, master in enumerate(self.masters):
-            with self.resident(index):
-                # a paged master's tensor is its placeholder: its values are in the records paged in
-                masters.append(self.homes[index].resident_values() if self.homes[index].paged else master.detach())
-                if self.homes[index].paged:
-                    paged_state[index] = [_clone(self._state_of(piece.param)) for piece in self.pieces[index]]
-        return {"masters": masters, "optimizers": [optimizer.state_dict() for optimizer in self.optimizers],
-                "paged_state": paged_state}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if len(state["masters"]) != len(self.masters):
-            raise ValueError(f"the saved optimizer state has {len(state['masters'])} masters, this layout "
-                             f"{len(self.masters)}")
-        for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(saved)
-        for index, (master, saved) in enumerate(zip(self.masters, state["masters"])):
-            with self.resident(index), torch.no_grad():
-                if self.homes[index].paged:
-                    self._load_paged(index, saved, state.get("paged_state", {}).get(index, []))
-                else:
-                    master.copy_(saved)
-
-    def _load_paged(self, index: int, saved: torch.Tensor, states: list[dict[str, Any]]) -> None:
-        """Into a paged-in master: its values, and its pieces' state (written back on leaving `resident`)."""
-        optimizer_of = self._optimizer_of()
-        for position, piece in enumerate(self.pieces[index]):
-            piece.param.copy_(saved[piece.offset:piece.offset + piece.param.numel()].view(piece.param.shape))
-            if position < len(states) and states[position]:
-                optimizer_of[id(piece.param)].state[piece.param] = _clone(states[position])
-
-    def _state_of(self, piece: nn.Parameter) -> dict[str, Any]:
-        return self._optimizer_of()[id(piece)].state.get(piece, {})
-
-
-def _clone(state: dict[str, Any]) -> dict[str, Any]:
-    return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in state.items()}

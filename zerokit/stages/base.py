@@ -42,6 +42,7 @@ from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT
 from zerokit.flat import (Bucket, FlatParameters, ParamEntry, assign_owners, bucket_view, build_layout, gather_bucket,
                           shard_view, tensor_bytes)
 from zerokit.masters import OptimizerPlan, ShardMasters
+from zerokit.masters.state import load_masters_state, masters_state_dict
 from zerokit.masters.shards import TIERS
 from zerokit.tiers import DeviceShards, Home, ShardIO, master_homes
 from zerokit.tiers.swap import SwapDirectory
@@ -259,10 +260,10 @@ class ZeroStage:
     # --- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The masters and the optimizer; stages 0-2 derive the compute parameters from the masters."""
-        return {"masters": self.masters.state_dict()}
+        return {"masters": masters_state_dict(self.masters)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.masters.load_state_dict(state["masters"])
+        load_masters_state(self.masters, state["masters"])
         self.publish_params()
 
 

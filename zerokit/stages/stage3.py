@@ -42,6 +42,7 @@ from zerokit.comm import Communicator, ProcessGroups, Reduction
 from zerokit.config import ZeroConfig
 from zerokit.flat import Bucket, FlatParameters, ParamEntry, ShardedFlat, build_layout, tensor_bytes
 from zerokit.masters import OptimizerPlan, ShardMasters
+from zerokit.masters.state import masters_state_dict
 from zerokit.tiers import master_homes, shard_home
 from zerokit.tiers.swap import SwapDirectory
 from zerokit.settings import EngineSettings
@@ -144,7 +145,7 @@ class ShardedParameters(ShardedGradients):
     def state_dict(self) -> dict[str, Any]:
         """The masters and the optimizer, and the frozen shards (nothing else holds them); the trainable
         shards are the masters in the compute dtype."""
-        return {"masters": self.masters.state_dict(), "frozen": self.frozen.shards.detach()}
+        return {"masters": masters_state_dict(self.masters), "frozen": self.frozen.shards.detach()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.frozen.shards.copy_(state["frozen"])

@@ -276,3 +276,39 @@ def test_fp16_loss_scaler_state_reads_as_zerokits(monkeypatch) -> None:
     assert loss_scaler_state(dict(vars(theirs)), fresh.state_dict()) == ours.state_dict()
     static = ds_scaler.LossScaler(scale=128.0)
     assert loss_scaler_state(dict(vars(static)), {"scale": 1.0})["scale"] == 128.0
+
+
+def test_a_scheduler_passed_to_initialize_keeps_the_restored_learning_rates(written: Path, tmp_path: Path,
+                                                                            one_process, monkeypatch) -> None:
+    """Hugging Face's Trainer passes its own torch scheduler to initialize() (DeepSpeed then saves that
+    scheduler's state_dict) and resumes with load_checkpoint(dir, load_module_strict=..., load_optimizer_states=True,
+    load_lr_scheduler_states=True): the scheduler gets its state, and the learning rates the checkpoint's param
+    groups hold are those the next step takes, in the optimizer that trains and in the user's, as in DeepSpeed
+    (whose optimizer is the user's)."""
+    import ds_checkpoints as ds
+
+    import zerokit.deepspeed as deepspeed
+
+    def lambda_schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.1 * (step + 1))
+
+    saved = lambda_schedule(ds.make_optimizer(ds.build_model()))
+    for _ in range(3):
+        saved.optimizer.step()
+        saved.step()
+    shutil.copytree(written / "stage2_fp32_w2" / "ckpt", tmp_path / "ckpt")
+    model_file = tmp_path / "ckpt" / "global_step3" / "mp_rank_00_model_states.pt"
+    torch.save({**torch.load(model_file, weights_only=False), "lr_scheduler": saved.state_dict()}, model_file)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    model = ds.build_model(seed=99)
+    optimizer = ds.make_optimizer(model)
+    schedule = lambda_schedule(optimizer)  # 1e-3 and 3e-4 until stepped
+    config = {key: value for key, value in ds.ds_config(0, "fp32").items() if key != "scheduler"}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=schedule, config=config)
+    _, client_state = engine.load_checkpoint(str(tmp_path / "ckpt"), load_module_strict=True,
+                                             load_optimizer_states=True, load_lr_scheduler_states=True)
+    assert client_state == {"epoch": 4, "note": "from deepspeed"}
+    assert schedule.last_epoch == 3
+    assert engine.get_lr() == [0.005, 0.005]  # the checkpoint's (WarmupLR's), not the user's optimizer's before
+    assert [group["lr"] for group in optimizer.param_groups] == [0.005, 0.005]
+    engine.destroy()

@@ -205,13 +205,15 @@ def restore_schedule(engine: "Engine", saved: dict[str, Any] | None, directory: 
     if len(schedules) != 1:
         raise DeepSpeedCheckpointError(f"{directory}: DeepSpeed saved one LR scheduler, this engine steps "
                                        f"{len(schedules)}")
-    schedule = schedules[0]
-    target = getattr(schedule, "scheduler", schedule)  # a scheduler passed to initialize() is wrapped
+    # A scheduler passed to initialize() is wrapped; it is loaded without the wrapper's mirroring of the user's
+    # optimizer onto the one that trains, which would undo the learning rates just restored (the drop-in engine
+    # then copies them to the user's optimizer: See [Note: a scheduler passed to initialize])
+    target = getattr(schedules[0], "scheduler", schedules[0])
     if set(saved) == {"last_batch_iteration"} and hasattr(target, "last_epoch"):
         target.last_epoch = int(saved["last_batch_iteration"]) + 1
-        target._last_lr = [float(group["lr"]) for group in target.optimizer.param_groups]
+        target._last_lr = [float(group["lr"]) for group in target.optimizer.param_groups]  # torch's get_last_lr()
     else:
-        schedule.load_state_dict(saved)
+        target.load_state_dict(saved)
 
 
 # --- the layout --------------------------------------------------------------------------------------

@@ -143,7 +143,7 @@ class UnitAgreement:
         if self.wait_before_gather or self.left is not None:  # others may be at their end-of-phase row
             self._check(round_, pending)
             if self.released:
-                raise SkippedUnitError(self._left_alike(unit))
+                raise SkippedUnitError(_left_alike(unit, self.left[0], self.micro_step, self.units))
         else:
             self.pending[unit] = (round_, pending)
 
@@ -235,7 +235,7 @@ class UnitAgreement:
         table[self.control.rank * ROW:(self.control.rank + 1) * ROW] = torch.tensor(row)
         self.rounds += 1
         return self.control.all_reduce(table, op=dist.ReduceOp.SUM, async_op=True,
-                                       purpose=f"unit agreement: {self._name(unit)} ({self.phase})")
+                                       purpose=f"unit agreement: {_name(unit, self.units)} ({self.phase})")
 
     def _rows(self, pending: Pending) -> list[Row]:
         values = wait(pending).tolist()
@@ -254,53 +254,56 @@ class UnitAgreement:
                 round_, rows = earlier, earlier_rows
                 break
         self.pending.clear()
-        raise SkippedUnitError(self._message(round_, rows))
+        raise SkippedUnitError(_message(round_, rows, self.units, self.order))
 
     def _first(self, rows: list[Row]) -> int:
         """The unit every rank gathers this round ("gather"): in forward order in forward, reverse in backward."""
         if len({row.phase for row in rows}) > 1:
-            raise SkippedUnitError(self._message(self.rounds - 1, rows) + " (the ranks are in different phases)")
+            raise SkippedUnitError(_message(self.rounds - 1, rows, self.units, self.order) + " (the ranks are in different phases)")
         backward = rows[0].phase == PHASES.index("backward")
         return min((row.unit for row in rows), key=lambda u: (u == self.nothing, -u if backward else u))
 
-    # --- what the errors say ---------------------------------------------------------------------------------
-    def _message(self, round_: int, rows: list[Row]) -> str:
-        """Where the ranks first left the order they followed, if they did; else what each asks for now."""
-        departures = [row.left_at for row in rows if row.left_at >= 0]
-        if departures:
-            first = min(departures)
-            asked = [self._asked_at(first, row) for row in rows]
-            where = f"{PHASES[rows[0].phase]} gather #{first + 1} of the order the ranks last agreed on"
-            if len(set(asked)) == 1:
-                where += ", where they agree; they part after it"
-        else:
-            asked = [(row.unit, row.phase, row.micro_step, row.prefetch) for row in rows]
-            where = f"unit agreement #{round_ + 1}"
-        listed = "; ".join(f"rank {rank}: {self._name(unit)} ({PHASES[phase]}{' prefetch' if prefetch else ''}, "
-                           f"micro-step {step})" for rank, (unit, phase, step, prefetch) in enumerate(asked))
-        return (f"stage 3: the ranks asked for different units at the same gather ({where}): {listed}. A module "
-                "that runs on some ranks only must not be its own unit: keep it inside its parent's unit (name the "
-                "units with stage3_unit_classes or Stage3Policy.units, or raise stage3_min_unit_params), or let "
-                "zerokit gather it on the ranks that skip it with Stage3Policy(skipped_units=\"gather\") (see "
-                "[Note: stage-3 units every rank agrees on])")
 
-    def _asked_at(self, position: int, row: Row) -> tuple[int, int, int, int]:
-        """What a rank asked for at the order's gather `position`: the order's own, unless it left there."""
-        if row.left_at == position:
-            return row.left_for, row.phase, row.micro_step, row.left_prefetch
-        unit, prefetch = self.order[position] if self.order and position < len(self.order) else (self.nothing, False)
-        return unit, row.phase, row.micro_step, int(prefetch)
+# --- what the errors say -------------------------------------------------------------------------------------
+def _message(round_: int, rows: list[Row], units: list["Unit"], order: list[Request] | None) -> str:
+    """Where the ranks first left the order they followed, if they did; else what each asks for now."""
+    departures = [row.left_at for row in rows if row.left_at >= 0]
+    if departures:
+        first = min(departures)
+        asked = [_asked_at(first, row, order, len(units)) for row in rows]
+        where = f"{PHASES[rows[0].phase]} gather #{first + 1} of the order the ranks last agreed on"
+        if len(set(asked)) == 1:
+            where += ", where they agree; they part after it"
+    else:
+        asked = [(row.unit, row.phase, row.micro_step, row.prefetch) for row in rows]
+        where = f"unit agreement #{round_ + 1}"
+    listed = "; ".join(f"rank {rank}: {_name(unit, units)} ({PHASES[phase]}{' prefetch' if prefetch else ''}, "
+                       f"micro-step {step})" for rank, (unit, phase, step, prefetch) in enumerate(asked))
+    return (f"stage 3: the ranks asked for different units at the same gather ({where}): {listed}. A module "
+            "that runs on some ranks only must not be its own unit: keep it inside its parent's unit (name the "
+            "units with stage3_unit_classes or Stage3Policy.units, or raise stage3_min_unit_params), or let "
+            "zerokit gather it on the ranks that skip it with Stage3Policy(skipped_units=\"gather\") (see "
+            "[Note: stage-3 units every rank agrees on])")
 
-    def _left_alike(self, unit: int) -> str:
-        position, _ = self.left
-        return (f"stage 3: every rank's backward (micro-step {self.micro_step}) asked for {self._name(unit)} at "
-                f"gather #{position + 1}, which the last backward did not gather then or after it. "
-                "skipped_units=\"raise\" follows the last backward's order and cannot go on once a rank leaves it "
-                "for a unit outside it (its gradient reductions were released: see [Note: stage-3 units every "
-                "rank agrees on]); for a model whose backward order changes between steps on every rank, use "
-                "Stage3Policy(skipped_units=\"gather\")")
 
-    def _name(self, unit: int) -> str:
-        if unit == self.nothing:
-            return "nothing more (it had finished)"
-        return "the root unit" if unit == 0 else f"unit {self.units[unit].name!r}"
+def _asked_at(position: int, row: Row, order: list[Request] | None, nothing: int) -> tuple[int, int, int, int]:
+    """What a rank asked for at the order's gather `position`: the order's own, unless it left there."""
+    if row.left_at == position:
+        return row.left_for, row.phase, row.micro_step, row.left_prefetch
+    unit, prefetch = order[position] if order and position < len(order) else (nothing, False)
+    return unit, row.phase, row.micro_step, int(prefetch)
+
+
+def _left_alike(unit: int, position: int, micro_step: int, units: list["Unit"]) -> str:
+    return (f"stage 3: every rank's backward (micro-step {micro_step}) asked for {_name(unit, units)} at "
+            f"gather #{position + 1}, which the last backward did not gather then or after it. "
+            "skipped_units=\"raise\" follows the last backward's order and cannot go on once a rank leaves it "
+            "for a unit outside it (its gradient reductions were released: see [Note: stage-3 units every "
+            "rank agrees on]); for a model whose backward order changes between steps on every rank, use "
+            "Stage3Policy(skipped_units=\"gather\")")
+
+
+def _name(unit: int, units: list["Unit"]) -> str:
+    if unit == len(units):
+        return "nothing more (it had finished)"
+    return "the root unit" if unit == 0 else f"unit {units[unit].name!r}"

@@ -261,7 +261,8 @@ def ds_to_universal(root: Path) -> dict:
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, str(converter), "--input_folder", str(root / "ds" / "t"),
                                 "--output_folder", str(root / "ds" / "t_universal"), "--num_extract_workers", "1",
-                                "--num_merge_workers", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                "--num_merge_workers", "1", "--inject_missing_state"],  # stages 1-2 lack universal_checkpoint_info
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(process.pid, 0)
     seconds = time.perf_counter() - start
     if status:

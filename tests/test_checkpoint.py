@@ -119,6 +119,33 @@ def test_optimizer_hyperparameters_scheduler_and_counters_come_back(one_process,
     assert changed.progress.micro_step == 8 and changed.at_boundary is False
 
 
+SCHEDULE = {"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-2,
+                                                              "warmup_num_steps": 4, "total_num_steps": 10}}}
+
+
+def test_the_config_blocks_lr_schedule_resumes_where_it_stood(one_process, tmp_path) -> None:
+    """The schedule the engine steps (its `scheduler` block's) is saved with the checkpoint: the learning rates
+    after a resume are the uninterrupted run's (before it was saved, a resumed run restarted its warm-up at 0)."""
+    engine = make_engine(**SCHEDULE)
+    train(engine, range(3))
+    engine.save_checkpoint(tmp_path)
+    uninterrupted = []
+    for step in range(3, 6):
+        train(engine, [step])
+        uninterrupted.append(engine.get_lr())
+    resumed = make_engine(**SCHEDULE)
+    resumed.load_checkpoint(tmp_path)
+    got = []
+    for step in range(3, 6):
+        train(resumed, [step])
+        got.append(resumed.get_lr())
+    assert got == uninterrupted
+    one_line_error(lambda: make_engine().load_checkpoint(tmp_path), "saved with 1 LR schedules, this engine steps 0")
+    without = make_engine(**SCHEDULE)
+    without.load_checkpoint(tmp_path, load_lr_scheduler_states=False)
+    assert without.lr_scheduler.last_epoch == 0
+
+
 def test_module_only_and_no_optimizer_state(one_process, tmp_path) -> None:
     engine = make_engine()
     train(engine, range(2))

@@ -208,14 +208,15 @@ def test_checkpoints_the_layout_cannot_hold_are_refused(runs: dict, tmp_path: Pa
         assert not (tmp_path / f"out-{edit.__name__}").exists()
 
 
-def test_schedule_position_without_the_drop_ins_record(runs: dict, tmp_path: Path) -> None:
-    """An engine built by zerokit.initialize keeps no schedule record in the client state: the position DeepSpeed
-    resumes its schedule at comes from the optimizer steps when the run had a `scheduler` block, else none."""
+def test_schedule_position_without_the_schedules_record(runs: dict, tmp_path: Path) -> None:
+    """A checkpoint without the schedules' state (as zerokit wrote them before it kept it for every engine): the
+    position DeepSpeed resumes its schedule at comes from the optimizer steps when the run had a `scheduler` block,
+    else none."""
     def model_states(edit) -> dict:
-        source = _edited(runs, tmp_path, edit)
-        client_state = torch.load(source / TAG / "client_state.pt")
-        client_state.pop("zerokit.lr_schedules")
-        torch.save(client_state, source / TAG / "client_state.pt")
+        def without_schedules(manifest: dict) -> None:
+            manifest["lr_schedules"] = None
+            edit(manifest)
+        source = _edited(runs, tmp_path, without_schedules)
         out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
         convert_to_universal(source, out)
         return torch.load(out / TAG / "mp_rank_00_model_states.pt", weights_only=False)

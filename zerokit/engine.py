@@ -215,13 +215,14 @@ class Engine:
         return save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest, async_save=async_save)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True,
-                        load_module_only: bool = False) -> tuple[str, dict[str, Any] | None]:
-        """Resume from load_dir/tag (default: the tag in load_dir/latest), saved at any world size and stage;
-        returns (load_path, client_state). See zerokit/checkpoint."""
+                        load_module_only: bool = False, load_lr_scheduler_states: bool = True
+                        ) -> tuple[str, dict[str, Any] | None]:
+        """Resume from load_dir/tag (default: the tag in load_dir/latest), saved at any world size and stage, by
+        zerokit or DeepSpeed; returns (load_path, client_state). See zerokit/checkpoint."""
         from zerokit.checkpoint import load_checkpoint
         self._refuse_if_closed("load_checkpoint")
         return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
-                               load_module_only=load_module_only)
+                               load_module_only=load_module_only, load_lr_scheduler_states=load_lr_scheduler_states)
 
     def plan_report(self, **options: Any) -> list[dict]:
         """The planner's prediction for this run beside what the run measured, row by row (category, predicted,

@@ -56,7 +56,7 @@ import torch
 
 from zerokit.checkpoint.deepspeed_import import is_deepspeed_checkpoint
 from zerokit.checkpoint.files import Readers
-from zerokit.checkpoint.load import _client_state, checkpoint_directory
+from zerokit.checkpoint.load import checkpoint_directory, client_state_of, saved_schedules
 from zerokit.checkpoint.manifest import BUFFER, MASTER, MANIFEST, Manifest, ParamRecord, dtype_of, rank_file, \
     read_manifest, state_key, values_key
 from zerokit.checkpoint.optimizer_state import decode_scalar
@@ -96,14 +96,17 @@ def convert_to_universal(checkpoint: str | os.PathLike, out: str | os.PathLike, 
     directory = _zerokit_directory(checkpoint, tag)
     manifest = read_manifest(directory)
     trainable = check_convertible(manifest, directory)
-    client_state = _client_state(directory, manifest, weights_only) or {}
+    client_state = client_state_of(directory, manifest, weights_only) or {}
+    schedules = saved_schedules(directory, manifest, weights_only)
+    if schedules is None:  # the drop-in kept them in its client_state before checkpoints held them
+        schedules = client_state.pop(SCHEDULES_KEY, None)
     staging = out.with_name(f".{out.name}.partial-{uuid.uuid4().hex[:12]}")
     readers = Readers(directory, manifest.files)
     try:
         folder = staging / manifest.tag
         module = _write_params(folder / "zero", manifest, trainable, readers)
         _save(folder / "zero" / "optimizer_state.pt", optimizer_state(manifest, trainable))
-        model_states = model_state(manifest, trainable, module, client_state)
+        model_states = model_state(manifest, trainable, module, client_state, schedules)
         _save(folder / STAGE12_MODEL_FILE, model_states)
         _save(folder / STAGE3_MODEL_FILE,
               {**model_states, "module": _partitioned(module, set(model_states["buffer_names"]))})
@@ -231,14 +234,12 @@ def optimizer_state(manifest: Manifest, trainable: dict[str, ParamRecord]) -> di
 
 
 def model_state(manifest: Manifest, trainable: dict[str, ParamRecord], module: OrderedDict[str, torch.Tensor],
-                client_state: dict[str, Any]) -> dict[str, Any]:
+                client_state: dict[str, Any], schedules: list[dict[str, Any]] | None) -> dict[str, Any]:
     """The model-states file, as DeepSpeed's engine writes it (_common_checkpoint_state), with the client_state's
     keys beside its own."""
     progress, config = manifest.progress, manifest.config
     global_steps = int(progress["optimizer_step"]) + int(progress["total_skips"])
     frozen = [name for name, record in manifest.params.items() if record.role not in (MASTER, BUFFER)]
-    client = dict(client_state)
-    schedules = client.pop(SCHEDULES_KEY, None)
     state = {
         "module": module,
         "buffer_names": [key for key, name, kind in manifest.model["state_dict"] if kind == "buffer"],
@@ -257,7 +258,7 @@ def model_state(manifest: Manifest, trainable: dict[str, ParamRecord], module: O
         "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
         "ds_config": _ds_config(manifest), "ds_version": LAYOUT_VERSION,
     }
-    return {**state, **{key: value for key, value in client.items() if key not in state}}
+    return {**state, **{key: value for key, value in client_state.items() if key not in state}}
 
 
 def _lr_scheduler(schedules: list[dict[str, Any]] | None, manifest: Manifest) -> dict[str, int] | None:

@@ -61,9 +61,8 @@ def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | No
     saved with it). load_module_only: the weights only (masters, frozen parameters, buffers), as DeepSpeed's
     flag; load_optimizer_states=False: the weights, counters and loss scale, but no optimizer state.
     weights_only: how client_state is unpickled (torch.load's flag; False runs arbitrary code from the file;
-    a DeepSpeed checkpoint's is always read with True). load_lr_scheduler_states: a DeepSpeed checkpoint's LR
-    scheduler state goes into the schedule the engine steps (a zerokit checkpoint keeps schedules in its
-    client_state: See zerokit/deepspeed/engine.py)."""
+    a DeepSpeed checkpoint's is always read with True). load_lr_scheduler_states: the saved LR schedule's state
+    goes into the schedules the engine steps (its `scheduler` block's, or a scheduler passed to the drop-in)."""
     session = session_of(engine)
     session.writer.wait()
     deepspeed = _deepspeed_checkpoint(load_dir, tag)
@@ -88,13 +87,15 @@ def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | No
             _restore_counters(engine, manifest, directory, load_optimizer_states)
             if source is not None and load_lr_scheduler_states:
                 restore_schedule(engine, source.lr_scheduler, directory)
+            elif load_lr_scheduler_states:
+                _restore_schedules(engine, manifest, directory, weights_only)
     except ValueError as failure:
         error = _ranked(engine, failure)
     _raise_first(session, error)
     _publish(engine)
     if source is not None:
         return str(directory), source.client_state
-    return str(directory), _client_state(directory, manifest, weights_only)
+    return str(directory), client_state_of(directory, manifest, weights_only)
 
 
 def _ranked(engine: "Engine", failure: Exception) -> str:
@@ -180,14 +181,37 @@ def _publish(engine: "Engine") -> None:
             stage.frozen.regather(bucket, stage.shards.comm)
 
 
-def _client_state(directory: Path, manifest: Manifest | None, weights_only: bool) -> dict[str, Any] | None:
+def _restore_schedules(engine: "Engine", manifest: Manifest, directory: Path, weights_only: bool) -> None:
+    """The LR schedules the engine steps continue where the saved ones stood (a checkpoint without any, as
+    zerokit wrote before it saved them, leaves them as they are)."""
+    saved = saved_schedules(directory, manifest, weights_only)
+    if saved is None:
+        return
+    if len(saved) != len(engine.lr_schedules):
+        raise ValueError(f"{directory / MANIFEST}: saved with {len(saved)} LR schedules, this engine steps "
+                         f"{len(engine.lr_schedules)}; resume with the same `scheduler` block (or scheduler)")
+    for schedule, state in zip(engine.lr_schedules, saved):
+        schedule.load_state_dict(state)
+
+
+def saved_schedules(directory: Path, manifest: Manifest, weights_only: bool) -> list[dict[str, Any]] | None:
+    """The state_dict() of each LR schedule the saving engine stepped; None when it saved none."""
+    if manifest.lr_schedules is None:
+        return None
+    return _read_pickle(directory / manifest.lr_schedules, "the LR schedules' state", weights_only)
+
+
+def client_state_of(directory: Path, manifest: Manifest | None, weights_only: bool) -> dict[str, Any] | None:
     if manifest is None or manifest.client_state is None:
         return None
-    path = directory / manifest.client_state
+    return _read_pickle(directory / manifest.client_state, "a client_state", weights_only)
+
+
+def _read_pickle(path: Path, what: str, weights_only: bool) -> Any:
     try:
         return torch.load(path, weights_only=weights_only)
     except FileNotFoundError:
-        raise ValueError(f"{path}: missing (the manifest says the checkpoint has a client_state)") from None
+        raise ValueError(f"{path}: missing (the manifest says the checkpoint has {what})") from None
     except Exception as error:  # torch.load's unpickler errors have many types
         hint = " (it holds types weights_only=True refuses: pass weights_only=False if you trust the file)" \
             if weights_only else ""

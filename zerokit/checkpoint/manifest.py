@@ -28,6 +28,7 @@ FORMAT = "zerokit.checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 CLIENT_STATE = "client_state.pt"
+LR_SCHEDULES = "lr_schedules.pt"  # the state of the LR schedules the engine steps (a list, one per schedule)
 MASTER, FROZEN, BUFFER = "master", "frozen", "buffer"  # what a parameter record's values are
 
 
@@ -119,6 +120,7 @@ class Manifest:
     config: dict[str, Any]
     layout: list[dict[str, Any]]
     client_state: str | None = None
+    lr_schedules: str | None = None
     format: str = FORMAT
     version: int = VERSION
 

@@ -26,8 +26,8 @@ import torch
 import zerokit
 from zerokit.checkpoint.collect import RankPayload, collect, optimizer_list
 from zerokit.checkpoint.files import fsync_dir, write_file
-from zerokit.checkpoint.manifest import (CLIENT_STATE, MANIFEST, Manifest, RankReport, dtype_name, merge_parts,
-                                         rank_file)
+from zerokit.checkpoint.manifest import (CLIENT_STATE, LR_SCHEDULES, MANIFEST, Manifest, RankReport, dtype_name,
+                                         merge_parts, rank_file)
 from zerokit.checkpoint.optimizer_state import encode_groups
 from zerokit.checkpoint.session import CheckpointGroup, session_of
 from zerokit.masters.optimizer import optimizer_kind
@@ -55,8 +55,13 @@ def save_checkpoint(engine: "Engine", save_dir: str | os.PathLike, tag: str | No
     staging.mkdir(parents=True, exist_ok=True)
     description = describe(engine, tag) if engine.rank == 0 else {}
     if engine.rank == 0 and client_state is not None:
-        _save_client_state(client_state, staging)
+        if not isinstance(client_state, dict):
+            raise ValueError(f"client_state must be a dict, not {type(client_state).__name__}")
+        _save_pickle(client_state, staging, CLIENT_STATE)
         description["client_state"] = CLIENT_STATE
+    if engine.rank == 0 and engine.lr_schedules:
+        _save_pickle([schedule.state_dict() for schedule in engine.lr_schedules], staging, LR_SCHEDULES)
+        description["lr_schedules"] = LR_SCHEDULES
     with engine.stage.masters.all_resident():  # masters paged to NVMe are read from their records
         payload = collect(engine)
         if async_save:
@@ -100,16 +105,14 @@ def _agree_on_tag(engine: "Engine", group: CheckpointGroup, tag: str | None) -> 
     return agreed, nonce
 
 
-def _save_client_state(client_state: dict[str, Any], staging: Path) -> None:
+def _save_pickle(value: Any, staging: Path, name: str) -> None:
     """Pickled now, on rank 0, in the training thread: the caller may change its objects after we return."""
-    if not isinstance(client_state, dict):
-        raise ValueError(f"client_state must be a dict, not {type(client_state).__name__}")
-    temporary = staging / (CLIENT_STATE + ".tmp")
+    temporary = staging / (name + ".tmp")
     with open(temporary, "wb") as file:
-        torch.save(client_state, file)
+        torch.save(value, file)
         file.flush()
         os.fsync(file.fileno())
-    os.replace(temporary, staging / CLIENT_STATE)
+    os.replace(temporary, staging / name)
 
 
 def describe(engine: "Engine", tag: str) -> dict[str, Any]:

@@ -59,7 +59,7 @@ from zerokit.runtime import open_engines
 from zerokit.stages.construction import ParamInit
 
 logger = logging.getLogger("zerokit")
-SCHEDULES_KEY = "zerokit.lr_schedules"  # where save_checkpoint keeps the engine's LR schedules (client state)
+SCHEDULES_KEY = "zerokit.lr_schedules"  # where earlier checkpoints of the drop-in kept its LR schedules
 
 
 def live_engines() -> list["DeepSpeedEngine"]:
@@ -95,8 +95,9 @@ class ClientSchedule:
         return self.scheduler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The scheduler's own state only: a checkpoint load then copies the loaded optimizer's hyperparameters
+        to the user's (HyperparameterMirror.adopt_loaded), never the other way round."""
         self.scheduler.load_state_dict(state)
-        self.mirror()
 
 
 class HyperparameterMirror:
@@ -348,17 +349,14 @@ class DeepSpeedEngine(Engine):
 
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict[str, Any] | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False, **zerokit: Any) -> bool:
-        """DeepSpeed's save_checkpoint on zerokit's (every rank calls it); the LR schedules the engine steps
-        travel in the client state. exclude_frozen_parameters only makes DeepSpeed's files smaller: a zerokit
+        """DeepSpeed's save_checkpoint on zerokit's (every rank calls it), which saves the LR schedules the engine
+        steps too. exclude_frozen_parameters only makes DeepSpeed's files smaller: a zerokit
         checkpoint holds every parameter, so that it resumes at any world size and stage, and says so."""
         if exclude_frozen_parameters and any(not param.requires_grad for param in self.module.parameters()):
             logger.info("save_checkpoint(exclude_frozen_parameters=True): zerokit keeps the frozen parameters in the "
                         "checkpoint too (it resumes at any world size and stage)")
         self._mirror.sync()  # See [Note: a scheduler passed to initialize]
-        state = dict(client_state or {})
-        if self.lr_schedules:
-            state[SCHEDULES_KEY] = [schedule.state_dict() for schedule in self.lr_schedules]
-        return super().save_checkpoint(save_dir, tag, state or None, save_latest=save_latest, **zerokit)
+        return super().save_checkpoint(save_dir, tag, client_state, save_latest=save_latest, **zerokit)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -376,7 +374,7 @@ class DeepSpeedEngine(Engine):
         if load_optimizer_states and not load_module_only:
             self._mirror.adopt_loaded()  # before the schedules' mirror: See [Note: a scheduler passed to initialize]
         client_state = dict(client_state or {})
-        saved = client_state.pop(SCHEDULES_KEY, None)
+        saved = client_state.pop(SCHEDULES_KEY, None)  # where zerokit 0.1.0 kept them, before the checkpoint did
         if saved is not None and load_lr_scheduler_states and not load_module_only:
             for schedule, state in zip(self.lr_schedules, saved, strict=True):
                 schedule.load_state_dict(state)

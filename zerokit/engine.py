@@ -29,6 +29,7 @@ from zerokit.runtime import close_at_exit, default_device, ensure_process_group,
 from zerokit.stages import STAGES, BucketReducer, install_hooks
 from zerokit.step import Progress, Stepper
 from zerokit.stages.construction import ParamInit, place_model
+from zerokit.stages.view import ParameterView
 
 
 Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
@@ -67,6 +68,7 @@ class Engine:
         # trainable ones are cast.
         model.to(dtype=config.precision.param_dtype)
         self.optimizer = self.stage.optimizer
+        self.view = ParameterView(self.stage, model, kinds)  # See [Note: a per-parameter view of the stage]
         self.lr_schedules = lr_schedules_for(config, self.stage.masters.optimizers)  # See zerokit/engine_blocks.py
         self.reducer = BucketReducer(self.stage)
         self._hooks = install_hooks(self.stage, self.reducer)
@@ -168,20 +170,7 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict on CPU in fp32 (parameters at their compute precision), gathered
         one unit at a time at stage 3 so the extra peak is the largest unit, not the model."""
-        names = {}
-        for name, param in self.module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), []).append(name)
-        state: dict[str, torch.Tensor] = {}
-        for units, params in self.stage.saving_plan(self.module):
-            with self.stage.gathered(units):
-                for param in params:
-                    for name in names[id(param)]:
-                        state[name] = param.detach().float().cpu().clone()
-        saved = self.module.state_dict(keep_vars=True)  # which buffers are persistent, and the key order
-        for name, buffer in self.module.named_buffers():
-            if name in saved:
-                state[name] = buffer.detach().cpu().clone()
-        return {name: state[name] for name in saved}
+        return self.view.full_state_dict()
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this rank holds that a resumed run needs: its shard of the model states (masters,

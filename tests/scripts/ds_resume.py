@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 import ds_checkpoints as ds
-from zerokit.checkpoint.collect import slots_by_index
 
 
 def global_batch(step: int, saved_world_size: int) -> torch.Tensor:
@@ -29,14 +28,13 @@ def global_batch(step: int, saved_world_size: int) -> torch.Tensor:
 def fp32_masters(engine) -> dict[str, torch.Tensor] | None:
     """Every trainable parameter's fp32 master, whole, on rank 0 (None elsewhere), joined from every rank's
     optimizer pieces."""
-    slots = slots_by_index(engine)
-    pieces = [(slots[ref.param_index].name, ref.param_begin, ref.piece.detach().reshape(-1).float().clone())
-              for ref in engine.stage.masters.piece_refs()]
+    pieces = [(param.name, piece.begin, piece.values.detach().reshape(-1).float().clone())
+              for param in engine.view.trainable() for piece in param.pieces]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, pieces)
     if dist.get_rank() != 0:
         return None
-    shapes = {slot.name: slot.shape for slot in slots.values()}
+    shapes = {slot.name: slot.shape for bucket in engine.view.layout.buckets for slot in bucket.slots}
     whole = {name: torch.full((torch.Size(shape).numel(),), float("nan")) for name, shape in shapes.items()}
     for rank_pieces in gathered:
         for name, begin, values in rank_pieces:

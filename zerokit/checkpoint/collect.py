@@ -10,7 +10,7 @@ that keeps the masters elsewhere (host memory, NVMe) is saved by the same code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,12 +19,10 @@ from zerokit.checkpoint.files import TensorSpec
 from zerokit.checkpoint.manifest import BUFFER, FROZEN, MASTER, PartRecord, dtype_name, state_key, values_key
 from zerokit.checkpoint.optimizer_state import split_piece_state
 from zerokit.checkpoint.rng import capture_rng
-from zerokit.flat import Slot, assign_owners
-from zerokit.masters import PieceRef
-from zerokit.masters.optimizer import WHOLE_TENSOR, optimizer_kind
+from zerokit.flat import assign_owners
+from zerokit.stages.view import ParameterView, TrainableView
+from zerokit.checkpoint.checkpointed import Checkpointed
 
-if TYPE_CHECKING:
-    from zerokit.engine import Engine
 
 
 @dataclass
@@ -42,31 +40,17 @@ class RankPayload:
     rng: dict[str, Any]
 
 
-def optimizer_list(engine: "Engine") -> list[torch.optim.Optimizer]:
-    optimizer = engine.optimizer
-    return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-
-
-def slots_by_index(engine: "Engine") -> dict[int, Slot]:
-    """Trainable parameter index -> its layout slot: its state-dict name (a tied parameter's first), shape."""
-    return {slot.param_index: slot for bucket in engine.stage.layout.buckets for slot in bucket.slots}
-
-
-def collect(engine: "Engine") -> RankPayload:
+def collect(engine: Checkpointed) -> RankPayload:
+    view = engine.view
     payload = RankPayload([], [], {})
-    _trainable(engine, payload)
-    _frozen(engine, payload)
-    if engine.rank == 0:
-        for name, buffer in persistent_buffers(engine.module):
-            _whole(payload, name, BUFFER, buffer.detach(), engine.rank)
+    _trainable(view, payload)
+    _frozen(view, payload)
+    if view.rank == 0:
+        for name, buffer in view.buffers():
+            _whole(payload, name, BUFFER, buffer.detach(), view.rank)
     rng_tensors, payload.rng = capture_rng()
     payload.entries += [SaveEntry(TensorSpec(key, t.dtype, tuple(t.shape)), [t]) for key, t in rng_tensors.items()]
     return payload
-
-
-def replicated(engine: "Engine") -> bool:
-    """Every rank holds every master (stage 0): each parameter is then written by one rank only."""
-    return engine.stage.layout.world_size != engine.world_size
 
 
 def _writers(sizes: list[int], world_size: int) -> list[int]:
@@ -74,51 +58,36 @@ def _writers(sizes: list[int], world_size: int) -> list[int]:
     return assign_owners(sizes, world_size)
 
 
-def _trainable(engine: "Engine", payload: RankPayload) -> None:
-    slots = slots_by_index(engine)
-    by_param: dict[int, list[PieceRef]] = {}
-    for ref in engine.stage.masters.piece_refs():
-        by_param.setdefault(ref.param_index, []).append(ref)
+def _trainable(view: ParameterView, payload: RankPayload) -> None:
+    params = view.trainable()
     writers = None
-    if replicated(engine):
-        indices = sorted(by_param)
-        sizes = [sum(ref.piece.numel() for ref in by_param[i]) for i in indices]
-        writers = dict(zip(indices, _writers(sizes, engine.world_size)))
-    optimizers = optimizer_list(engine)
-    position = {id(o): i for i, o in enumerate(optimizers)}
-    group_of = {id(p): g for o in optimizers for g, group in enumerate(o.param_groups) for p in group["params"]}
-    config = engine.config
-    for param_index in sorted(by_param):
-        if writers is not None and writers[param_index] != engine.rank:
-            continue
-        refs = sorted(by_param[param_index], key=lambda ref: ref.param_begin)
-        optimizer = refs[0].optimizer
-        whole = optimizer_kind(optimizer, config.optimizer_kinds, config.allow_untested_optimizer) == WHOLE_TENSOR
-        _param_part(payload, slots[param_index], refs, engine.rank, position[id(optimizer)],
-                    group_of[id(refs[0].piece)], whole)
+    if view.replicated:  # every rank holds every master: each is written by one
+        writers = _writers([sum(piece.values.numel() for piece in param.pieces) for param in params], view.world_size)
+    for index, param in enumerate(params):
+        if writers is None or writers[index] == view.rank:
+            _param_part(payload, param, view.rank)
 
 
-def _param_part(payload: RankPayload, slot: Slot, refs: list[PieceRef], rank: int, optimizer: int, group: int,
-                whole: bool) -> None:
+def _param_part(payload: RankPayload, param: TrainableView, rank: int) -> None:
     """One parameter's part on this rank: its pieces' masters back to back, and their optimizer state."""
-    name = slot.name
-    begin = refs[0].param_begin
+    name, pieces, whole = param.name, param.pieces, param.whole_tensor
+    begin = pieces[0].begin
     end = begin
-    for ref in refs:
-        if ref.param_begin != end:
+    for piece in pieces:
+        if piece.begin != end:
             raise RuntimeError(f"rank {rank}: the pieces of {name!r} are not contiguous (an internal bug)")
-        end += ref.piece.numel()
-    states = [ref.optimizer.state.get(ref.piece) for ref in refs]
+        end += piece.values.numel()
+    states = [piece.optimizer.state.get(piece.key) for piece in pieces]
     if any(states) and not all(states):
         raise RuntimeError(f"rank {rank}: some pieces of {name!r} were stepped and others not (an internal bug)")
-    split = [split_piece_state(state, ref.piece, whole, name) for state, ref in zip(states, refs) if state]
+    split = [split_piece_state(state, piece.key, whole, name) for state, piece in zip(states, pieces) if state]
     scalars = split[0][1] if split else {}
     if any(other[1] != scalars or other[0].keys() != split[0][0].keys() for other in split):
         raise RuntimeError(f"rank {rank}: the pieces of {name!r} disagree on their optimizer scalars (an internal bug)")
     keys = tuple(split[0][0]) if split else ()
-    shape = tuple(refs[0].piece.shape) if whole else (end - begin,)
+    shape = tuple(pieces[0].values.shape) if whole else (end - begin,)
     payload.entries.append(SaveEntry(TensorSpec(values_key(name, MASTER), torch.float32, shape),
-                                     [ref.piece.detach() for ref in refs]))
+                                     [piece.values.detach() for piece in pieces]))
     for key in keys:
         tensors = [tensors[key] for tensors, _ in split]
         if whole:
@@ -126,49 +95,25 @@ def _param_part(payload: RankPayload, slot: Slot, refs: list[PieceRef], rank: in
         else:
             spec = TensorSpec(state_key(key, name), tensors[0].dtype, (end - begin,))
         payload.entries.append(SaveEntry(spec, tensors))
-    payload.parts.append(PartRecord(name, MASTER, "float32", tuple(slot.shape), rank, begin, end, optimizer, group,
-                                    whole, keys, scalars))
+    first = pieces[0]
+    payload.parts.append(PartRecord(name, MASTER, "float32", tuple(param.shape), rank, begin, end,
+                                    first.optimizer_index, first.group, whole, keys, scalars))
 
 
-class FrozenPart(NamedTuple):
-    """This rank's part of a frozen parameter sharded at stage 3."""
-
-    name: str
-    shape: tuple[int, ...]
-    begin: int  # its first element within the parameter
-    values: torch.Tensor  # the part, a view of the frozen shard
-
-
-def frozen_parameters(engine: "Engine") -> tuple[list[tuple[str, nn.Parameter]], list[FrozenPart]]:
-    """Frozen parameters as the engine holds them: the ones it keeps whole (stages 0-2, or not floating point),
-    and at stage 3 this rank's parts of the sharded ones (See [Note: frozen parameters at stage 3])."""
-    stage = engine.stage
-    sharded = {id(p) for p in stage.frozen.flat.params} if engine.config.stage == 3 else set()
-    held = {id(p) for p in stage.flat.params} | sharded
-    whole = [(name, p) for name, p in engine.module.named_parameters() if id(p) not in held]
-    parts = []
-    if sharded:
-        frozen = stage.frozen
-        for bucket in frozen.layout.buckets:
-            slots = {slot.param_index: slot for slot in bucket.slots}
-            shard = frozen.shard(bucket)
-            for part in bucket.param_slices(engine.rank):
-                slot = slots[part.param_index]
-                parts.append(FrozenPart(slot.name, slot.shape, part.param_begin, shard[part.begin:part.end]))
-    return whole, parts
-
-
-def _frozen(engine: "Engine", payload: RankPayload) -> None:
+def _frozen(view: ParameterView, payload: RankPayload) -> None:
     """Frozen parameters: at stage 3 this rank's shard of each; whole ones are spread over the ranks to write."""
-    whole, parts = frozen_parameters(engine)
-    for (name, param), writer in zip(whole, _writers([p.numel() for _, p in whole], engine.world_size)):
-        if writer == engine.rank:
-            _whole(payload, name, FROZEN, param.detach(), engine.rank)
-    for part in parts:
+    frozen = view.frozen()
+    whole = [part for part in frozen if part.whole]
+    for part, writer in zip(whole, _writers([part.values.numel() for part in whole], view.world_size)):
+        if writer == view.rank:
+            _whole(payload, part.name, FROZEN, part.values.detach(), view.rank)
+    for part in frozen:
+        if part.whole:
+            continue
         values = part.values
         payload.entries.append(SaveEntry(TensorSpec(values_key(part.name, FROZEN), values.dtype, (values.numel(),)),
                                          [values]))
-        payload.parts.append(PartRecord(part.name, FROZEN, dtype_name(values.dtype), part.shape, engine.rank,
+        payload.parts.append(PartRecord(part.name, FROZEN, dtype_name(values.dtype), part.shape, view.rank,
                                         part.begin, part.begin + values.numel()))
 
 

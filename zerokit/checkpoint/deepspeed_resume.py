@@ -27,11 +27,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
-from zerokit.checkpoint.collect import frozen_parameters, optimizer_list, persistent_buffers, slots_by_index
 from zerokit.checkpoint.deepspeed_import import (DEEPSPEED_MODEL_KEYS, MODEL_KEYS, DeepSpeedCheckpointError,
                                                  _check_world_size, _config_precision, _load, _rank_files, _require,
                                                  _stage, check_shapes)
@@ -40,9 +39,8 @@ from zerokit.checkpoint.manifest import (BUFFER, FROZEN, MASTER, Manifest, Param
                                          state_key, values_key)
 from zerokit.checkpoint.optimizer_state import encode_hyperparameters, encode_scalar
 from zerokit.runtime import logger
+from zerokit.checkpoint.checkpointed import Checkpointed
 
-if TYPE_CHECKING:
-    from zerokit.engine import Engine
 
 PRECISION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 Source = tuple[Any, ...]  # keys from a rank's loaded files ({"optim": ..., "model": ...}) down to a flat tensor
@@ -166,7 +164,7 @@ class DeepSpeedSource:
     client_state: dict[str, Any]
 
 
-def open_deepspeed(directory: Path, engine: "Engine") -> DeepSpeedSource:
+def open_deepspeed(directory: Path, engine: Checkpointed) -> DeepSpeedSource:
     """Read the layout of the DeepSpeed checkpoint in `directory`, check that it is of this engine's model and
     optimizer, and open the files this rank reads. Raises DeepSpeedCheckpointError (one line) before anything
     of the engine is changed."""
@@ -192,7 +190,7 @@ def open_deepspeed(directory: Path, engine: "Engine") -> DeepSpeedSource:
                            {key: value for key, value in model.items() if key not in DEEPSPEED_MODEL_KEYS})
 
 
-def restore_schedule(engine: "Engine", saved: dict[str, Any] | None, directory: Path) -> None:
+def restore_schedule(engine: Checkpointed, saved: dict[str, Any] | None, directory: Path) -> None:
     """DeepSpeed's saved LR scheduler state into the schedule the engine steps. A `scheduler` block's schedule
     saves only its position (`last_batch_iteration`, counted from -1), which zerokit's DeepSpeedLR counts as
     last_epoch = last_batch_iteration + 1; the learning rates themselves came with the param groups. A torch
@@ -205,9 +203,9 @@ def restore_schedule(engine: "Engine", saved: dict[str, Any] | None, directory: 
     if len(schedules) != 1:
         raise DeepSpeedCheckpointError(f"{directory}: DeepSpeed saved one LR scheduler, this engine steps "
                                        f"{len(schedules)}")
-    # A scheduler passed to initialize() is wrapped; it is loaded without the wrapper's mirroring of the user's
-    # optimizer onto the one that trains, which would undo the learning rates just restored (the drop-in engine
-    # then copies them to the user's optimizer: See [Note: a scheduler passed to initialize])
+    # a scheduler passed to initialize() is wrapped (zerokit/deepspeed/engine.py ClientSchedule): its position is
+    # the wrapped scheduler's (the drop-in then copies the restored learning rates to the user's optimizer: See
+    # [Note: a scheduler passed to initialize])
     target = getattr(schedules[0], "scheduler", schedules[0])
     if set(saved) == {"last_batch_iteration"} and hasattr(target, "last_epoch"):
         target.last_epoch = int(saved["last_batch_iteration"]) + 1
@@ -380,29 +378,26 @@ def _check_slice_mappings(layout: Layout, rank: int, mappings: list[dict[str, An
                 "at another place (parameter alignment padding?): a DeepSpeed layout not known here")
 
 
-def _ranks_needed(layout: Layout, engine: "Engine") -> set[int]:
+def _ranks_needed(layout: Layout, engine: Checkpointed) -> set[int]:
     """The DeepSpeed ranks whose runs overlap what this engine rank steps and holds (rank 0 always)."""
-    wanted: list[tuple[str, int, int]] = []
-    slots = slots_by_index(engine)
-    for ref in engine.stage.masters.piece_refs():
-        wanted.append((slots[ref.param_index].name, ref.param_begin, ref.param_begin + ref.piece.numel()))
-    whole, parts = frozen_parameters(engine)
-    wanted += [(name, 0, param.numel()) for name, param in whole]
-    wanted += [(part.name, part.begin, part.begin + part.values.numel()) for part in parts]
+    view = engine.view
+    wanted = [(param.name, piece.begin, piece.begin + piece.values.numel())
+              for param in view.trainable() for piece in param.pieces]
+    wanted += [(part.name, part.begin, part.begin + part.values.numel()) for part in view.frozen()]
     return {0} | {run.rank for name, begin, end in wanted for run in layout.runs[name]
                   if run.begin < end and begin < run.end}
 
 
 # --- the engine's side -------------------------------------------------------------------------------
 
-def _check_engine(directory: Path, layout: Layout, param_groups: list[dict], engine: "Engine") -> None:
+def _check_engine(directory: Path, layout: Layout, param_groups: list[dict], engine: Checkpointed) -> None:
     """Of this model (names and shapes, tied names included), with one optimizer of as many param groups, each
     parameter in the group it was in, and an optimizer that keeps the saved state's kind."""
     module = engine.module
     named = {name: tuple(p.shape) for name, p in module.named_parameters(remove_duplicate=False)}
-    named.update({name: tuple(b.shape) for name, b in persistent_buffers(module)})
+    named.update({name: tuple(b.shape) for name, b in engine.view.buffers()})
     check_shapes(directory, layout.shapes, named)
-    optimizers = optimizer_list(engine)
+    optimizers = engine.view.optimizers
     if len(optimizers) != 1:
         raise DeepSpeedCheckpointError(f"{directory}: a DeepSpeed checkpoint has one optimizer, this engine "
                                        f"{len(optimizers)}")
@@ -410,13 +405,11 @@ def _check_engine(directory: Path, layout: Layout, param_groups: list[dict], eng
     if len(optimizer.param_groups) != len(param_groups):
         raise DeepSpeedCheckpointError(f"{directory}: saved with {len(param_groups)} param groups, this engine's "
                                        f"{type(optimizer).__name__} has {len(optimizer.param_groups)}")
-    slots = slots_by_index(engine)
-    group_here = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
-    for ref in engine.stage.masters.piece_refs():
-        name = slots[ref.param_index].name
-        if layout.groups.get(name, group_here[id(ref.piece)]) != group_here[id(ref.piece)]:
-            raise DeepSpeedCheckpointError(f"{directory}: {name} was in param group {layout.groups[name]} there, "
-                                           f"in group {group_here[id(ref.piece)]} here")
+    for param in engine.view.trainable():
+        group = param.pieces[0].group
+        if layout.groups.get(param.name, group) != group:
+            raise DeepSpeedCheckpointError(f"{directory}: {param.name} was in param group {layout.groups[param.name]} "
+                                           f"there, in group {group} here")
     saved_keys = {key for keys in layout.state_runs.values() for key in keys}
     if {"exp_avg", "exp_avg_sq"} <= saved_keys and "adam" not in type(optimizer).__name__.lower():
         raise DeepSpeedCheckpointError(f"{directory}: holds Adam's state (exp_avg, exp_avg_sq), this engine steps "
@@ -424,9 +417,9 @@ def _check_engine(directory: Path, layout: Layout, param_groups: list[dict], eng
 
 
 def _manifest(directory: Path, layout: Layout, model: dict, optimizer_state: dict, param_groups: list[dict],
-              precision: str | None, engine: "Engine") -> Manifest:
+              precision: str | None, engine: Checkpointed) -> Manifest:
     """The Manifest restore.py and load.py read, with DeepSpeed's runs as its parts."""
-    optimizer = optimizer_list(engine)[0]
+    optimizer = engine.view.optimizers[0]
     device = torch.device("cpu")
     params = {}
     for name, runs in layout.runs.items():

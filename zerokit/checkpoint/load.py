@@ -17,11 +17,10 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from zerokit.checkpoint.collect import optimizer_list
 from zerokit.checkpoint.deepspeed_import import deepspeed_directory, is_deepspeed_checkpoint
 from zerokit.checkpoint.deepspeed_resume import DeepSpeedReaders, open_deepspeed, restore_schedule
 from zerokit.checkpoint.files import Readers
@@ -32,9 +31,8 @@ from zerokit.checkpoint.rng import RNG_KEYS, restore_rng
 from zerokit.checkpoint.save import LATEST
 from zerokit.checkpoint.session import session_of
 from zerokit.runtime import logger
+from zerokit.checkpoint.checkpointed import Checkpointed
 
-if TYPE_CHECKING:
-    from zerokit.engine import Engine
 
 
 def checkpoint_directory(load_dir: str | os.PathLike, tag: str | None = None) -> Path:
@@ -52,7 +50,7 @@ def checkpoint_directory(load_dir: str | os.PathLike, tag: str | None = None) ->
     return load_dir / str(tag)
 
 
-def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | None = None,
+def load_checkpoint(engine: Checkpointed, load_dir: str | os.PathLike, tag: str | None = None,
                     load_optimizer_states: bool = True, load_module_only: bool = False,
                     weights_only: bool = True, load_lr_scheduler_states: bool = True
                     ) -> tuple[str, dict[str, Any] | None]:
@@ -80,7 +78,7 @@ def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | No
             manifest, readers = source.manifest, source.readers
         else:
             manifest = read_manifest(directory)
-            check_model(manifest, engine, directory)
+            check_model(manifest, engine.module, directory)
             readers = Readers(directory, manifest.files)
         _restore_tensors(engine, manifest, readers, with_state)
         if not load_module_only:
@@ -92,13 +90,13 @@ def load_checkpoint(engine: "Engine", load_dir: str | os.PathLike, tag: str | No
     except ValueError as failure:
         error = _ranked(engine, failure)
     _raise_first(session, error)
-    _publish(engine)
+    engine.view.after_load()  # loaded masters -> compute parameters on every rank
     if source is not None:
         return str(directory), source.client_state
     return str(directory), client_state_of(directory, manifest, weights_only)
 
 
-def _ranked(engine: "Engine", failure: Exception) -> str:
+def _ranked(engine: Checkpointed, failure: Exception) -> str:
     return f"rank {engine.rank}: {failure}" if engine.world_size > 1 else str(failure)
 
 
@@ -119,25 +117,25 @@ def _deepspeed_checkpoint(load_dir: str | os.PathLike, tag: str | None) -> Path 
     return None if (directory / MANIFEST).is_file() else directory
 
 
-def _restore_tensors(engine: "Engine", manifest: Manifest, readers: "Readers | DeepSpeedReaders",
+def _restore_tensors(engine: Checkpointed, manifest: Manifest, readers: "Readers | DeepSpeedReaders",
                      with_state: bool) -> None:
     directory = readers.directory
     try:
         # masters paged to NVMe: loaded into their records, and published as a step publishes them
-        with engine.stage.masters.all_resident(publish=True):
-            restore_trainable(engine, manifest, readers, directory, with_state)
-        restore_frozen(engine, manifest, readers)
-        restore_buffers(engine.module, manifest, readers)
+        with engine.view.resident(publish=True):
+            restore_trainable(engine.view, manifest, readers, directory, with_state)
+        restore_frozen(engine.view, manifest, readers)
+        restore_buffers(engine.view, manifest, readers)
         if with_state:
             _restore_rng(engine, manifest, readers)
     finally:
         readers.close()
 
 
-def _restore_counters(engine: "Engine", manifest: Manifest, directory: Path, with_state: bool) -> None:
+def _restore_counters(engine: Checkpointed, manifest: Manifest, directory: Path, with_state: bool) -> None:
     """Hyperparameters (an LR scheduler's changes), the loss scale, and where training stands."""
     if with_state:
-        optimizers = optimizer_list(engine)
+        optimizers = engine.view.optimizers
         if len(optimizers) != len(manifest.optimizers):
             raise ValueError(f"{directory / MANIFEST}: saved with {len(manifest.optimizers)} optimizers, this engine "
                              f"has {len(optimizers)}")
@@ -157,7 +155,7 @@ def _restore_counters(engine: "Engine", manifest: Manifest, directory: Path, wit
     engine.progress = progress
 
 
-def _restore_rng(engine: "Engine", manifest: Manifest, readers: Readers) -> None:
+def _restore_rng(engine: Checkpointed, manifest: Manifest, readers: Readers) -> None:
     """This rank's generators, if the saving run had this rank; a new rank keeps its own (and says so). A
     DeepSpeed checkpoint saves none."""
     if not manifest.rng:
@@ -172,16 +170,7 @@ def _restore_rng(engine: "Engine", manifest: Manifest, readers: Readers) -> None
     restore_rng(tensors, manifest.rng[engine.rank])
 
 
-def _publish(engine: "Engine") -> None:
-    """Loaded masters -> compute parameters on every rank; stage 3 re-gathers frozen buckets kept gathered."""
-    stage = engine.stage
-    stage.publish_params()
-    if engine.config.stage == 3:
-        for bucket in stage.frozen.layout.buckets:
-            stage.frozen.regather(bucket, stage.shards.comm)
-
-
-def _restore_schedules(engine: "Engine", manifest: Manifest, directory: Path, weights_only: bool) -> None:
+def _restore_schedules(engine: Checkpointed, manifest: Manifest, directory: Path, weights_only: bool) -> None:
     """The LR schedules the engine steps continue where the saved ones stood (a checkpoint without any, as
     zerokit wrote before it saved them, leaves them as they are)."""
     saved = saved_schedules(directory, manifest, weights_only)

@@ -5,19 +5,14 @@ checkpoint is per parameter, not per rank] in manifest.py."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
-from zerokit.checkpoint.collect import frozen_parameters, optimizer_list, persistent_buffers, slots_by_index
+from zerokit.checkpoint.collect import persistent_buffers
 from zerokit.checkpoint.files import Readers
 from zerokit.checkpoint.manifest import MANIFEST, MASTER, Manifest, ParamRecord, rank_file, state_key, values_key
 from zerokit.checkpoint.optimizer_state import decode_scalar
-from zerokit.masters import PieceRef
-
-if TYPE_CHECKING:
-    from zerokit.engine import Engine
+from zerokit.stages.view import ParameterView, PieceView
 
 
 def read_range(readers: Readers, record: ParamRecord, key: str, begin: int, out: torch.Tensor) -> None:
@@ -37,10 +32,9 @@ def read_range(readers: Readers, record: ParamRecord, key: str, begin: int, out:
             target.copy_(reader.read_elements(key, first - part_begin, last - part_begin))
 
 
-def check_model(manifest: Manifest, engine: "Engine", directory: Path) -> None:
+def check_model(manifest: Manifest, module: nn.Module, directory: Path) -> None:
     """The checkpoint is of this model: the same state-dict keys, each parameter and buffer of the same shape."""
     where = directory / MANIFEST
-    module = engine.module
     saved_keys = [key for key, _, _ in manifest.model["state_dict"]]
     keys = [key for key, value in module.state_dict(keep_vars=True).items() if isinstance(value, torch.Tensor)]
     missing = [key for key in keys if key not in set(saved_keys)]
@@ -59,70 +53,60 @@ def check_model(manifest: Manifest, engine: "Engine", directory: Path) -> None:
                              f"{tuple(record.shape)} there, {shape} here")
 
 
-def restore_trainable(engine: "Engine", manifest: Manifest, readers: Readers, directory: Path,
+def restore_trainable(view: ParameterView, manifest: Manifest, readers: Readers, directory: Path,
                       with_state: bool) -> None:
     """Masters (and optimizer state) of every piece this rank steps."""
-    slots = slots_by_index(engine)
-    optimizers = optimizer_list(engine)
-    position = {id(o): i for i, o in enumerate(optimizers)}
-    group_of = {id(p): g for o in optimizers for g, group in enumerate(o.param_groups) for p in group["params"]}
-    for ref in engine.stage.masters.piece_refs():
-        name = slots[ref.param_index].name
-        record = manifest.params[name]
-        with torch.no_grad():
-            read_range(readers, record, values_key(name, record.role), ref.param_begin, ref.piece.data)
-        if not with_state:
-            continue
-        if record.role == MASTER:
-            _check_optimizer(manifest, record, name, ref, position[id(ref.optimizer)], group_of[id(ref.piece)],
-                             directory)
-        _restore_piece_state(ref, record, name, readers)
+    for param in view.trainable():
+        record = manifest.params[param.name]
+        for piece in param.pieces:
+            with torch.no_grad():
+                read_range(readers, record, values_key(param.name, record.role), piece.begin, piece.values)
+            if not with_state:
+                continue
+            if record.role == MASTER:
+                _check_optimizer(manifest, record, param.name, piece, directory)
+            _restore_piece_state(piece, record, param.name, readers)
 
 
-def _check_optimizer(manifest: Manifest, record: ParamRecord, name: str, ref: PieceRef, optimizer: int, group: int,
-                     directory: Path) -> None:
+def _check_optimizer(manifest: Manifest, record: ParamRecord, name: str, piece: PieceView, directory: Path) -> None:
     saved = manifest.optimizers[record.optimizer]["class"] if record.optimizer is not None else None
-    here = type(ref.optimizer).__name__
-    if (record.optimizer, record.group, saved) != (optimizer, group, here):
+    here = type(piece.optimizer).__name__
+    if (record.optimizer, record.group, saved) != (piece.optimizer_index, piece.group, here):
         raise ValueError(f"{directory / MANIFEST}: {name!r} was stepped by {saved} (optimizer {record.optimizer}, "
-                         f"param group {record.group}) there, by {here} (optimizer {optimizer}, group {group}) here")
+                         f"param group {record.group}) there, by {here} (optimizer {piece.optimizer_index}, group "
+                         f"{piece.group}) here")
 
 
-def _restore_piece_state(ref: PieceRef, record: ParamRecord, name: str, readers: Readers) -> None:
+def _restore_piece_state(piece: PieceView, record: ParamRecord, name: str, readers: Readers) -> None:
     """The piece's optimizer state from the saved one; a parameter never stepped (or frozen when saved) has none."""
-    piece, state = ref.piece, {}
+    key, state = piece.key, {}
     if record.role == MASTER and (record.state or record.scalars):
-        for key, encoded in record.scalars.items():
-            state[key] = decode_scalar(encoded, piece.device)
-        for key in record.state:
+        for scalar, encoded in record.scalars.items():
+            state[scalar] = decode_scalar(encoded, key.device)
+        rank = record.parts[0][0]
+        for name_of_state in record.state:
+            saved = state_key(name_of_state, name)
             if record.whole_tensor:
-                rank = record.parts[0][0]
-                state[key] = readers(rank_file(rank)).read_tensor(state_key(key, name)).to(piece.device)
+                state[name_of_state] = readers(rank_file(rank)).read_tensor(saved).to(key.device)
             else:
-                rank = record.parts[0][0]
-                dtype = readers(rank_file(rank)).spec(state_key(key, name)).dtype
-                values = torch.empty(piece.shape, dtype=dtype, device=piece.device)
-                read_range(readers, record, state_key(key, name), ref.param_begin, values)
-                state[key] = values
-    ref.optimizer.state.pop(piece, None)
+                values = torch.empty(key.shape, dtype=readers(rank_file(rank)).spec(saved).dtype, device=key.device)
+                read_range(readers, record, saved, piece.begin, values)
+                state[name_of_state] = values
+    piece.optimizer.state.pop(key, None)
     if state:
-        ref.optimizer.state[piece] = state
+        piece.optimizer.state[key] = state
 
 
-def restore_frozen(engine: "Engine", manifest: Manifest, readers: Readers) -> None:
+def restore_frozen(view: ParameterView, manifest: Manifest, readers: Readers) -> None:
     """Frozen parameters: whole where the engine holds them whole, this rank's shard of each at stage 3."""
-    whole, parts = frozen_parameters(engine)
     with torch.no_grad():
-        for name, param in whole:
-            record = manifest.params[name]
-            read_range(readers, record, values_key(name, record.role), 0, param.data)
-        for part in parts:
+        for part in view.frozen():
             record = manifest.params[part.name]
             read_range(readers, record, values_key(part.name, record.role), part.begin, part.values)
 
 
-def restore_buffers(module: nn.Module, manifest: Manifest, readers: Readers) -> None:
+def restore_buffers(view: ParameterView, manifest: Manifest, readers: Readers) -> None:
     with torch.no_grad():
-        for name, buffer in persistent_buffers(module):
+        for name, buffer in view.buffers():
             record = manifest.params[name]
             read_range(readers, record, values_key(name, record.role), 0, buffer)

@@ -19,12 +19,12 @@ import shutil
 import uuid
 from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 import zerokit
-from zerokit.checkpoint.collect import RankPayload, collect, optimizer_list
+from zerokit.checkpoint.collect import RankPayload, collect
 from zerokit.checkpoint.files import fsync_dir, write_file
 from zerokit.checkpoint.manifest import (CLIENT_STATE, LR_SCHEDULES, MANIFEST, Manifest, RankReport, dtype_name,
                                          merge_parts, rank_file)
@@ -32,14 +32,13 @@ from zerokit.checkpoint.optimizer_state import encode_groups
 from zerokit.checkpoint.session import CheckpointGroup, session_of
 from zerokit.masters.optimizer import optimizer_kind
 from zerokit.runtime import logger
+from zerokit.checkpoint.checkpointed import Checkpointed
 
-if TYPE_CHECKING:
-    from zerokit.engine import Engine
 
 LATEST = "latest"
 
 
-def save_checkpoint(engine: "Engine", save_dir: str | os.PathLike, tag: str | None = None,
+def save_checkpoint(engine: Checkpointed, save_dir: str | os.PathLike, tag: str | None = None,
                     client_state: dict[str, Any] | None = None, save_latest: bool = True,
                     async_save: bool = False) -> bool:
     """Save the engine's full training state under `save_dir/tag` (default tag: global_step<N>, N the
@@ -62,7 +61,7 @@ def save_checkpoint(engine: "Engine", save_dir: str | os.PathLike, tag: str | No
     if engine.rank == 0 and engine.lr_schedules:
         _save_pickle([schedule.state_dict() for schedule in engine.lr_schedules], staging, LR_SCHEDULES)
         description["lr_schedules"] = LR_SCHEDULES
-    with engine.stage.masters.all_resident():  # masters paged to NVMe are read from their records
+    with engine.view.resident():  # masters paged to NVMe are read from their records
         payload = collect(engine)
         if async_save:
             payload.entries = session.host.stage(payload.entries)
@@ -73,7 +72,7 @@ def save_checkpoint(engine: "Engine", save_dir: str | os.PathLike, tag: str | No
     return True
 
 
-def _check_boundary(engine: "Engine", save_dir: Path) -> None:
+def _check_boundary(engine: Checkpointed, save_dir: Path) -> None:
     # A window ends where its last backward said so, not at a multiple of gradient_accumulation_steps: the
     # Trainer ends each epoch with a short window (set_gradient_accumulation_boundary).
     progress, window = engine.progress, engine.config.gradient_accumulation_steps
@@ -83,7 +82,7 @@ def _check_boundary(engine: "Engine", save_dir: Path) -> None:
                          "gradients in flight are not saved; save right after the engine.step() that ends a window")
 
 
-def _agree_on_tag(engine: "Engine", group: CheckpointGroup, tag: str | None) -> tuple[str, str]:
+def _agree_on_tag(engine: Checkpointed, group: CheckpointGroup, tag: str | None) -> tuple[str, str]:
     """Rank 0's tag (and a staging id) for every rank; other tags are ignored, warned about or refused as
     checkpoint.tag_validation says (Ignore, Warn (default), Fail)."""
     boundaries = engine.progress.optimizer_step + engine.progress.total_skips  # windows ended, short ones too
@@ -115,7 +114,7 @@ def _save_pickle(value: Any, staging: Path, name: str) -> None:
     os.replace(temporary, staging / name)
 
 
-def describe(engine: "Engine", tag: str) -> dict[str, Any]:
+def describe(engine: Checkpointed, tag: str) -> dict[str, Any]:
     """What rank 0 alone puts in the manifest: the run and the model, not any rank's tensors."""
     config, module = engine.config, engine.module
     first_name = {id(p): name for name, p in module.named_parameters()}  # a tied parameter: its first name
@@ -123,7 +122,7 @@ def describe(engine: "Engine", tag: str) -> dict[str, Any]:
     keys = [[key, first_name.get(id(value), key), "param" if id(value) in first_name else "buffer"]
             for key, value in state_dict.items() if isinstance(value, torch.Tensor)]
     hf_config = getattr(module, "config", None)
-    optimizers = optimizer_list(engine)
+    optimizers = engine.view.optimizers
     return {
         "tag": tag, "world_size": engine.world_size, "stage": config.stage,
         "param_dtype": dtype_name(config.precision.param_dtype), "zerokit_version": zerokit.__version__,
@@ -135,7 +134,7 @@ def describe(engine: "Engine", tag: str) -> dict[str, Any]:
         "progress": asdict(engine.progress), "loss_scaler": engine.loss_scaler.state_dict(),
         "config": _plain_fields(config),
         "layout": [{"index": b.index, "owner": b.owner, "numel": b.numel,
-                    "slots": [[s.name, s.offset, s.numel] for s in b.slots]} for b in engine.stage.layout.buckets],
+                    "slots": [[s.name, s.offset, s.numel] for s in b.slots]} for b in engine.view.layout.buckets],
     }
 
 

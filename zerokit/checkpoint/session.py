@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.distributed as dist
 
+from zerokit.checkpoint.checkpointed import Checkpointed
+
 if TYPE_CHECKING:
     from zerokit.checkpoint.collect import SaveEntry
-    from zerokit.engine import Engine
 
 
 class CheckpointGroup:
@@ -123,24 +124,24 @@ class Session:
     host: HostBuffers = field(default_factory=HostBuffers)
 
 
-_SESSIONS: "weakref.WeakKeyDictionary[Engine, Session]" = weakref.WeakKeyDictionary()
+_SESSIONS: "weakref.WeakKeyDictionary[Checkpointed, Session]" = weakref.WeakKeyDictionary()
 
 
-def session_of(engine: "Engine") -> Session:
+def session_of(engine: Checkpointed) -> Session:
     """The engine's checkpoint session, made at its first save or load (a collective: every rank calls it)."""
     if engine not in _SESSIONS:
         _SESSIONS[engine] = Session(CheckpointGroup())
     return _SESSIONS[engine]
 
 
-def wait(engine: "Engine") -> None:
+def wait(engine: Checkpointed) -> None:
     """Block until the engine's asynchronous save, if one is running, is on disk and committed (the
     `latest` pointer moved); raises what it failed with. Call it before destroying the process group."""
     if engine in _SESSIONS:
         _SESSIONS[engine].writer.wait()
 
 
-def close(engine: "Engine") -> None:
+def close(engine: Checkpointed) -> None:
     """End the engine's checkpoint session, if it has one: wait for its asynchronous save (raising what it failed
     with), then destroy its process group."""
     session = _SESSIONS.pop(engine, None)

@@ -145,7 +145,7 @@ class DeepSpeedEngine(Engine):
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's answer; None: count micro-steps
         self._given_optimizer = optimizer
         users = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-        self._mirror = HyperparameterMirror([(user, twin) for user, twin in zip(users, self.stage.masters.optimizers)
+        self._mirror = HyperparameterMirror([(user, twin) for user, twin in zip(users, self.view.optimizers)
                                              if isinstance(user, torch.optim.Optimizer) and user is not twin])
         self._client_schedule = self._attach(lr_scheduler, optimizer)
 
@@ -155,7 +155,7 @@ class DeepSpeedEngine(Engine):
         if callable(scheduler) and (isinstance(scheduler, type) or not hasattr(scheduler, "step")):
             scheduler = scheduler(self.optimizer)  # DeepSpeedSchedulerCallable: over the optimizer that trains
         users = list(given) if isinstance(given, (list, tuple)) else [given]
-        rebuilt = self.stage.masters.optimizers
+        rebuilt = self.view.optimizers
         driven = getattr(scheduler, "optimizer", None)
         pairs = [(user, twin) for user, twin in zip(users, rebuilt) if user is driven and user is not twin]
         schedule = ClientSchedule(scheduler, pairs, self.train_batch_size())
@@ -232,7 +232,7 @@ class DeepSpeedEngine(Engine):
     def get_mom(self) -> list[Any]:
         """Each param group's momentum: betas for Adam-like optimizers, momentum otherwise."""
         return [group.get("betas", group.get("momentum", 0.0))
-                for optimizer in self.stage.masters.optimizers for group in optimizer.param_groups]
+                for optimizer in self.view.optimizers for group in optimizer.param_groups]
 
     @property
     def lr_scheduler(self) -> Any:

@@ -105,7 +105,7 @@ class LightningEngine(Engine):
                  device: torch.device, param_init: ParamInit | None = None) -> None:
         self.ends_window = False  # True while the closure of Lightning's optimizer step runs
         super().__init__(module, optimizer, config, device=device, param_init=param_init)
-        trains = self.stage.masters.optimizers[0]
+        trains = self.view.optimizers[0]
         self.mirror = HyperparameterMirror([(optimizer, trains)] if optimizer not in (None, trains) else [])
         self.last_step: StepResult | None = None  # the last optimizer step's result: grad norm, clipped, skipped
 
@@ -336,7 +336,7 @@ class ZerokitStrategy(DDPStrategy):
         on_meta = any(param.is_meta for param in module.parameters())  # See [Note: configure_model at stage 3]
         self.engine = LightningEngine(module, optimizer, config, self.root_device,
                                       param_init=self.param_init if on_meta else None)
-        self.optimizers = [optimizer] if optimizer is not None else list(self.engine.stage.masters.optimizers)
+        self.optimizers = [optimizer] if optimizer is not None else list(self.engine.view.optimizers)
 
     @staticmethod
     def _module_optimizer(module: LightningModule) -> tuple[torch.optim.Optimizer, list[Any]]:

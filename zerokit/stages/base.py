@@ -47,6 +47,7 @@ from zerokit.masters.shards import TIERS
 from zerokit.tiers import DeviceShards, Home, ShardIO, master_homes
 from zerokit.tiers.swap import SwapDirectory
 from zerokit.stages.usage import GradientUsage
+from zerokit.stages.view import FrozenView
 
 class ZeroStage:
     shards_optimizer: ClassVar[bool] = True
@@ -188,6 +189,14 @@ class ZeroStage:
                        for b in self.layout.buckets]
             for item in pending:
                 wait(item)
+
+    def after_load(self) -> None:
+        """A checkpoint wrote into the masters (and frozen parts): make them the model's parameters again."""
+        self.publish_params()
+
+    def frozen_parts(self) -> tuple[set[int], list[FrozenView]]:
+        """The ids of the frozen parameters the stage shards, and this rank's parts of them: none below stage 3."""
+        return set(), []
 
     def write_back_params(self) -> None:
         """The user changed parameters in place: make the fp32 masters agree."""

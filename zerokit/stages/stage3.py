@@ -53,6 +53,7 @@ from zerokit.stages.hooks import TrainingState, UnitHooks
 from zerokit.stages.stage2 import ShardedGradients
 from zerokit.stages.unit_shards import UnitShards
 from zerokit.stages.units import Unit, find_units
+from zerokit.stages.view import FrozenView
 
 
 class ShardedParameters(ShardedGradients):
@@ -121,6 +122,24 @@ class ShardedParameters(ShardedGradients):
         """Masters -> shards; units that stay gathered (persistent, or all while pinned) are re-gathered."""
         self.masters.publish()
         self.shards.refresh_gathered()
+
+    def after_load(self) -> None:
+        """Published, and the frozen buckets of units kept gathered gathered again from their loaded shards."""
+        self.publish_params()
+        for bucket in self.frozen.layout.buckets:
+            self.frozen.regather(bucket, self.shards.comm)
+
+    def frozen_parts(self) -> tuple[set[int], list[FrozenView]]:
+        """The frozen parameters sharded by unit, and this rank's part of each, a view of its unit's frozen shard
+        (See [Note: frozen parameters at stage 3]); a rank may hold no part of a small one."""
+        parts = []
+        for bucket in self.frozen.layout.buckets:
+            slots = {slot.param_index: slot for slot in bucket.slots}
+            shard = self.frozen.shard(bucket)
+            for part in bucket.param_slices(self.rank):
+                slot = slots[part.param_index]
+                parts.append(FrozenView(slot.name, slot.shape, part.param_begin, shard[part.begin:part.end], False))
+        return {id(param) for param in self.frozen.flat.params}, parts
 
     def write_back_params(self) -> None:
         """The user changed gathered parameters in place: keep this rank's slice of each, in the shard

@@ -1,0 +1,151 @@
+"""What this rank holds of each parameter, seen per parameter rather than per bucket: the one view that
+checkpoints (save, load, the DeepSpeed import), `full_state_dict()` and the planner's recorder read, so that
+none of them reaches into a stage's buckets, masters or frozen shards.
+
+[Note: a per-parameter view of the stage]
+A stage keeps parameters in flat buckets cut at arbitrary offsets, masters in optimizer pieces, and at stage 3
+frozen parameters in shards of their own; which of these exist, and where, differs from stage to stage.
+What code outside the stage needs is FSDP2's per-parameter picture (a DTensor per parameter is the one thing
+torch's DCP sees): for each trainable parameter, its name, its shape, and the optimizer pieces this rank
+steps (where each begins within the flattened parameter, its fp32 values, its optimizer and param group, the
+key of its optimizer state); for each frozen parameter, the part this rank holds; the persistent buffers;
+and `after_load`, which makes what was written into the pieces and parts the model's values again. The view
+is computed when asked for: it holds references into the stage, never copies.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Iterator, NamedTuple, Protocol
+
+import torch
+from torch import nn
+
+from zerokit.flat import FlatLayout, FlatParameters
+from zerokit.masters import ShardMasters
+from zerokit.masters.optimizer import WHOLE_TENSOR
+
+
+class PieceView(NamedTuple):
+    """One optimizer piece of a trainable parameter, as this rank steps it."""
+
+    begin: int  # its first element within the (flattened) parameter
+    values: torch.Tensor  # the fp32 master values (a view: writing into it changes the master)
+    key: nn.Parameter  # where the optimizer keeps its state: optimizer.state[key]
+    optimizer: torch.optim.Optimizer
+    optimizer_index: int  # in the engine's list of optimizers
+    group: int  # its param group within that optimizer
+
+
+class TrainableView(NamedTuple):
+    name: str  # the state-dict name (a tied parameter's first)
+    shape: tuple[int, ...]
+    whole_tensor: bool  # its optimizer reads whole tensors (each piece is the whole parameter, shaped)
+    pieces: list[PieceView]  # in order of `begin`; contiguous
+
+
+class FrozenView(NamedTuple):
+    name: str
+    shape: tuple[int, ...]
+    begin: int  # its first element within the parameter
+    values: torch.Tensor  # this rank's part (the whole parameter where it is held whole), writable
+    whole: bool  # every rank holds all of it (stages 0-2, and parameters stage 3 does not shard)
+
+
+class Stage(Protocol):
+    """What the view reads of a stage (stages/base.py's ZeroStage)."""
+
+    rank: int
+    world_size: int
+    shards_optimizer: bool
+    layout: FlatLayout
+    flat: FlatParameters
+    masters: ShardMasters
+
+    def frozen_parts(self) -> tuple[set[int], list[FrozenView]]: ...
+    def after_load(self) -> None: ...
+    def saving_plan(self, model: nn.Module) -> list[tuple[Any, list[nn.Parameter]]]: ...
+    def gathered(self, units: Any = None, write_back: bool = False) -> AbstractContextManager[None]: ...
+
+
+class ParameterView:
+    """See [Note: a per-parameter view of the stage]. `kinds[i]`: optimizer i's kind (optimizer_kind)."""
+
+    def __init__(self, stage: Stage, module: nn.Module, kinds: list[str]) -> None:
+        self.stage, self.module = stage, module
+        self.optimizers = list(stage.masters.optimizers)
+        self.whole_tensor = [kind == WHOLE_TENSOR for kind in kinds]
+        self.rank, self.world_size = stage.rank, stage.world_size
+
+    @property
+    def layout(self) -> FlatLayout:
+        """The trainable parameters' buckets (a checkpoint's manifest describes them)."""
+        return self.stage.layout
+
+    @property
+    def replicated(self) -> bool:
+        """Every rank steps every master (stage 0): each parameter then needs saving by one rank only."""
+        return not self.stage.shards_optimizer and self.world_size > 1
+
+    def trainable(self) -> list[TrainableView]:
+        """Each trainable parameter this rank steps some of, with its pieces, in layout order."""
+        slots = {slot.param_index: slot for bucket in self.stage.layout.buckets for slot in bucket.slots}
+        position = {id(o): i for i, o in enumerate(self.optimizers)}
+        group_of = {id(p): g for o in self.optimizers for g, group in enumerate(o.param_groups) for p in group["params"]}
+        pieces: dict[int, list[PieceView]] = {}
+        for ref in self.stage.masters.piece_refs():
+            pieces.setdefault(ref.param_index, []).append(PieceView(
+                ref.param_begin, ref.piece.data, ref.piece, ref.optimizer, position[id(ref.optimizer)],
+                group_of[id(ref.piece)]))
+        views = []
+        for index in sorted(pieces):
+            ordered = sorted(pieces[index], key=lambda piece: piece.begin)
+            slot = slots[index]
+            views.append(TrainableView(slot.name, tuple(slot.shape), self.whole_tensor[ordered[0].optimizer_index],
+                                       ordered))
+        return views
+
+    def frozen(self) -> list[FrozenView]:
+        """Frozen parameters as this rank holds them: whole, or its part of those stage 3 shards."""
+        sharded, parts = self.stage.frozen_parts()
+        held = sharded | {id(p) for p in self.stage.flat.params}
+        whole = [FrozenView(name, tuple(p.shape), 0, p.data, True) for name, p in self.module.named_parameters()
+                 if id(p) not in held]
+        return whole + parts
+
+    def buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """Buffers the module's state_dict holds (not the non-persistent ones), by name."""
+        keys = self.module.state_dict(keep_vars=True).keys()
+        return [(name, buffer) for name, buffer in self.module.named_buffers() if name in keys]
+
+    @contextmanager
+    def resident(self, publish: bool = False) -> Iterator[None]:
+        """Every piece's values and optimizer state in memory until exit (masters paged to NVMe are paged in);
+        publish=True: what was written into them is published as a step publishes it."""
+        with self.stage.masters.all_resident(publish=publish):
+            yield
+
+    def after_load(self) -> None:
+        """What was written into the pieces and frozen parts becomes the model's parameters on every rank."""
+        self.stage.after_load()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict on CPU in fp32 (parameters at their compute precision), gathered
+        one unit at a time at stage 3 so the extra peak is the largest unit, not the model."""
+        names: dict[int, list[str]] = {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        state: dict[str, torch.Tensor] = {}
+        for units, params in self.stage.saving_plan(self.module):
+            with self.stage.gathered(units):
+                for param in params:
+                    for name in names[id(param)]:
+                        state[name] = param.detach().float().cpu().clone()
+        saved = self.module.state_dict(keep_vars=True)  # which buffers are persistent, and the key order
+        for name, buffer in self.module.named_buffers():
+            if name in saved:
+                state[name] = buffer.detach().cpu().clone()
+        return {name: state[name] for name in saved}
+
+
+__all__ = ["FrozenView", "ParameterView", "PieceView", "TrainableView"]

@@ -9,7 +9,6 @@ One optimizer step, in order (See [Note: buckets are the unit of sharding]):
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, Union
 
@@ -19,6 +18,7 @@ from torch import nn
 from zerokit.checkpoint.session import close as close_checkpoints
 from zerokit.comm import Communicator
 from zerokit.config import ZeroConfig, engine_settings, hidden_size_of, load_config
+from zerokit.engine_state import engine_state_dict, load_engine_state, totals
 from zerokit.engine_blocks import grad_accum_dtype_lines, learning_rates, lr_schedules_for, optimizers_for
 from zerokit.masters import OptimizerPlan, optimizer_kind, trainable_groups
 from zerokit.activations import ActivationCheckpointer
@@ -148,11 +148,7 @@ class Engine:
         """Bytes this rank holds, by category: parameters (trainable and frozen), gradients,
         optimizer_state (fp32 masters, when separate, and the optimizer's own state); on every tier
         together (See memory_by_tier)."""
-        totals = {"parameters": 0, "gradients": 0, "optimizer_state": 0}
-        for categories in self.memory_by_tier().values():
-            for category, count in categories.items():
-                totals[category] += count
-        return totals
+        return totals(self.memory_by_tier())
 
     def memory_by_tier(self) -> dict[str, dict[str, int]]:
         """memory_stats() by tier: what this rank holds on the device, in host memory (offload tiers) and in
@@ -176,23 +172,11 @@ class Engine:
         """Everything this rank holds that a resumed run needs: its shard of the model states (masters,
         optimizer, and at stage 3 the frozen shards), the loss scaler, the step counters, and the LR
         schedules the engine steps (when the config has a `scheduler` block)."""
-        state = {"stage": self.stage.state_dict(), "loss_scaler": self.loss_scaler.state_dict(),
-                 "progress": asdict(self.progress)}
-        if self.lr_schedules:
-            state["lr_schedules"] = [schedule.state_dict() for schedule in self.lr_schedules]
-        return state
+        return engine_state_dict(self.stage, self.loss_scaler, self.progress, self.lr_schedules)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """The inverse of state_dict(), on the same world size, stage and layout."""
-        self.stage.load_state_dict(state["stage"])
-        self.loss_scaler.load_state_dict(state["loss_scaler"])
-        self.progress = Progress(**state["progress"])
-        saved_schedules = state.get("lr_schedules", [])
-        if saved_schedules and len(saved_schedules) != len(self.lr_schedules):
-            raise ValueError(f"the saved state has {len(saved_schedules)} LR schedules, this engine "
-                             f"{len(self.lr_schedules)}; resume with the same `scheduler` block")
-        for schedule, saved in zip(self.lr_schedules, saved_schedules):
-            schedule.load_state_dict(saved)
+        self.progress = load_engine_state(state, self.stage, self.loss_scaler, self.lr_schedules)
 
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict[str, Any] | None = None,
                         save_latest: bool = True, async_save: bool = False) -> bool:

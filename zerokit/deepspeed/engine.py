@@ -44,12 +44,14 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from zerokit.config import ZeroConfig
+from zerokit.deepspeed.config_queries import ConfigQueries
+from zerokit.deepspeed.module_view import ModuleView
 from zerokit.deepspeed.config_view import EngineConfig
 from zerokit.deepspeed.data import training_loader
 from zerokit.engine import Engine
@@ -127,7 +129,7 @@ class HyperparameterMirror:
             self.seen[index] = self._settings(user)
 
 
-class DeepSpeedEngine(Engine):
+class DeepSpeedEngine(ConfigQueries, ModuleView, Engine):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None,
                  config: ZeroConfig, model_parameters: Iterable[Any] | None = None, lr_scheduler: Any = None,
                  collate_fn: Callable | None = None, param_init: ParamInit | None = None,
@@ -246,74 +248,9 @@ class DeepSpeedEngine(Engine):
         self._client_schedule = self._attach(scheduler, self._given_optimizer)
 
     # --- counters and settings -----------------------------------------------------------------------
-    @property
-    def global_steps(self) -> int:
-        return self.progress.optimizer_step + self.progress.total_skips
-
-    @property
-    def global_samples(self) -> int:
-        return self.global_steps * self.train_batch_size()
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.progress.total_skips
-
-    def train_batch_size(self) -> int:
-        return int(self.config.train_batch_size)
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return int(self.config.train_micro_batch_size_per_gpu)
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.stage
-
-    def zero_optimization(self) -> bool:
-        return self.config.stage > 0
-
-    def fp16_enabled(self) -> bool:
-        return self.config.precision.param_dtype == torch.float16
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.precision.param_dtype == torch.bfloat16
-
-    def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
-
-    def steps_per_print(self) -> int | None:
-        return self.config.steps_per_print
-
-    def wall_clock_breakdown(self) -> bool:
-        return self.config.wall_clock_breakdown
-
     def get_wall_clock_timers(self) -> dict[str, float]:
         """The last optimizer step's phase times in ms (with wall_clock_breakdown)."""
         return self.monitor.wall_clock_times
-
-    def dataloader_drop_last(self) -> bool:
-        return self.config.dataloader_drop_last
-
-    # --- the wrapped module, as DeepSpeed's engine (an nn.Module holding it as `module`) shows it ---------
-    def parameters(self, recurse: bool = True) -> Iterable[nn.Parameter]:
-        """The model's parameters (the Trainer counts them through the engine)."""
-        return self.module.parameters(recurse)
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterable[tuple[str, nn.Parameter]]:
-        """The model's parameters named as DeepSpeed's engine names them: under `module.`."""
-        return self.module.named_parameters(prefix + ("." if prefix else "") + "module", recurse, remove_duplicate)
-
-    @property
-    def _modules(self) -> dict[str, nn.Module]:
-        """nn.Module's table of children: the model, as `module` (accelerate's unwrap_model walks it)."""
-        return {"module": self.module}
-
-    def modules(self) -> Iterator[Any]:
-        """The engine, then the model's modules, in nn.Module's order."""
-        yield self
-        yield from self.module.modules()
 
     # --- data, compilation, checkpoints, teardown -------------------------------------------------------
     def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,
@@ -379,22 +316,6 @@ class DeepSpeedEngine(Engine):
             for schedule, state in zip(self.lr_schedules, saved, strict=True):
                 schedule.load_state_dict(state)
         return path, client_state
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """Whether saving the model gathers its full weights: always, at every stage (engine.full_state_dict()
-        gathers one unit at a time), so stage3_gather_16bit_weights_on_model_save needs no setting."""
-        return True
-
-    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
-        """The whole model's state dict at the compute precision, on every rank (DeepSpeed fills it on rank 0;
-        callers save it there). What accelerate's get_state_dict and the Trainer's save_model read."""
-        dtype = self.config.precision.param_dtype
-        state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
-                 for name, tensor in self.full_state_dict().items()}
-        if exclude_frozen_parameters:
-            frozen = {name for name, param in self.module.named_parameters() if not param.requires_grad}
-            state = {name: tensor for name, tensor in state.items() if name not in frozen}
-        return state
 
     def offload_states(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("engine.offload_states() is out of scope for zerokit: it keeps model states where "

@@ -14,7 +14,6 @@ anyone noticing.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,6 +29,7 @@ from zerokit.dsconfig.auto import resolve as resolve_auto
 from zerokit.dsconfig.blocks import (ActivationCheckpointing, CommsLogger, FlopsProfiler, Monitor, Offload,
                                      OptimizerSpec, SchedulerSpec, Wandb, block_fields, tensorboard_available)
 from zerokit.dsconfig.precision import compute_dtype
+from zerokit.jsonfile import read_json_object
 from zerokit.settings import ELEMENT_BYTES, EngineSettings
 
 DTYPES_BY_NAME = {
@@ -450,16 +450,7 @@ def load_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None) -> Z
     if isinstance(config, ZeroConfig):
         return config
     if isinstance(config, (str, Path)):
-        path = Path(config)
-        if not path.is_file():
-            raise ValueError(f"config file {str(path)!r} does not exist")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"config file {str(path)!r} is not valid JSON: {error}") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"config file {str(path)!r} must hold a JSON object")
-        return from_dict(raw)
+        return from_dict(read_json_object(config, "config file"))
     if isinstance(config, Mapping):
         return from_dict(config)
     raise ValueError(f"config must be a ZeroConfig, a dict or a JSON file path, not {type(config).__name__}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from zerokit.cli.plan import one_line_errors
 from zerokit.planner.translate import (
@@ -25,6 +24,7 @@ from zerokit.planner.translate import (
     parse_fsdp_terms,
     zerokit_to_deepspeed,
 )
+from zerokit.jsonfile import read_json_object
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -43,15 +43,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def load_json(path: str) -> dict:
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"config file {path!r} does not exist")
-    try:
-        config = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"config file {path!r} is not valid JSON: {error}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"config file {path!r} must hold a JSON object")
+    config = read_json_object(path, "config file")
     return config
 
 

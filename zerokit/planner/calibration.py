@@ -22,9 +22,10 @@ here: no torch.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from zerokit.jsonfile import load_record, write_json
 
 BASIS = ("1", "b*s", "b*s^2", "s^2")
 PHASES = ("forward", "head", "blocks", "tail")
@@ -170,14 +171,8 @@ class Calibration:
         return Calibration(**rest, **fits)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.as_dict(), indent=2) + "\n")
+        write_json(path, self.as_dict())
 
     @staticmethod
     def load(path: str | Path) -> Calibration:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"calibration file {str(path)!r} does not exist; make one with zerokit plan --calibrate")
-        try:
-            return Calibration.from_dict(json.loads(path.read_text()))
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise ValueError(f"calibration file {str(path)!r} is not a zerokit calibration: {error}") from None
+        return load_record(path, "calibration file", "make one with zerokit plan --calibrate", Calibration.from_dict)

@@ -10,10 +10,11 @@ Every number can also be given by hand; the source says which.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+from zerokit.jsonfile import load_record, write_json
 
 
 @dataclass(frozen=True)
@@ -61,14 +62,9 @@ class DeviceProfile:
         return replace(self, source=f"{self.source}; user override of {note}", **changes)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        write_json(path, asdict(self))
 
     @staticmethod
     def load(path: str | Path) -> DeviceProfile:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"device file {str(path)!r} does not exist; write one with zerokit plan --measure-device")
-        try:
-            return DeviceProfile(**json.loads(path.read_text()))
-        except (json.JSONDecodeError, TypeError) as error:
-            raise ValueError(f"{str(path)!r} is not a zerokit device profile: {error}") from None
+        return load_record(path, "device file", "write one with zerokit plan --measure-device",
+                           lambda raw: DeviceProfile(**raw))

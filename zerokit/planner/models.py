@@ -7,12 +7,12 @@ Hugging Face checkpoint reports, and GPT-2 small to 124,439,808 (tied embeddings
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from zerokit.planner.spec import Trainable
+from zerokit.jsonfile import read_json
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,14 +247,8 @@ def _llama_from_config(cfg: dict, where: str) -> Architecture:
 def from_hf_config(path: str | Path) -> ModelSpec:
     """Read a Hugging Face `config.json` from disk (never from the Hub)."""
     path = Path(path)
-    where = f"config file {str(path)!r}"
-    if not path.is_file():
-        raise ValueError(f"{where} does not exist")
-    try:
-        cfg = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{where} is not valid JSON: {error}") from None
-    return from_hf_dict(cfg, where, path.parent.name, str(path))
+    cfg = read_json(path, "config file")
+    return from_hf_dict(cfg, f"config file {str(path)!r}", path.parent.name, str(path))
 
 
 def from_hf_dict(cfg: object, where: str = "config", folder: str = "", source: str = "") -> ModelSpec:

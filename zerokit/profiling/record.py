@@ -33,6 +33,7 @@ from zerokit.config import DTYPE_NAMES
 from zerokit.planner.engine_model import EngineSetup
 from zerokit.profiling.inventory import blocks_of, param_inventory
 from zerokit.profiling.measure import AllocationTimeline, SavedTensorCounter, backward_phases, resident_peak
+from zerokit.jsonfile import load_record, write_json
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _LAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its latest RunRecord
@@ -53,17 +54,12 @@ class RunRecord:
     version: int = 1
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        write_json(path, asdict(self))
 
     @staticmethod
     def load(path: str | Path) -> RunRecord:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"run record {str(path)!r} does not exist; write one with zerokit.profiling.record_run")
-        try:
-            return RunRecord(**json.loads(path.read_text()))
-        except (json.JSONDecodeError, TypeError) as error:
-            raise ValueError(f"{str(path)!r} is not a zerokit run record: {error}") from None
+        return load_record(path, "run record", "write one with zerokit.profiling.record_run",
+                           lambda raw: RunRecord(**raw))
 
 
 def engine_setup(engine: Any, optimizer_name: str) -> EngineSetup:

@@ -4,7 +4,7 @@ to use before you rent a GPU.
 Names are imported on first use, so that `zerokit plan` (pure Python) does not pay for importing torch.
 """
 
-from importlib import import_module
+from zerokit.lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -15,10 +15,4 @@ _LAZY = {
     "plan": "zerokit.planner", "estimate": "zerokit.planner", "safetensors_init": "zerokit.stages.construction",
 }
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'zerokit' has no attribute {name!r}")
-    value = globals()[name] = getattr(import_module(_LAZY[name]), name)
-    return value
+__getattr__ = lazy_names(__name__, _LAZY, globals())

@@ -22,16 +22,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("consolidate", help="write a checkpoint's full weights as safetensors",
                               description="Write a zerokit or DeepSpeed ZeRO checkpoint's full state dict as one "
                                           ".safetensors file or a Hugging Face model directory, offline.")
-    one_line_errors(p)
-    p.add_argument("checkpoint", help="a save_dir (with `latest`) or one checkpoint's directory")
-    p.add_argument("out", help="a .safetensors file, or a directory (Hugging Face layout)")
-    p.add_argument("--tag", help="which checkpoint of the save_dir (default: the one `latest` names)")
+    checkpoint_arguments(p, out="a .safetensors file, or a directory (Hugging Face layout)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="floating tensors in this dtype (default fp32: the fp32 masters exactly)")
     p.add_argument("--trainable-only", action="store_true", help="only trainable parameters (adapters)")
     p.add_argument("--max-shard-size", default="5GB",
                    help="directory output: shard above this size (e.g. 5GB, 500MB, 2GiB; default 5GB)")
     return p
+
+
+def checkpoint_arguments(p: argparse.ArgumentParser, out: str) -> None:
+    """What every offline checkpoint command takes: the checkpoint (and --tag), and where to write (`out`: what
+    it may be), with errors in one line."""
+    one_line_errors(p)
+    p.add_argument("checkpoint", help="a save_dir (with `latest`) or one checkpoint's directory")
+    p.add_argument("out", help=out)
+    p.add_argument("--tag", help="which checkpoint of the save_dir (default: the one `latest` names)")
 
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from zerokit.cli.plan import one_line_errors
+from zerokit.cli.consolidate import checkpoint_arguments
 
 TARGETS = ("deepspeed-universal",)
 
@@ -23,11 +23,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("convert", help="write a zerokit checkpoint in DeepSpeed's universal layout",
                               description="Write a zerokit checkpoint in another framework's checkpoint layout, "
                                           "offline: DeepSpeed's universal checkpoint (load_universal).")
-    one_line_errors(p)
-    p.add_argument("checkpoint", help="a save_dir (with `latest`) or one checkpoint's directory")
-    p.add_argument("out", help="a new directory (absent or empty), the save_dir the other framework loads")
+    checkpoint_arguments(p, out="a new directory (absent or empty), the save_dir the other framework loads")
     p.add_argument("--to", required=True, help=f"the layout to write: {', '.join(TARGETS)}")
-    p.add_argument("--tag", help="which checkpoint of the save_dir (default: the one `latest` names)")
     p.add_argument("--unsafe-client-state", action="store_true",
                    help="unpickle a client_state holding types torch.load(weights_only=True) refuses (runs code "
                         "from the file: only for a checkpoint you trust)")

@@ -1,7 +1,7 @@
 """Flat buffers and their shard arithmetic. layout.py is pure arithmetic, which the planner calls as the engine
 does, so names are imported on first use: importing zerokit.flat.layout does not import torch."""
 
-from importlib import import_module
+from zerokit.lazy import lazy_names
 
 _LAZY = {
     **dict.fromkeys(["FlatParameters", "bucket_view", "own_part", "shard_view", "tensor_bytes"], "zerokit.flat.buffers"),
@@ -10,10 +10,4 @@ _LAZY = {
     **dict.fromkeys(["ShardedFlat", "gather_bucket"], "zerokit.flat.sharded"),
 }
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'zerokit.flat' has no attribute {name!r}")
-    value = globals()[name] = getattr(import_module(_LAZY[name]), name)
-    return value
+__getattr__ = lazy_names(__name__, _LAZY, globals())

@@ -49,6 +49,7 @@ from zerokit.defaults import NVME_SUB_GROUP_NUMEL
 from zerokit.planner.engine_model import (BucketPlan, EngineSetup, ParamInventory, UnitPlan, add_count, engine_buckets,
                                           persistent_units, round_up, stage3_units)
 from zerokit.planner.spec import BYTES_PER_ELEMENT
+from zerokit.tiers.read_order import ReadOrder
 
 # The same state as torch keeps it per piece, as (key, bytes per element, bytes per piece), keys sorted as an
 # NVMe record stores them (zerokit/tiers/nvme_masters.py): Adam's moments and its 0-d fp32 step count.
@@ -212,8 +213,7 @@ class _ReadAhead:
     same)."""
 
     def __init__(self) -> None:
-        self.following: dict[ChunkKey, ChunkKey] = {}
-        self.last: ChunkKey | None = None
+        self.order: ReadOrder[ChunkKey] = ReadOrder()  # the engine's own guess of what comes next
         self.pending: set[ChunkKey] = set()
         self.reads: list[ChunkKey] = []
 
@@ -222,11 +222,8 @@ class _ReadAhead:
             self.pending.discard(key)
         else:
             self.reads.append(key)
-        if self.last is not None and self.last != key:
-            self.following[self.last] = key
-        self.last = key
-        ahead = self.following.get(key)
-        if ahead is None or ahead == key:
+        ahead = self.order.read(key)
+        if ahead is None:
             return
         self.pending &= {ahead}
         if ahead not in self.pending:

@@ -2,11 +2,15 @@
 nvme_shards.py) live, on the device, in host memory or in swap files on NVMe (swap.py), with the pre-flight
 checks of host memory and the NVMe path (preflight.py), and the placement that picks a home for each from the
 config (placement.py). A stage asks placement.py for homes and talks to them through `Home` and `ShardIO`; it
-never tests which tier it holds."""
+never tests which tier it holds. Names are imported on first use: read_order.py is pure Python, which the
+planner reads without torch."""
 
-from zerokit.tiers.homes import DeviceHome, HostHome, Home, ShardIO, copy_edits
-from zerokit.tiers.placement import master_homes, shard_home
-from zerokit.tiers.shards import DeviceShards, HostShards
+from zerokit.lazy import lazy_names
 
-__all__ = ["DeviceHome", "DeviceShards", "Home", "HostHome", "HostShards", "ShardIO", "copy_edits", "master_homes",
-           "shard_home"]
+_LAZY = {
+    **dict.fromkeys(["DeviceHome", "HostHome", "Home", "ShardIO", "copy_edits"], "zerokit.tiers.homes"),
+    **dict.fromkeys(["master_homes", "shard_home"], "zerokit.tiers.placement"),
+    **dict.fromkeys(["DeviceShards", "HostShards"], "zerokit.tiers.shards"),
+}
+__all__ = sorted(_LAZY)
+__getattr__ = lazy_names(__name__, _LAZY, globals())

@@ -35,6 +35,7 @@ from zerokit.comm import CommStats, Transfer
 from zerokit.config import Offload
 from zerokit.flat.layout import RankShards
 from zerokit.tiers.preflight import check_host_memory, check_nvme
+from zerokit.tiers.read_order import ReadOrder
 from zerokit.tiers.swap import BufferPool, SwapDirectory, round_up
 from zerokit.runtime import logger
 
@@ -109,8 +110,7 @@ class NvmeShards:
         self.writes: dict[ChunkKey, Future] = {}
         self.reads: dict[ChunkKey, tuple[Future, torch.Tensor]] = {}
         self.filling: dict[ChunkKey, Filling] = {}
-        self.order: dict[ChunkKey, ChunkKey] = {}  # chunk -> the chunk read after it last time
-        self.last_read: ChunkKey | None = None
+        self.order: ReadOrder[ChunkKey] = ReadOrder()
 
     def allocate(self, local: RankShards, dtype: torch.dtype) -> torch.Tensor:
         key = "zero_optimization.offload_param"
@@ -190,11 +190,8 @@ class NvmeShards:
     def _read_ahead(self, key: ChunkKey) -> None:
         """Start reading the chunk that followed this one last time, dropping a read ahead that the gathers did not
         take: one at a time (See [Note: parameter shards on NVMe])."""
-        if self.last_read is not None and self.last_read != key:
-            self.order[self.last_read] = key
-        self.last_read = key
-        following = self.order.get(key)
-        if following is None or following == key:
+        following = self.order.read(key)
+        if following is None:
             return
         for stale in [pending for pending in self.reads if pending != following]:
             self._drop_read(stale)

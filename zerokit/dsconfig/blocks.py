@@ -6,7 +6,7 @@ field's default is DeepSpeed's (tests/test_dsconfig.py checks them against the s
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from zerokit.dsconfig import values as v
 from zerokit.dsconfig.keys import KeyClass
@@ -88,6 +88,17 @@ def _params_tuple(kind: str, type_name: str, params: Any) -> tuple[tuple[str, An
     return tuple(out)
 
 
+def _canonical_block(block: Any, kind: str, types: Sequence[str]) -> str:
+    """An optimizer or scheduler block's type in its canonical spelling, and its params checked, set on the (frozen)
+    block; returns the type."""
+    name = canonical_type(kind, str(block.type))
+    if name not in types:
+        raise ValueError(f"{kind}.type={block.type!r} is not one zerokit builds; use {v.words(types)}")
+    object.__setattr__(block, "type", name)
+    object.__setattr__(block, "params", _params_tuple(kind, name, block.params))
+    return name
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerSpec:
     """An `optimizer` block: built by zerokit.schedules.build_optimizer when initialize() gets no optimizer."""
@@ -98,11 +109,7 @@ class OptimizerSpec:
     """The hyperparameters given (a dict is accepted); DeepSpeed's defaults fill in the rest."""
 
     def __post_init__(self) -> None:
-        name = canonical_type("optimizer", str(self.type))
-        if name not in OPTIMIZER_TYPES:
-            raise ValueError(f"optimizer.type={self.type!r} is not one zerokit builds; use {v.words(OPTIMIZER_TYPES)}")
-        object.__setattr__(self, "type", name)
-        object.__setattr__(self, "params", _params_tuple("optimizer", name, self.params))
+        _canonical_block(self, "optimizer", OPTIMIZER_TYPES)
 
     def value(self, name: str) -> Any:
         """The given value, else DeepSpeed's default for this type."""
@@ -124,11 +131,7 @@ class SchedulerSpec:
     """The parameters given (a dict is accepted); DeepSpeed's defaults fill in the rest."""
 
     def __post_init__(self) -> None:
-        name = canonical_type("scheduler", str(self.type))
-        if name not in SCHEDULER_TYPES:
-            raise ValueError(f"scheduler.type={self.type!r} is not one zerokit builds; use {v.words(SCHEDULER_TYPES)}")
-        object.__setattr__(self, "type", name)
-        object.__setattr__(self, "params", _params_tuple("scheduler", name, self.params))
+        name = _canonical_block(self, "scheduler", SCHEDULER_TYPES)
         for required in REQUIRED_PARAMS.get(name, ()):
             if required not in dict(self.params):
                 raise ValueError(f"scheduler.params.{required} is required by {name}")

@@ -70,12 +70,16 @@ def _number_from_text(raw: str, key: str, what: str) -> float | int:
         raise ValueError(f"{key}={raw!r} is not a number; zerokit needs {what} here") from None
 
 
-def to_int(raw: Any, key: str) -> int:
-    value = raw
-    if isinstance(raw, str):
-        value = _number_from_text(raw, key, "a whole number")
+def _real(raw: Any, key: str, what: str) -> numbers.Real:
+    """`raw` as a number: numbers as they are, numeric text parsed (as DeepSpeed coerces it), else one line."""
+    value = _number_from_text(raw, key, what) if isinstance(raw, str) else raw
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{key}={raw!r} is not a number; zerokit needs a whole number here")
+        raise ValueError(f"{key}={raw!r} is not a number; zerokit needs {what} here")
+    return value
+
+
+def to_int(raw: Any, key: str) -> int:
+    value = _real(raw, key, "a whole number")
     if isinstance(value, numbers.Integral):
         return int(value)
     if math.isfinite(value) and float(value).is_integer():
@@ -89,11 +93,7 @@ def is_infinity(raw: Any) -> bool:
 
 
 def to_float(raw: Any, key: str) -> float:
-    value = raw
-    if isinstance(raw, str):
-        value = _number_from_text(raw, key, "a number")
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{key}={raw!r} is not a number; zerokit needs a number here")
+    value = _real(raw, key, "a number")
     if not math.isfinite(value):  # json.loads reads NaN and Infinity
         raise ValueError(f"{key}={raw!r} must be a finite number")
     return float(value)

@@ -20,13 +20,38 @@ from zerokit.flat.layout import RankShards
 from zerokit.tiers.preflight import check_host_memory
 
 
-class DeviceShards:
-    """The default: shards on the device the model computes on."""
+class _MemoryShards:
+    """A tier that keeps shards in memory, the device's or the host's: values written from the other one, and
+    values read for it, are copies counted in comm_stats(). `tier` and `other` are "device" and "host" one way or
+    the other round (a master's home names where its values come from or go to)."""
 
-    tier, swap = "device", None
+    tier: str
+    into: Transfer  # what a write from the other tier counts
+    out_of: Transfer  # what a read for the other tier counts
+    swap = None
 
     def __init__(self, device: torch.device, stats: CommStats) -> None:
         self.device, self.stats = device, stats
+
+    def write(self, shard: torch.Tensor, values: torch.Tensor, source: str) -> None:
+        shard.copy_(values, non_blocking=values.is_pinned())
+        if source != self.tier:
+            self.stats.record(self.into, shard)
+
+    def held(self, shards: torch.Tensor) -> dict[str, int]:
+        return {self.tier: shards.numel() * shards.element_size()}
+
+    def read(self, shard: torch.Tensor, target: str) -> torch.Tensor:
+        if target == self.tier:
+            return shard
+        self.stats.record(self.out_of, shard)
+        return shard.to("cpu" if self.tier == "device" else self.device)
+
+
+class DeviceShards(_MemoryShards):
+    """The default: shards on the device the model computes on."""
+
+    tier, into, out_of = "device", Transfer.HOST_TO_DEVICE, Transfer.DEVICE_TO_HOST
 
     def allocate(self, local: RankShards, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(local.numel, dtype=dtype, device=self.device)
@@ -35,28 +60,14 @@ class DeviceShards:
         """What to gather from: the shard itself."""
         return shard
 
-    def write(self, shard: torch.Tensor, values: torch.Tensor, source: str) -> None:
-        shard.copy_(values, non_blocking=values.is_pinned())
-        if source == "host":
-            self.stats.record(Transfer.HOST_TO_DEVICE, shard)
 
-    def held(self, shards: torch.Tensor) -> dict[str, int]:
-        return {self.tier: shards.numel() * shards.element_size()}
-
-    def read(self, shard: torch.Tensor, target: str) -> torch.Tensor:
-        if target == "device":
-            return shard
-        self.stats.record(Transfer.DEVICE_TO_HOST, shard)
-        return shard.to("cpu")
-
-
-class HostShards:
+class HostShards(_MemoryShards):
     """offload_param.device=cpu: shards in (pinned) host memory."""
 
-    tier, swap = "host", None
+    tier, into, out_of = "host", Transfer.DEVICE_TO_HOST, Transfer.HOST_TO_DEVICE
 
     def __init__(self, device: torch.device, pin_memory: bool, stats: CommStats) -> None:
-        self.device, self.stats = device, stats
+        super().__init__(device, stats)
         self.pin = pin_memory and torch.cuda.is_available()  # page-locking needs the CUDA driver
 
     def allocate(self, local: RankShards, dtype: torch.dtype) -> torch.Tensor:
@@ -70,17 +81,3 @@ class HostShards:
         if shard.numel():
             self.stats.record(Transfer.HOST_TO_DEVICE, shard)
         return slot
-
-    def write(self, shard: torch.Tensor, values: torch.Tensor, source: str) -> None:
-        shard.copy_(values)
-        if source == "device":
-            self.stats.record(Transfer.DEVICE_TO_HOST, shard)
-
-    def held(self, shards: torch.Tensor) -> dict[str, int]:
-        return {self.tier: shards.numel() * shards.element_size()}
-
-    def read(self, shard: torch.Tensor, target: str) -> torch.Tensor:
-        if target == "host":
-            return shard
-        self.stats.record(Transfer.HOST_TO_DEVICE, shard)
-        return shard.to(self.device)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from dataclasses import asdict
+from typing import Any, Callable, ClassVar, TypeVar
 
 T = TypeVar("T")
+R = TypeVar("R", bound="JsonRecord")
 
 
 def read_json(path: str | os.PathLike, what: str, hint: str = "") -> Any:
@@ -45,4 +47,19 @@ def write_json(path: str | os.PathLike, value: Any) -> None:
     Path(path).write_text(json.dumps(value, indent=2) + "\n")
 
 
-__all__ = ["load_record", "read_json", "read_json_object", "write_json"]
+class JsonRecord:
+    """A dataclass saved as a JSON object of its fields: `WHAT` names its file in errors, `HINT` says how to
+    make one."""
+
+    WHAT: ClassVar[str]
+    HINT: ClassVar[str]
+
+    def save(self, path: str | os.PathLike) -> None:
+        write_json(path, asdict(self))
+
+    @classmethod
+    def load(cls: type[R], path: str | os.PathLike) -> R:
+        return load_record(path, cls.WHAT, cls.HINT, lambda raw: cls(**raw))
+
+
+__all__ = ["JsonRecord", "load_record", "read_json", "read_json_object", "write_json"]

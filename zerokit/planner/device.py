@@ -11,14 +11,17 @@ Every number can also be given by hand; the source says which.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
-from zerokit.jsonfile import load_record, write_json
+from zerokit.jsonfile import JsonRecord
 
 
 @dataclass(frozen=True)
-class DeviceProfile:
+class DeviceProfile(JsonRecord):
+    WHAT: ClassVar[str] = "device file"
+    HINT: ClassVar[str] = "write one with zerokit plan --measure-device"
+
     name: str
     peak_flops: dict[str, float]
     """Dense matmul FLOP/s per compute dtype (fp32, bf16, fp16), per rank."""
@@ -61,10 +64,3 @@ class DeviceProfile:
         note = ", ".join(sorted(changes))
         return replace(self, source=f"{self.source}; user override of {note}", **changes)
 
-    def save(self, path: str | Path) -> None:
-        write_json(path, asdict(self))
-
-    @staticmethod
-    def load(path: str | Path) -> DeviceProfile:
-        return load_record(path, "device file", "write one with zerokit plan --measure-device",
-                           lambda raw: DeviceProfile(**raw))

@@ -24,7 +24,7 @@ import time
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, ClassVar, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,15 +33,18 @@ from zerokit.config import DTYPE_NAMES
 from zerokit.planner.engine_model import EngineSetup
 from zerokit.profiling.inventory import blocks_of, param_inventory
 from zerokit.profiling.measure import AllocationTimeline, SavedTensorCounter, backward_phases, resident_peak
-from zerokit.jsonfile import load_record, write_json
+from zerokit.jsonfile import JsonRecord
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _LAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its latest RunRecord
 
 
 @dataclass
-class RunRecord:
+class RunRecord(JsonRecord):
     """Everything `zerokit plan --check` needs: the configuration, the model's parameters, what was measured."""
+
+    WHAT: ClassVar[str] = "run record"
+    HINT: ClassVar[str] = "write one with zerokit.profiling.record_run"
 
     setup: dict
     inventory: dict
@@ -53,13 +56,6 @@ class RunRecord:
     device: dict = field(default_factory=dict)
     version: int = 1
 
-    def save(self, path: str | Path) -> None:
-        write_json(path, asdict(self))
-
-    @staticmethod
-    def load(path: str | Path) -> RunRecord:
-        return load_record(path, "run record", "write one with zerokit.profiling.record_run",
-                           lambda raw: RunRecord(**raw))
 
 
 def engine_setup(engine: Any, optimizer_name: str) -> EngineSetup:

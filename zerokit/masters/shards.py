@@ -71,6 +71,25 @@ class Piece(NamedTuple):
     param_begin: int  # where it begins in its parameter
 
 
+def cut_pieces(master: nn.Parameter, parts: list[ParamSlice], whole_tensor: bool,
+               sub_group_size: int | None) -> list[Piece]:
+    """A master's optimizer pieces: each parameter part whole for a whole-tensor optimizer, else cut to the piece
+    size (See [Note: optimizer pieces])."""
+    values = master.detach()
+    size = piece_numel(sub_group_size, master.device.type)
+    pieces = []
+    for part in parts:
+        if whole_tensor and not part.whole:
+            raise RuntimeError(f"parameter {part.param_index} is split across ranks but its optimizer needs "
+                               "whole tensors (an internal bug)")
+        step = part.end - part.begin if whole_tensor else size
+        for begin in range(part.begin, part.end, step):
+            view = values[begin:min(begin + step, part.end)]
+            pieces.append(Piece(nn.Parameter(view.view(part.shape) if whole_tensor else view), part.param_index,
+                                begin, part.param_begin + begin - part.begin))
+    return pieces
+
+
 class ShardMasters:
     def __init__(self, homes: list[Home], slices: list[list[ParamSlice]], groups: list[int], plan: OptimizerPlan,
                  sub_group_size: int | None) -> None:
@@ -78,9 +97,9 @@ class ShardMasters:
         parameter parts it holds; `groups[i]`: their flattened param group."""
         self.homes = homes
         self.masters = [nn.Parameter(home.master) for home in homes]
-        self.sub_group_size = sub_group_size
         self.pieces: list[list[Piece]] = [
-            self._cut(master, parts, plan.refs[group].whole_tensor) for master, parts, group in zip(self.masters, slices, groups)]
+            cut_pieces(master, parts, plan.refs[group].whole_tensor, sub_group_size)
+            for master, parts, group in zip(self.masters, slices, groups)]
         for home, pieces in zip(homes, self.pieces):
             if home.paged:  # its records are runs of pieces (See [Note: paging a master through a bounded pool])
                 home.divide([(piece.offset, piece.offset + piece.param.numel()) for piece in pieces])
@@ -92,22 +111,6 @@ class ShardMasters:
                            for which, optimizer in enumerate(plan.optimizers)]
         self._grads: list[torch.Tensor] = []  # fp32, attached to the pieces: from the square sum to the step
         self._used: Sequence[bool] = []  # which parameters some rank used, this step
-
-    def _cut(self, master: nn.Parameter, parts: list[ParamSlice], whole_tensor: bool) -> list[Piece]:
-        """See [Note: optimizer pieces]."""
-        values = master.detach()
-        size = piece_numel(self.sub_group_size, master.device.type)
-        pieces = []
-        for part in parts:
-            if whole_tensor and not part.whole:
-                raise RuntimeError(f"parameter {part.param_index} is split across ranks but its optimizer needs "
-                                   "whole tensors (an internal bug)")
-            step = part.end - part.begin if whole_tensor else size
-            for begin in range(part.begin, part.end, step):
-                view = values[begin:min(begin + step, part.end)]
-                pieces.append(Piece(nn.Parameter(view.view(part.shape) if whole_tensor else view), part.param_index,
-                                    begin, part.param_begin + begin - part.begin))
-        return pieces
 
     def initialise(self, index: int, values: torch.Tensor) -> None:
         """Master `index` starts from `values` (1-D, full precision: the user's own weights, not their

@@ -19,10 +19,35 @@ def test_dynamic_scale_halves_after_hysteresis_and_doubles_after_window() -> Non
     assert scaler.scale == 8
     for _ in range(3):
         scaler.update(overflow=False)
-    assert scaler.scale == 16  # three clean steps double it and restore the hysteresis
+    assert scaler.scale == 8  # a window of clean steps: the next clean one doubles it, as in DeepSpeed
+    scaler.update(overflow=False)
+    assert scaler.scale == 16  # and restores the hysteresis
     for _ in range(10):
         scaler.update(overflow=True)
     assert scaler.scale == 2  # never below min_loss_scale
+
+
+def test_dynamic_scale_moves_as_deepspeeds_does(monkeypatch) -> None:
+    """The scale after each step of a long history of overflows and clean steps is DeepSpeed 0.19.8's own
+    DynamicLossScaler's (zerokit once doubled one clean step earlier)."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import pytest
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed: this test runs DeepSpeed's own loss scaler")
+    import deepspeed.runtime.fp16.loss_scaler as ds_scaler
+
+    monkeypatch.setattr(ds_scaler, "dist", SimpleNamespace(get_rank=lambda: 1))  # its overflow log asks the rank
+    theirs = ds_scaler.DynamicLossScaler(init_scale=2.0**10, scale_window=3, delayed_shift=2, min_scale=1.0,
+                                         consecutive_hysteresis=False, raise_error_at_min_scale=False)
+    ours = DynamicLossScaler(LossScaling(initial_scale_power=10, window=3, hysteresis=2, min_scale=1.0))
+    history = torch.rand(200, generator=torch.Generator().manual_seed(0)) < 0.2
+    for overflow in history.tolist():
+        theirs.update_scale(overflow)
+        ours.update(overflow)
+        assert ours.scale == theirs.cur_scale
 
 
 def test_static_scale_never_moves() -> None:

@@ -20,8 +20,10 @@ from zerokit.config import LossScaling
 
 
 class DynamicLossScaler:
-    """DeepSpeed's dynamic loss scaling: halve on overflow (after `hysteresis` overflows), double
-    after `window` clean steps, never below `min_scale`."""
+    """DeepSpeed's dynamic loss scaling: halve on overflow (after `hysteresis` overflows), never below
+    `min_scale`; double at a clean step that follows a multiple of `window` clean steps since the last overflow
+    (DeepSpeed 0.19.8's stable_interval, runtime/fp16/loss_scaler.py: the first doubling comes at the
+    window + 1st clean step, then every `window`)."""
 
     def __init__(self, policy: LossScaling) -> None:
         self.policy = policy
@@ -43,8 +45,9 @@ class DynamicLossScaler:
             else:
                 self.scale = max(self.scale / 2, self.policy.min_scale)
         else:
+            stable = self._clean_steps  # clean steps before this one, since the last overflow
             self._clean_steps += 1
-            if self._clean_steps % self.policy.window == 0:
+            if stable > 0 and stable % self.policy.window == 0:
                 self.scale *= 2
                 self._hysteresis_left = self.policy.hysteresis
 

@@ -15,6 +15,7 @@ anyone noticing.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -224,6 +225,12 @@ class ZeroConfig:
     """Every collective's deadline; a collective still waiting after this raises."""
     broadcast_buffers: bool = True
     """Broadcast rank 0's module buffers to every rank, as torch DDP does."""
+    mics_shard_size: int = -1
+    """Stages 1-3: shard over groups of this many consecutive ranks, replicated across the groups (DeepSpeed's MiCS,
+    FSDP's HSDP; See [Note: hybrid sharding] in comm/groups.py); -1: one group over every rank."""
+    ranks_per_node: int | None = None
+    """Ranks on each node, numbered consecutively. None: torchrun's LOCAL_WORLD_SIZE, else one node (the start-up
+    fingerprint checks that every rank agrees on the outcome)."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Start-up log lines from reading the config: keys accepted because zerokit always does that, aliases."""
     warnings: tuple[str, ...] = field(default=(), compare=False)
@@ -279,6 +286,14 @@ class ZeroConfig:
             raise ValueError(f"gradient_predivide_factor={self.gradient_predivide_factor} must be > 0")
         if not (math.isfinite(self.comm_timeout_seconds) and self.comm_timeout_seconds > 0):
             raise ValueError(f"comm_timeout_seconds={self.comm_timeout_seconds} must be a positive number of seconds")
+        if isinstance(self.mics_shard_size, bool) or not (self.mics_shard_size == -1 or self.mics_shard_size >= 1):
+            raise ValueError(f"zero_optimization.mics_shard_size={self.mics_shard_size!r} is not a shard group size; "
+                             "use a positive divisor of the world size, or -1 for one group over every rank")
+        if self.mics_shard_size != -1 and self.stage == 0:
+            raise ValueError(f"zero_optimization.mics_shard_size={self.mics_shard_size} needs stage 1, 2 or 3 (stage 0 "
+                             "shards nothing); zero_optimization.stage=0")
+        if self.ranks_per_node is not None and (isinstance(self.ranks_per_node, bool) or self.ranks_per_node < 1):
+            raise ValueError(f"ranks_per_node={self.ranks_per_node!r} must be a positive rank count")
         if self.grad_accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"data_types.grad_accum_dtype={self.grad_accum_dtype} is not supported; use fp32, bf16 "
                              "or fp16")
@@ -369,7 +384,8 @@ SCALAR_FIELDS = {
     "steps_per_print": "steps_per_print", "wall_clock_breakdown": "wall_clock_breakdown",
     "prescale_gradients": "prescale_gradients", "gradient_predivide_factor": "gradient_predivide_factor",
     "dataloader_drop_last": "dataloader_drop_last", "comm_timeout_seconds": "comm_timeout_seconds",
-    "broadcast_buffers": "broadcast_buffers",
+    "broadcast_buffers": "broadcast_buffers", Z + "mics_shard_size": "mics_shard_size",
+    "ranks_per_node": "ranks_per_node",
 }
 
 
@@ -380,7 +396,17 @@ def engine_settings(config: ZeroConfig, world_size: int, backend: str) -> Engine
                                   reduce_scatter=config.reduce_scatter,
                                   reduce_every_micro_step=config.reduce_every_micro_step,
                                   bucket_bytes=config.reduce_bucket_bytes,
-                                  reduce_dtype=DTYPE_NAMES[config.precision.reduce_dtype])
+                                  reduce_dtype=DTYPE_NAMES[config.precision.reduce_dtype],
+                                  mics_shard_size=config.mics_shard_size,
+                                  ranks_per_node=config.ranks_per_node or ranks_per_node_from_launcher(world_size))
+
+
+def ranks_per_node_from_launcher(world_size: int) -> int:
+    """torchrun's LOCAL_WORLD_SIZE where it set one that divides the world size; else every rank on one node."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not local.isdigit() or int(local) < 1 or world_size % int(local):
+        return world_size
+    return int(local)
 
 
 def _element_size(dtype: torch.dtype) -> int:

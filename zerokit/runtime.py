@@ -147,7 +147,7 @@ def log_startup(stage: "ZeroStage", config_lines: list[str], config_warnings: tu
     """What a user should see once, on rank 0: the stage, its buckets, how they are reduced, the units, and
     what the config reader accepted, derived or resolved (INFO), and what it ignored (WARNING)."""
     configure_logging()
-    if stage.rank == 0:
+    if stage.global_rank == 0:
         for line in [*stage.describe(), *config_lines]:
             logger.info(line)
         for line in config_warnings:

@@ -36,6 +36,20 @@ def reduces_every_micro_step(stage: int, reduce_every_micro_step: bool) -> bool:
     return stage == 3 or (stage == 2 and reduce_every_micro_step)
 
 
+def shard_group_size(mics_shard_size: int | None, world_size: int, stage: int, ranks_per_node: int) -> int:
+    """How many consecutive ranks split the model states between them (See [Note: hybrid sharding] in
+    comm/groups.py): `zero_optimization.mics_shard_size` where it is a positive divisor of the world size; every
+    rank where it is -1 or absent (DeepSpeed's default: MiCS off). Stage 0 shards nothing (ZeroConfig refuses the
+    key there)."""
+    if mics_shard_size is None or mics_shard_size == -1 or stage == 0:
+        return world_size
+    if mics_shard_size < 1 or world_size % mics_shard_size:
+        raise ValueError(f"zero_optimization.mics_shard_size={mics_shard_size} does not divide the world size "
+                         f"{world_size}; use a divisor of it (the ranks per node, {ranks_per_node}, shards inside "
+                         "each node) or -1 for one group over every rank")
+    return mics_shard_size
+
+
 def bucket_numel(bucket_bytes: int, element_bytes: int) -> int:
     """Elements of a gradient bucket of `bucket_bytes` in a reduce dtype of `element_bytes` (at least one)."""
     return max(1, bucket_bytes // element_bytes)
@@ -67,21 +81,48 @@ class EngineSettings:
     """Elements per gradient bucket at stages 0-2 (stage 3: one bucket per unit and param group)."""
     shards_optimizer: bool
     """Every rank updates a shard (stages 1-3); at stage 0 every rank updates everything."""
+    shard_size: int = 0
+    """The consecutive ranks that split the model states (MiCS's s); the world size unless mics_shard_size says
+    otherwise (0 here: the world size, for settings made field by field)."""
+    ranks_per_node: int = 0
+    """Ranks on each node (torchrun's LOCAL_WORLD_SIZE, or the config's); 0: all on one node."""
+
+    def __post_init__(self) -> None:
+        if not self.shard_size:
+            object.__setattr__(self, "shard_size", self.world_size)
+        if not self.ranks_per_node:
+            object.__setattr__(self, "ranks_per_node", self.world_size)
 
     @classmethod
     def resolve(cls, *, stage: int, world_size: int, backend: str, reduce_scatter: bool | None,
-                reduce_every_micro_step: bool, bucket_bytes: int, reduce_dtype: str) -> "EngineSettings":
+                reduce_every_micro_step: bool, bucket_bytes: int, reduce_dtype: str, mics_shard_size: int | None = None,
+                ranks_per_node: int | None = None) -> "EngineSettings":
+        per_node = ranks_per_node or world_size
+        if world_size % per_node:
+            raise ValueError(f"ranks_per_node={per_node} does not divide the world size {world_size}; give the ranks on "
+                             "each node (nodes of equal size, numbered consecutively)")
         return cls(stage=stage, world_size=world_size,
                    reduce_scatter=reduces_by_scatter(backend, reduce_scatter),
                    reduces_every_micro_step=reduces_every_micro_step(stage, reduce_every_micro_step),
                    bucket_numel=bucket_numel(bucket_bytes, ELEMENT_BYTES[reduce_dtype]),
-                   shards_optimizer=stage > 0)
+                   shards_optimizer=stage > 0,
+                   shard_size=shard_group_size(mics_shard_size, world_size, stage, per_node), ranks_per_node=per_node)
 
     @property
     def layout_world_size(self) -> int:
-        """The ranks a bucket is split over: every rank from stage 1 up; one at stage 0, which shards nothing."""
-        return self.world_size if self.shards_optimizer else 1
+        """The ranks a bucket is split over: the shard group from stage 1 up (every rank unless MiCS splits them);
+        one at stage 0, which shards nothing."""
+        return self.shard_size if self.shards_optimizer else 1
+
+    @property
+    def replicas(self) -> int:
+        """How many copies of each shard the ranks hold (MiCS: world size / s; 1 when one group shards all)."""
+        return self.world_size // self.shard_size
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.world_size // self.ranks_per_node)
 
 
 __all__ = ["ELEMENT_BYTES", "EngineSettings", "bucket_numel", "optimizer_piece_numel", "reduces_by_scatter",
-           "reduces_every_micro_step"]
+           "reduces_every_micro_step", "shard_group_size"]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from zerokit.precision import DynamicLossScaler, NoLossScaler, StepResult, clip_coefficient, global_norm
 from zerokit.reliability import Safeguards
@@ -73,7 +74,10 @@ class Stepper:
         if comm is None:
             return global_norm(squares, None)
         flags = usage.flags(torch.float64, comm.device)
-        norm = global_norm(squares, comm, flags)
+        norm = global_norm(squares, comm, flags)  # over the shard group: its replicas hold the same shards
+        replicas = self.stage.replica_comm
+        if replicas is not None:  # but each replica's ranks used parameters of their own (See [Note: hybrid sharding])
+            replicas.all_reduce(flags, op=dist.ReduceOp.SUM, purpose="which parameters each rank used, across replicas")
         usage.agree(flags)
         return norm
 

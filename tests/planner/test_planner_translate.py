@@ -121,7 +121,7 @@ def test_bad_fsdp_terms(terms, message):
 
 @pytest.mark.parametrize("zero, message", [
     ({"stage": 5}, "stage=5 is not a ZeRO stage"),
-    ({"stage": 3, "mics_shard_size": 8}, "removed in DeepSpeed 0.19.8"),
+    ({"stage": 3, "zeropp_loco_param": {"err_beta": 0.8}}, "removed in DeepSpeed 0.19.8"),
     ({"stage": 3, "turbo": True}, "unknown zero_optimization key 'turbo'"),
     ({"stage": 3, "offload_param": {"device": "disk"}}, "device='disk' is not accepted"),
 ])

@@ -59,6 +59,8 @@ def _writers(sizes: list[int], world_size: int) -> list[int]:
 
 
 def _trainable(view: ParameterView, payload: RankPayload) -> None:
+    if not view.writes_shards:  # a MiCS replica: replica 0 saves the same shards
+        return
     params = view.trainable()
     writers = None
     if view.replicated:  # every rank holds every master: each is written by one
@@ -108,7 +110,7 @@ def _frozen(view: ParameterView, payload: RankPayload) -> None:
         if writer == view.rank:
             _whole(payload, part.name, FROZEN, part.values.detach(), view.rank)
     for part in frozen:
-        if part.whole:
+        if part.whole or not view.writes_shards:
             continue
         values = part.values
         payload.entries.append(SaveEntry(TensorSpec(values_key(part.name, FROZEN), values.dtype, (values.numel(),)),

@@ -6,6 +6,17 @@ tensor of a call: the tensor for all-reduce and broadcast, the (full) input for 
 (full) output for all-gather. What one rank actually sends on a ring is then
 all-reduce 2(N-1)/N x bytes, reduce-scatter and all-gather (N-1)/N x bytes; `wire_bytes()` applies that.
 
+[Note: bytes that cross nodes]
+`comm_stats()["cross_node"]["bytes"]` is what this rank sends to ranks on other nodes, under the ring
+convention above: a collective over a group of n ranks runs as one ring in the group's rank order (ascending
+global ranks), in which every rank sends all of its ring traffic (the RING_FACTOR share of the logical bytes)
+to the next rank of the group, the last to the first. Those bytes cross nodes exactly when that next rank is on
+another node (nodes hold consecutive ranks: node = global rank // ranks per node). So a flat group over two nodes
+of two ranks (0 1 | 2 3) sends across from ranks 1 and 3, each a whole ring share, and nothing from ranks 0 and
+2; a MiCS replica group {0, 2} sends its whole share across from both. A group inside one node never counts.
+The split by group ("<group>.<kind>" entries) and "cross_node" appear once a job spans more than one node;
+collectives before the stage made its groups (the start-up checks, placing the model) are not counted across.
+
 [Note: all-gather on gloo]
 gloo's all-gather copies its result through a temporary as large as the output: with 25 MiB buckets
 that was most of what stage 1 held beyond torch's ZeroRedundancyOptimizer at its peak (365 vs 277 MiB
@@ -68,20 +79,49 @@ class CommStats:
     world_size: int
     counts: dict[Collective | Transfer, CollectiveCount] = field(
         default_factory=lambda: {kind: CollectiveCount() for kind in (*Collective, *Transfer)})
+    ranks_per_node: int | None = None
+    """Set once the stage knows the nodes (See [Note: bytes that cross nodes]); None: not split by group."""
+    by_group: dict[str, dict[Collective, CollectiveCount]] = field(default_factory=dict)
+    cross_node_bytes: float = 0.0
 
-    def record(self, kind: Collective | Transfer, tensor: torch.Tensor) -> None:
+    def record(self, kind: Collective | Transfer, tensor: torch.Tensor, group: str = "",
+               ring_share: float = 0.0) -> None:
+        """`ring_share`: the share of the bytes this rank sends to another node (See [Note: bytes that cross
+        nodes]); `group`: the Communicator's name, for the split by group."""
         count = self.counts[kind]
-        count.calls += 1
-        count.elements += tensor.numel()
-        count.bytes += tensor.numel() * tensor.element_size()
+        _add(count, tensor)
+        if self.spans_nodes and kind in RING_FACTOR and group:
+            self.add_group(group)
+            _add(self.by_group[group][kind], tensor)
+            self.cross_node_bytes += ring_share * tensor.numel() * tensor.element_size()
+
+    def add_group(self, group: str) -> None:
+        """Count `group`'s collectives apart from the start (so that comm_stats() keeps the same keys throughout)."""
+        self.by_group.setdefault(group, {kind: CollectiveCount() for kind in Collective})
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.ranks_per_node is not None and self.ranks_per_node < self.world_size
 
     def wire_bytes(self) -> float:
-        """Bytes this rank sends on a ring, summed over all collectives."""
+        """Bytes this rank sends on a ring over every rank, summed over all collectives."""
         return sum(RING_FACTOR[kind](self.world_size) * count.bytes for kind, count in self.counts.items()
                    if kind in RING_FACTOR)
 
     def as_dict(self) -> dict[str, dict[str, int]]:
-        return {kind.value: vars(count).copy() for kind, count in self.counts.items()}
+        """Per kind, every group together; across nodes, also "<group>.<kind>" and "cross_node"."""
+        stats = {kind.value: vars(count).copy() for kind, count in self.counts.items()}
+        if self.spans_nodes:
+            for group, counts in self.by_group.items():
+                stats.update({f"{group}.{kind.value}": vars(count).copy() for kind, count in counts.items()})
+            stats["cross_node"] = {"bytes": round(self.cross_node_bytes)}
+        return stats
+
+
+def _add(count: CollectiveCount, tensor: torch.Tensor) -> None:
+    count.calls += 1
+    count.elements += tensor.numel()
+    count.bytes += tensor.numel() * tensor.element_size()
 
 
 class Pending(NamedTuple):
@@ -111,12 +151,14 @@ class Communicator:
         # where this group's tensors must be: NCCL reduces device tensors only
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.stats = stats or CommStats(self.world_size)
+        self.stats.add_group(name)
         self.name, self.timeout_seconds = name, timeout_seconds
         self.blocking_waits = self.backend == "gloo"  # a gloo wait blocks the CPU anyway: give it the deadline
         self.incident = incident or _group_name(group)  # where this job's failure reports meet in the store
         self.recorder = recorder or FlightRecorder(self.rank, self.incident)
         self.sequence = 0  # collectives issued on this group so far
         self._control: Communicator | None = None
+        self._crosses: bool | None = None  # whether the next rank of this group's ring is on another node
         self._watcher = Watcher(self, min(1.0, timeout_seconds / 4)) if timeout_seconds and not self.blocking_waits \
             else None
 
@@ -129,6 +171,47 @@ class Communicator:
             return cls(None, stats)
         return cls(dist.new_group(timeout=_group_timeout(timeout_seconds, backend)), stats,
                    timeout_seconds=timeout_seconds, owns_group=True)
+
+    def split(self, parts: list[list[int]], name: str, twin_of: "Communicator | None" = None) -> "Communicator":
+        """A Communicator over the part of `parts` (lists of this group's ranks, together every rank once) that
+        holds this rank, counted in these stats under `name`. Every rank makes every part's group, in order: torch's
+        new_group is a collective over the whole job, so each part's control group (See `control`) is made here too,
+        where it needs a group of its own. `twin_of`: the Communicator of an earlier split of the same parts, whose
+        control group this one shares, as `twin` does."""
+        members = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        timeout = {"timeout": _group_timeout(self.timeout_seconds, self.backend)} if self.timeout_seconds else {}
+        own_control = twin_of is None and self.backend not in ("gloo", "fake")
+        mine = None
+        for part in parts:
+            ranks = [members[rank] for rank in part]
+            group = dist.new_group(ranks, **timeout)
+            control = dist.new_group(ranks, backend="gloo", **timeout) if own_control else None
+            if self.rank in part:
+                mine = Communicator(group, self.stats, name=name, timeout_seconds=self.timeout_seconds,
+                                    recorder=self.recorder, incident=self.incident, owns_group=True)
+                if control is not None:
+                    mine._control = Communicator(control, CommStats(len(part)), name="control", owns_group=True,
+                                                 timeout_seconds=self.timeout_seconds, recorder=self.recorder,
+                                                 incident=self.incident)
+        if mine is None:
+            raise RuntimeError(f"rank {self.rank} is in none of the groups {parts} (an internal bug)")
+        if twin_of is not None and twin_of._control is not None and twin_of._control.group is not twin_of.group:
+            mine._control = twin_of._control
+        return mine
+
+    def crosses_nodes(self) -> bool:
+        """Whether this rank's ring traffic on this group goes to another node (See [Note: bytes that cross
+        nodes]); decided on first use, once the stats know the nodes."""
+        if self._crosses is None and self.stats.ranks_per_node is not None and self.group is not None:
+            ranks = sorted(dist.get_process_group_ranks(self.group))
+            me = dist.get_global_rank(self.group, self.rank)
+            following = ranks[(ranks.index(me) + 1) % len(ranks)]
+            self._crosses = me // self.stats.ranks_per_node != following // self.stats.ranks_per_node
+        return bool(self._crosses)
+
+    def _record(self, kind: Collective, tensor: torch.Tensor) -> None:
+        share = RING_FACTOR[kind](self.world_size) if self.stats.spans_nodes and self.crosses_nodes() else 0.0
+        self.stats.record(kind, tensor, self.name, share)
 
     def twin(self, name: str = "gather") -> "Communicator":
         """A Communicator over a new group with the same ranks, counted in the same stats. Collectives on
@@ -185,7 +268,7 @@ class Communicator:
         """In place; AVG by default, which is what data-parallel gradients need. `purpose`, here and in every
         collective: what it is for, named in reports ("gradients: bucket 3 of param group 0")."""
         self._check_open(Collective.ALL_REDUCE)
-        self.stats.record(Collective.ALL_REDUCE, tensor)
+        self._record(Collective.ALL_REDUCE, tensor)
         with record_function("zerokit::all_reduce"):
             work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
         return self._issued(Collective.ALL_REDUCE, tensor, [work], purpose, async_op)
@@ -198,7 +281,7 @@ class Communicator:
         """
         self._check_open(Collective.REDUCE_SCATTER)
         self._check_sizes("reduce_scatter", big=input, small=output)
-        self.stats.record(Collective.REDUCE_SCATTER, input)
+        self._record(Collective.REDUCE_SCATTER, input)
         with record_function("zerokit::reduce_scatter"):
             work = dist.reduce_scatter_single(output, input, op=op, group=self.group, async_op=True)
         return self._issued(Collective.REDUCE_SCATTER, input, [work], purpose, async_op, output)
@@ -212,7 +295,7 @@ class Communicator:
         """
         self._check_open(Collective.ALL_GATHER)
         self._check_sizes("all_gather", big=output, small=input)
-        self.stats.record(Collective.ALL_GATHER, output)
+        self._record(Collective.ALL_GATHER, output)
         with record_function("zerokit::all_gather"):
             if self.backend != "gloo":
                 works = [dist.all_gather_single(output, input, group=self.group, async_op=True)]
@@ -227,7 +310,7 @@ class Communicator:
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False, purpose: str = "") -> Pending:
         """In place: every rank's `tensor` becomes `src`'s."""
         self._check_open(Collective.BROADCAST)
-        self.stats.record(Collective.BROADCAST, tensor)
+        self._record(Collective.BROADCAST, tensor)
         with record_function("zerokit::broadcast"):
             work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)
         return self._issued(Collective.BROADCAST, tensor, [work], purpose, async_op)
@@ -236,7 +319,7 @@ class Communicator:
                async_op: bool = False, purpose: str = "") -> Pending:
         """In place on `dst`, which receives the reduction (AVG by default); the others' `tensor` is scratch."""
         self._check_open(Collective.REDUCE)
-        self.stats.record(Collective.REDUCE, tensor)
+        self._record(Collective.REDUCE, tensor)
         with record_function("zerokit::reduce"):
             work = dist.reduce(tensor, dst=self._global(dst), op=op, group=self.group, async_op=True)
         return self._issued(Collective.REDUCE, tensor, [work], purpose, async_op)

@@ -131,6 +131,8 @@ ZEROKIT_TOP = (
                 "were skipped for inf/nan gradients"),
     zerokit_key("comm_timeout_seconds", Kind.FLOAT, 300.0, "every collective's deadline"),
     zerokit_key("broadcast_buffers", Kind.BOOL, True, "broadcast rank 0's buffers to every rank, as torch DDP does"),
+    zerokit_key("ranks_per_node", Kind.INT, None, "ranks on each node, consecutive (default: torchrun's "
+                "LOCAL_WORLD_SIZE; without it, one node): which bytes comm_stats() counts as crossing nodes"),
 )
 
 KEYS: tuple[Key, ...] = (block("zero_optimization", "ZeRO stage and its tuning"), *BATCH, *TRAINING, *PRECISION,

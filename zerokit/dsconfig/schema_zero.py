@@ -151,11 +151,18 @@ OFFLOAD = (
            "CPU step uses torch's threads", Kind.FLOAT, 0.8),
 )
 
+# DeepSpeed 0.19.8 removed MiCS; zerokit offers it with DeepSpeed's meaning (See [Note: hybrid sharding] in comm/groups.py)
+MICS = (
+    honoured(Z + "mics_shard_size", Kind.INT, -1, "stages 1-3: shard the model states over groups of this many "
+             "consecutive ranks and replicate them across the groups (MiCS/HSDP); -1: one group over every rank",
+             auto=False),
+    always(Z + "mics_hierarchical_params_gather", "zerokit gathers parameters inside the shard group, which a "
+           "node holds when mics_shard_size is the ranks per node: a hierarchical gather only changes its speed",
+           Kind.BOOL, False),
+)
+
 REMOVED_ZERO = (
-    Key(Z + "mics_shard_size", KeyClass.REMOVED, note="MiCS sharding", why="DeepSpeed 0.19.8 removed it"),
-    Key(Z + "mics_hierarchical_params_gather", KeyClass.REMOVED, note="MiCS hierarchical gathers",
-        why="DeepSpeed 0.19.8 removed it"),
     Key(Z + "zeropp_loco_param", KeyClass.REMOVED, note="LoCo-Zero++", why="DeepSpeed 0.19.8 removed it"),
 )
 
-KEYS: tuple[Key, ...] = (*CORE, *STAGE3, *ALIASES, *ZEROKIT_ZERO, *OFFLOAD, *REMOVED_ZERO)
+KEYS: tuple[Key, ...] = (*CORE, *STAGE3, *ALIASES, *ZEROKIT_ZERO, *OFFLOAD, *MICS, *REMOVED_ZERO)

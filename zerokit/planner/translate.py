@@ -84,6 +84,10 @@ FSDP_KNOBS = {
     "zero_quantized_nontrainable_weights": (NONE, "-", "FSDP2 does not store frozen weights quantized"),
     "zero_quantized_gradients": (NONE, "-", "no quantized reduce-scatter built into FSDP2"),
     "zenflow": (NONE, "-", "ZenFlow's selective, asynchronous CPU update has no FSDP counterpart"),
+    "mics_shard_size": (APPROXIMATE, "fully_shard(mesh=init_device_mesh(..., (N // s, s))) (HSDP)",
+                        "shard over s ranks, replicate across N/s; FSDP2 all-reduces across replicas every "
+                        "micro-step unless set_requires_all_reduce(False) until the boundary"),
+    "mics_hierarchical_params_gather": (DROPPED, "-", "a speed choice of MiCS's all-gather"),
 }
 MAPPED_WITH_THE_STAGE = ("stage", "zero_hpz_partition_size")
 """Mapped by _stage_to_fsdp (and the offload blocks by _offload_to_fsdp), not by FSDP_KNOBS."""

@@ -11,6 +11,8 @@ its `.grad` grows. So the set of requires_grad flags is recorded at start and co
 
 from __future__ import annotations
 
+import os
+
 from torch import nn
 
 WRAPPED = "zerokit.initialize got a model wrapped in {kind}{where}: {why}; pass the plain module ({how})"
@@ -84,6 +86,19 @@ class TrainableGuard:
                     "optimizer state and weight decay would keep moving it")
         raise RuntimeError(f"parameter {name!r} was {what}; set requires_grad before zerokit.initialize, or "
                            "initialize a new engine after changing it")
+
+
+def refuse_misnumbered_node(ranks_per_node: int | None, rank: int) -> None:
+    """torchrun's GROUP_RANK must be the node that the config's consecutive numbering gives this rank (rank //
+    ranks_per_node), when the nodes come from torchrun's LOCAL_WORLD_SIZE: otherwise the bytes counted as crossing
+    nodes, and MiCS's shard groups, would not be the nodes the job runs on (See [Note: hybrid sharding])."""
+    local, node = os.environ.get("LOCAL_WORLD_SIZE", ""), os.environ.get("GROUP_RANK", "")
+    if not (local.isdigit() and node.isdigit()) or ranks_per_node is None or int(local) != ranks_per_node:
+        return
+    if int(node) != rank // ranks_per_node:
+        raise ValueError(f"rank {rank} runs on node {node} (torchrun's GROUP_RANK) but consecutive numbering puts it on "
+                         f"node {rank // ranks_per_node} of {ranks_per_node} ranks; give each node's ranks consecutive "
+                         "numbers (torchrun --node_rank), or set ranks_per_node in the config")
 
 
 def check_backward_order(backward_since_step: bool, window_ended: bool, accumulation: int) -> None:

@@ -8,12 +8,12 @@ import torch
 from torch import nn
 
 from zerokit.comm import Communicator
-from zerokit.config import ZeroConfig
+from zerokit.config import ZeroConfig, ranks_per_node_from_launcher
 from zerokit.reliability.buffers import BufferSync
 from zerokit.reliability.compiled import refuse_fullgraph_around_units
 from zerokit.reliability.fingerprint import check_ranks_agree, fingerprint
-from zerokit.reliability.mistakes import (TrainableGuard, check_backward_order, refuse_nothing_to_train,
-                                          refuse_wrapped)
+from zerokit.reliability.mistakes import (TrainableGuard, check_backward_order, refuse_misnumbered_node,
+                                          refuse_nothing_to_train, refuse_wrapped)
 
 
 def check_at_start(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
@@ -27,9 +27,11 @@ def check_at_start(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
         refuse_wrapped(model)
         refuse_nothing_to_train(model)
         refuse_fullgraph_around_units(model, config)
+        refuse_misnumbered_node(config.ranks_per_node or ranks_per_node_from_launcher(comm.world_size), comm.rank)
     except ValueError as error:
         problem = error
-    fields = {"start-up checks": str(problem) if problem else "passed"}
+    fields = {"start-up checks": str(problem) if problem else "passed",
+              "ranks per node": str(config.ranks_per_node or ranks_per_node_from_launcher(comm.world_size))}
     if problem is None:
         fields.update(fingerprint(model, optimizers, config, device))
     try:

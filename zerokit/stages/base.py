@@ -59,14 +59,18 @@ class ZeroStage:
                  settings: EngineSettings) -> None:
         self.flat, self.layout, self.masters = flat, flat.layout, masters
         self.groups, self.comm, self.config, self.settings = groups, groups.shard, config, settings
-        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size  # in the shard group
+        self.replica_comm, self.replica_index = groups.replica, groups.replica_index  # See [Note: hybrid sharding]
+        self.global_rank = self.replica_index * self.world_size + self.rank
+        self.global_world_size = settings.world_size
+        self.awaiting_replicas: list[Bucket] = []  # reduced in the shard group, not yet across the replicas
         self.reduce_dtype = config.precision.reduce_dtype
         self.reduce_scatter = settings.reduce_scatter  # See [Note: reducing a bucket to a shard]
         self.reduces_every_micro_step = settings.reduces_every_micro_step
         """True where gradients must leave the rank on every micro-step (stage 2's default, stage 3)."""
         self.usage = GradientUsage(len(flat.params))  # See [Note: parameters no rank used]
         # See [Note: gradient pre-division]: what gradients are divided by before their sum (1: averaged as usual)
-        self.predivide = float(self.world_size) if config.prescale_gradients else config.gradient_predivide_factor
+        self.predivide = float(self.global_world_size) if config.prescale_gradients else config.gradient_predivide_factor
 
     @classmethod
     def build(cls, model: nn.Module, params: list[nn.Parameter], groups: list[int], plan: OptimizerPlan,
@@ -75,6 +79,8 @@ class ZeroStage:
         parameters as given (fp32), before the cast to a 16-bit param dtype, so mixed precision starts
         from exactly the user's weights, not from their bf16 rounding. `groups[i]`: params[i]'s flattened
         param group in `plan`."""
+        process_groups = ProcessGroups.for_stage(comm, settings)
+        global_rank, comm = comm.rank, process_groups.shard  # See [Note: hybrid sharding] in comm/groups.py
         world_size = settings.layout_world_size
         entries = param_entries(model, params, groups, whole_tensor_owners(params, groups, plan, world_size))
         layout = build_layout(entries, world_size, bucket_numel=settings.bucket_numel)
@@ -84,12 +90,12 @@ class ZeroStage:
         rank = comm.rank if cls.shards_optimizer else 0
         owned = [bucket.shard_range(rank) for bucket in layout.buckets]
         homes = master_homes([flat.buffer[begin:end] for begin, end in owned], config, comm.stats, flat.device,
-                             comm.rank, DeviceShards(flat.device, comm.stats), plan.names)
+                             global_rank, DeviceShards(flat.device, comm.stats), plan.names)
         masters = ShardMasters(homes, [bucket.param_slices(rank) for bucket in layout.buckets],
                                [groups[b.slots[0].param_index] for b in layout.buckets], plan, config.sub_group_size)
         for index, (begin, end) in enumerate(owned):
             masters.initialise(index, full_precision[begin:end])
-        return cls(flat, masters, ProcessGroups.for_stage(comm, config.stage), config, settings)
+        return cls(flat, masters, process_groups, config, settings)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -106,7 +112,22 @@ class ZeroStage:
         """Called before every backward."""
 
     def finish_backward(self) -> None:
-        """Called after every backward, once its reductions are done."""
+        """Called after every backward, once its reductions are done: at the boundary with MiCS, the reduced shards
+        are averaged across the replicas now (See [Note: hybrid sharding] in comm/groups.py)."""
+        self.average_across_replicas()
+
+    def average_across_replicas(self) -> None:
+        """Each bucket's shard, reduced inside the shard group, all-reduced (averaged) over the replica group, in
+        bucket order on every rank, then handed to its master. Nothing without replicas."""
+        buckets, self.awaiting_replicas = self.awaiting_replicas, []
+        if not buckets:
+            return
+        pending = [self.replica_comm.all_reduce(self.owned_grad(bucket), async_op=True,
+                                                purpose=f"{self.bucket_purpose(bucket)}, across replicas")
+                   for bucket in buckets]
+        for bucket, item in zip(buckets, pending):
+            wait(item)
+            self.masters.accept_grad(bucket.index, self.owned_grad(bucket))
 
     def on_grad_ready(self, param_index: int) -> None:
         """params[param_index]'s gradient for this backward is complete (autograd hook)."""
@@ -154,11 +175,15 @@ class ZeroStage:
         if self.predivide == 1.0:
             return dist.ReduceOp.AVG, 1.0
         grads.mul_(1.0 / self.predivide)
-        return dist.ReduceOp.SUM, self.predivide / self.world_size
+        return dist.ReduceOp.SUM, self.predivide / self.world_size  # the replicas then average over the rest
 
     def grad_final(self, bucket: Bucket) -> None:
         """The bucket's reduction at the accumulation boundary is done: its master gets its gradient now (an
-        offload tier starts copying it to the host while backward goes on)."""
+        offload tier starts copying it to the host while backward goes on). With MiCS, once it is averaged across
+        the replicas too, after backward (See average_across_replicas)."""
+        if self.replica_comm is not None:
+            self.awaiting_replicas.append(bucket)
+            return
         self.masters.accept_grad(bucket.index, self.owned_grad(bucket))
 
     def release_grads(self) -> None:
@@ -264,7 +289,18 @@ class ZeroStage:
             "reduce-scattered" if self.reduce_scatter else "all-reduced, this rank keeping its shard")
         return [f"ZeRO stage {self.config.stage} ({type(self).__name__}) on {self.world_size} rank(s), "
                 f"{self.comm.backend}: {layout.data_numel:,} trainable parameters in {len(layout.buckets)} "
-                f"bucket(s) of up to {max((b.numel for b in layout.buckets), default=0):,} elements, each {reduction}"]
+                f"bucket(s) of up to {max((b.numel for b in layout.buckets), default=0):,} elements, each {reduction}",
+                *self._hybrid_lines()]
+
+    def _hybrid_lines(self) -> list[str]:
+        """With MiCS: the groups, and whether they line up with the nodes (a knob of speed: said, not refused)."""
+        if self.replica_comm is None:
+            return []
+        s, per_node = self.world_size, self.settings.ranks_per_node
+        aligned = "" if per_node % s == 0 or s % per_node == 0 else (
+            f"; shard groups straddle nodes of {per_node} ranks, so their gathers cross nodes too")
+        return [f"MiCS: shard groups of {s} consecutive ranks, {self.settings.replicas} replicas, gradients averaged "
+                f"across replicas once per optimizer step{aligned}"]
 
     # --- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -75,6 +75,8 @@ class ShardedParameters(ShardedGradients):
               construction: Construction | None = None) -> "ShardedParameters":
         """Units, then their layouts (one bucket per unit and param group; frozen: one per unit), then the
         shards and the masters, then each unit's values placed, unit by unit (See `_place`)."""
+        process_groups = ProcessGroups.for_stage(comm, settings)
+        global_rank, comm = comm.rank, process_groups.shard  # See [Note: hybrid sharding] in comm/groups.py
         units = find_units(model, config.stage3)
         unit_of = {param_id: unit.index for unit in units for param_id in unit.param_ids}
         per_unit = max(groups, default=0) + 1
@@ -82,13 +84,12 @@ class ShardedParameters(ShardedGradients):
         owners = whole_tensor_owners(params, groups, plan, comm.world_size)
         layout = build_layout(param_entries(model, params, keys, owners), comm.world_size, bucket_numel=sys.maxsize)
         dtype, device = config.precision.param_dtype, _device_of(model)
-        home = shard_home(config, comm.stats, device, comm.rank)
+        home = shard_home(config, comm.stats, device, global_rank)
         trainable = ShardedFlat(FlatParameters(params, layout, dtype), comm.rank, home)
         frozen = ShardedFlat(_frozen_flat(model, params, unit_of, comm.world_size, dtype), comm.rank, home)
-        process_groups = ProcessGroups.for_stage(comm, 3)
         shards = UnitShards(units, trainable, frozen, [b.group // per_unit for b in layout.buckets],
                             process_groups.gather, config.stage3)
-        homes = master_homes([trainable.shard(b) for b in layout.buckets], config, comm.stats, device, comm.rank, home,
+        homes = master_homes([trainable.shard(b) for b in layout.buckets], config, comm.stats, device, global_rank, home,
                              plan.names)
         masters = ShardMasters(homes, [b.param_slices(comm.rank) for b in layout.buckets],
                                [groups[b.slots[0].param_index] for b in layout.buckets], plan, config.sub_group_size)
@@ -113,6 +114,7 @@ class ShardedParameters(ShardedGradients):
 
     def finish_backward(self) -> None:
         self.unit_hooks.finish_backward()
+        super().finish_backward()  # with MiCS: the boundary's average across replicas
 
     def recomputed_modules(self) -> list[nn.Module]:
         """With checkpoint_units, every unit but the root (which is the whole model)."""

@@ -55,8 +55,9 @@ class FrozenView(NamedTuple):
 class Stage(Protocol):
     """What the view reads of a stage (stages/base.py's ZeroStage)."""
 
-    rank: int
-    world_size: int
+    global_rank: int
+    global_world_size: int
+    replica_index: int
     shards_optimizer: bool
     layout: FlatLayout
     flat: FlatParameters
@@ -75,7 +76,7 @@ class ParameterView:
         self.stage, self.module = stage, module
         self.optimizers = list(stage.masters.optimizers)
         self.whole_tensor = [kind == WHOLE_TENSOR for kind in kinds]
-        self.rank, self.world_size = stage.rank, stage.world_size
+        self.rank, self.world_size = stage.global_rank, stage.global_world_size  # the job's, not the shard group's
 
     @property
     def layout(self) -> FlatLayout:
@@ -86,6 +87,12 @@ class ParameterView:
     def replicated(self) -> bool:
         """Every rank steps every master (stage 0): each parameter then needs saving by one rank only."""
         return not self.stage.shards_optimizer and self.world_size > 1
+
+    @property
+    def writes_shards(self) -> bool:
+        """This rank's shards are saved by it: always, except on MiCS replicas other than the first, which hold
+        the same shards as replica 0 (See [Note: hybrid sharding] in comm/groups.py)."""
+        return self.stage.replica_index == 0
 
     def trainable(self) -> list[TrainableView]:
         """Each trainable parameter this rank steps some of, with its pieces, in layout order."""

@@ -70,6 +70,8 @@ class Case:
     offload_max_in_cpu: int | None = None  # nvme parameters: elements kept in host memory (None: DeepSpeed's 1e9)
     checkpoint_units: bool = False  # stage 3: zerokit checkpoints every unit (activation_checkpointing block)
     cpu_checkpointing: bool = False  # checkpointed activations in host memory
+    mics_shard_size: int = -1  # stages 1-3: MiCS shard groups of this many ranks (-1: one group over all)
+    ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE, else one node
 
 
 def make_model(case: Case) -> torch.nn.Module:
@@ -209,6 +211,10 @@ def engine_config(case: Case) -> dict:
         config["activation_checkpointing"] = {"cpu_checkpointing": case.cpu_checkpointing}
         if case.checkpoint_units:
             config["activation_checkpointing"]["checkpoint_units"] = True
+    if case.mics_shard_size != -1:
+        config["zero_optimization"]["mics_shard_size"] = case.mics_shard_size
+    if case.ranks_per_node is not None:
+        config["ranks_per_node"] = case.ranks_per_node
     if case.dtype == "bf16":
         config["bf16"] = {"enabled": True}
     if case.dtype == "fp16":

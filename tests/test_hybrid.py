@@ -1,0 +1,267 @@
+"""MiCS / HSDP sharding (`zero_optimization.mics_shard_size`, issue 26) on 2 nodes x 2 gloo ranks: stages 1-3 match
+one process on the union of the batches (test_parity.py's tolerances), the bytes that cross nodes equal the ring
+formula of [Note: bytes that cross nodes] (zerokit/comm/collectives.py), each rank holds 1/s of the optimizer state,
+checkpoints go hybrid -> flat and flat -> hybrid, bad sizes are one line, and one real two-node torchrun job.
+
+Simulated nodes: the spawned ranks are told `ranks_per_node: 2` in the config; the torchrun test reads it from
+torchrun's LOCAL_WORLD_SIZE. One spawn of 4 ranks runs every case on 4 ranks, one of 2 ranks every flat load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import zerokit
+from test_parity import allowed_update_error, update_error
+from zerokit.comm.collectives import RING_FACTOR, Collective
+from zerokit.config import engine_settings, load_config
+from zerokit.reliability.mistakes import refuse_misnumbered_node
+from zerokit.testing.parity import (Case, engine_config, forward_loss, make_batch, make_model, make_optimizer,
+                                    run_engine, run_reference)
+from zerokit.testing.spawn import spawn
+
+NODES = {"ranks_per_node": 2}
+MICS = {"mics_shard_size": 2, **NODES}
+PARITY = [
+    Case("mics-s1", stage=1, steps=3, accumulation=2, **MICS),
+    # a layer only rank 0 runs, on odd steps: its shard group uses it, the other does not, so the replicas must
+    # agree on which parameters got a gradient (or the second replica would skip a step the first takes)
+    Case("mics-s2", stage=2, steps=3, accumulation=2, usage="idle-or-rank0", **MICS),
+    Case("mics-s3", stage=3, steps=3, accumulation=2, **MICS),
+    Case("mics-s3-bf16", stage=3, dtype="bf16", steps=3, accumulation=2, **MICS),
+    Case("flat-s3", stage=3, steps=3, accumulation=2, **NODES),  # the same job without MiCS: its bytes cross nodes
+]
+MEMORY = Case("memory-s1", stage=1, steps=1, **MICS)  # optimizer state: MiCS on 4 ranks vs flat on 2 and on 4
+SAVED_AFTER, STEPS = 2, 4
+HYBRID_SAVE = Case("save-hybrid-s3", stage=3, steps=STEPS, **MICS)  # saved on 2x2 MiCS, resumed flat on 2 ranks
+FLAT_SAVE = Case("save-flat-s2", stage=2, steps=STEPS, **NODES)  # saved flat on 4 ranks, resumed MiCS on 2x2
+
+
+def build(case: Case) -> zerokit.Engine:
+    model = make_model(case)
+    return zerokit.initialize(model, make_optimizer(case, model), engine_config(case))
+
+
+def train(engine: zerokit.Engine, case: Case, steps: range, rank: int) -> list[float]:
+    losses = []
+    for step in steps:
+        for micro in range(case.accumulation):
+            loss = forward_loss(engine, make_batch(case, step, micro, rank))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
+
+
+def weights(engine: zerokit.Engine) -> dict[str, torch.Tensor]:
+    names = {name for name, _ in engine.module.named_parameters()}
+    return {name: value for name, value in engine.full_state_dict().items() if name in names}
+
+
+def resumed(case: Case, directory: Path, rank: int) -> dict:
+    """A fresh engine of `case` loads `directory` and trains on to STEPS."""
+    engine = build(case)
+    engine.load_checkpoint(directory)
+    loaded = weights(engine)
+    return {"loaded": loaded, "losses": train(engine, case, range(SAVED_AFTER, STEPS), rank), "params": weights(engine)}
+
+
+def four_ranks(rank: int, world_size: int, root: str) -> dict:
+    out = {"parity": {case.name: run_engine(rank, world_size, case) for case in PARITY}}
+    out["memory"] = {name: run_engine(rank, world_size, case)["memory"]
+                     for name, case in (("mics", MEMORY), ("flat", replace(MEMORY, mics_shard_size=-1)))}
+    saved = {}
+    for case in (HYBRID_SAVE, FLAT_SAVE):
+        engine = build(case)
+        train(engine, case, range(SAVED_AFTER), rank)
+        engine.save_checkpoint(Path(root) / case.name)
+        saved[case.name] = weights(engine)
+    out["saved"] = saved
+    out["flat-to-hybrid"] = resumed(replace(FLAT_SAVE, **MICS), Path(root) / FLAT_SAVE.name, rank)
+    return out
+
+
+def two_ranks(rank: int, world_size: int, root: str) -> dict:
+    flat = replace(HYBRID_SAVE, mics_shard_size=-1, ranks_per_node=None)
+    return {"hybrid-to-flat": resumed(flat, Path(root) / HYBRID_SAVE.name, rank),
+            "memory": run_engine(rank, world_size, replace(MEMORY, mics_shard_size=-1, ranks_per_node=None))["memory"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("hybrid"))
+    return spawn(four_ranks, 4, root, timeout=600), spawn(two_ranks, 2, root, timeout=300)
+
+
+# --- numerics ----------------------------------------------------------------------------------------
+
+def check_against_reference(case: Case, losses_by_rank: list[list[float]], params: dict, ranks_per_step: list[int],
+                            first_step: int = 0) -> None:
+    reference = run_reference(case, ranks_per_step[0], ranks_per_step)
+    fp32 = case.dtype == "fp32"
+    for rank, losses in enumerate(losses_by_rank):
+        expected = [loss for step, r, loss in reference["losses"] if r == rank and step >= first_step]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5 if fp32 else 5e-4, atol=0)
+    if fp32:
+        for name, value in reference["params"].items():
+            torch.testing.assert_close(params[name], value, rtol=0, atol=2e-5, msg=name)
+    else:
+        initial = {name: p.detach().float() for name, p in make_model(case).named_parameters()}
+        assert update_error(params, reference["params"], initial) < allowed_update_error(case, 4)
+
+
+@pytest.mark.parametrize("case", PARITY, ids=lambda c: c.name)
+def test_mics_matches_one_process(runs, case: Case) -> None:
+    """Each rank's losses and the final parameters are one process's on the union of the 4 ranks' batches."""
+    out = [r["parity"][case.name] for r in runs[0]]
+    check_against_reference(case, [o["losses"] for o in out], out[0]["params"], [4] * case.steps)
+    for other in out[1:]:  # every rank (both replicas) ends with the same parameters
+        for name, value in out[0]["params"].items():
+            assert torch.equal(other["params"][name], value), name
+
+
+# --- bytes -------------------------------------------------------------------------------------------
+
+def crosses(group: str, rank: int) -> bool:
+    """Whether `rank`'s ring successor in `group` is on the other node, for nodes {0, 1} | {2, 3}: the MiCS shard
+    groups ({0, 1}, {2, 3}) never, the replica groups ({0, 2}, {1, 3}) always, a group of all four ranks from
+    ranks 1 (-> 2) and 3 (-> 0)."""
+    return {"mics_shard": False, "mics_gather": False, "mics_replica": True}.get(group, rank in (1, 3))
+
+
+def ring_formula(step: dict, rank: int) -> float:
+    total = 0.0
+    for key, count in step.items():
+        group, _, kind = key.partition(".")
+        if kind and count["calls"] and crosses(group, rank):
+            size = 2 if group.startswith("mics_") else 4
+            total += RING_FACTOR[Collective(kind)](size) * count["bytes"]
+    return total
+
+
+@pytest.mark.parametrize("case", PARITY, ids=lambda c: c.name)
+def test_cross_node_bytes_follow_the_ring_formula(runs, case: Case) -> None:
+    for rank, out in enumerate(r["parity"][case.name] for r in runs[0]):
+        for step in out["comm_per_step"]:
+            assert step["cross_node"]["bytes"] == round(ring_formula(step, rank)), (rank, step)
+        step = out["comm_per_step"][-1]
+        if case.mics_shard_size == -1:
+            continue
+        # once per optimizer step: every reduced shard in fp32, and one float64 flag per trainable tensor
+        boundary = out["local_shard_numel"] * 4 + out["trainable_tensors"] * 8
+        assert step["mics_replica.all_reduce"]["bytes"] == boundary
+        assert step["cross_node"]["bytes"] == boundary  # nothing else crosses: the replica all-reduce is a 2-ring
+        assert all(step[f"{group}.{kind.value}"]["bytes"] == 0 for group in ("shard", "gather") for kind in Collective
+                   if f"{group}.{kind.value}" in step)
+
+
+def test_mics_crosses_nodes_far_less_than_flat_stage3(runs) -> None:
+    mics = runs[0][1]["parity"]["mics-s3"]["comm_per_step"][-1]["cross_node"]["bytes"]
+    flat = runs[0][1]["parity"]["flat-s3"]["comm_per_step"][-1]["cross_node"]["bytes"]
+    assert flat > 10 * mics > 0
+    assert runs[0][0]["parity"]["flat-s3"]["comm_per_step"][-1]["cross_node"]["bytes"] == 0  # 0 -> 1 stays in node 0
+
+
+def test_optimizer_state_is_split_over_the_shard_group_only(runs) -> None:
+    """MiCS with s=2 on 4 ranks holds, per rank, exactly what flat ZeRO holds on 2 ranks: twice flat ZeRO on 4."""
+    for rank in range(4):
+        mics = runs[0][rank]["memory"]["mics"]["optimizer_state"]
+        assert mics == runs[1][rank % 2]["memory"]["optimizer_state"]
+        assert mics > 1.9 * runs[0][rank]["memory"]["flat"]["optimizer_state"]
+
+
+# --- checkpoints ---------------------------------------------------------------------------------------
+
+def test_hybrid_checkpoint_resumes_flat_on_two_ranks(runs) -> None:
+    saved = runs[0][0]["saved"][HYBRID_SAVE.name]
+    out = [r["hybrid-to-flat"] for r in runs[1]]
+    for rank in out:
+        for name, value in saved.items():
+            assert torch.equal(rank["loaded"][name], value), name  # what replica 0 wrote is what every rank held
+    check_against_reference(HYBRID_SAVE, [o["losses"] for o in out], out[0]["params"],
+                            [4] * SAVED_AFTER + [2] * (STEPS - SAVED_AFTER), first_step=SAVED_AFTER)
+
+
+def test_flat_checkpoint_resumes_hybrid(runs) -> None:
+    saved = runs[0][0]["saved"][FLAT_SAVE.name]
+    out = [r["flat-to-hybrid"] for r in runs[0]]
+    for rank in out:
+        for name, value in saved.items():
+            assert torch.equal(rank["loaded"][name], value), name
+    check_against_reference(FLAT_SAVE, [o["losses"] for o in out], out[0]["params"], [4] * STEPS,
+                            first_step=SAVED_AFTER)
+
+
+# --- bad input -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("zero, top, message", [
+    ({"stage": 3, "mics_shard_size": 3}, {}, r"^zero_optimization.mics_shard_size=3 does not divide the world size 4"),
+    ({"stage": 2, "mics_shard_size": 0}, {}, r"^zero_optimization.mics_shard_size=0 is not a shard group size"),
+    ({"stage": 0, "mics_shard_size": 2}, {}, r"^zero_optimization.mics_shard_size=2 needs stage 1, 2 or 3"),
+    ({"stage": 1}, {"ranks_per_node": 0}, r"^ranks_per_node=0 must be a positive rank count"),
+    ({"stage": 1}, {"ranks_per_node": 3}, r"^ranks_per_node=3 does not divide the world size 4"),
+])
+def test_bad_shard_sizes_are_named_in_one_line(zero, top, message) -> None:
+    with pytest.raises(ValueError, match=message) as error:
+        engine_settings(load_config({"zero_optimization": zero, **top}), 4, "gloo")
+    assert "\n" not in str(error.value)
+
+
+def test_settings_resolve_the_groups(monkeypatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    settings = engine_settings(load_config({"zero_optimization": {"stage": 3, "mics_shard_size": 4}}), 8, "gloo")
+    assert (settings.shard_size, settings.replicas, settings.ranks_per_node, settings.layout_world_size) == (4, 2, 4, 4)
+    flat = engine_settings(load_config({"zero_optimization": {"stage": 3}}), 8, "gloo")
+    assert (flat.shard_size, flat.replicas, flat.nodes) == (8, 1, 2)
+    config = load_config({"zero_optimization": {"stage": 3, "mics_hierarchical_params_gather": True}})
+    assert any("mics_hierarchical_params_gather" in line for line in config.notes)  # accepted and logged
+
+
+def test_a_node_numbered_out_of_order_is_named(monkeypatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("GROUP_RANK", "0")
+    refuse_misnumbered_node(2, 1)
+    with pytest.raises(ValueError, match=r"^rank 2 runs on node 0 \(torchrun's GROUP_RANK\) but"):
+        refuse_misnumbered_node(2, 2)
+
+
+# --- two real torchrun nodes ---------------------------------------------------------------------------------
+
+SCRIPT = Path(__file__).parent / "scripts" / "hybrid_node.py"
+TORCHRUN_CASE = Case("torchrun-s3", stage=3, steps=2, accumulation=2, mics_shard_size=2)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_torchrun_nodes(tmp_path) -> None:
+    """torchrun --nnodes 2 twice on this machine: nodes come from LOCAL_WORLD_SIZE/GROUP_RANK, not the config."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                               "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                               "--max_restarts", "0", str(SCRIPT), str(tmp_path)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for node in (0, 1)]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    errors = sorted(tmp_path.glob("error_*.txt"))
+    assert not errors, errors[0].read_text()
+    assert all(node.returncode == 0 for node in nodes), outputs[0][-3000:] + outputs[1][-3000:]
+    out = [json.loads((tmp_path / f"rank_{rank}.json").read_text()) for rank in range(4)]
+    assert [o["node"] for o in out] == [0, 0, 1, 1]
+    assert all(o["settings"] == {"shard_size": 2, "replicas": 2, "ranks_per_node": 2} for o in out)
+    params = {name: torch.tensor(value) for name, value in out[0]["params"].items()}
+    check_against_reference(TORCHRUN_CASE, [o["losses"] for o in out], params, [4] * TORCHRUN_CASE.steps)
+    assert all(o["cross_node"] == o["replica_bytes"] > 0 for o in out)

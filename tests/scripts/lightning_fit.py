@@ -157,7 +157,7 @@ def fit(args: argparse.Namespace, resume: str | None = None, extra: str | None =
                       accumulate_grad_batches=ACCUMULATION, gradient_clip_val=CLIP,
                       callbacks=[recorder] + ([] if extra else [checkpoints]), **precision_arguments(precision),
                       logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                      deterministic=True)
+                      deterministic=True, default_root_dir=args.out)  # Lightning's own checkpoints go there too
     trainer.fit(module, ckpt_path=resume)
     if resume is None and extra is None:
         trainer.save_checkpoint(f"{args.out}/weights.ckpt", weights_only=True)

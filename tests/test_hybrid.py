@@ -38,6 +38,10 @@ PARITY = [
     Case("mics-s2", stage=2, steps=3, accumulation=2, usage="idle-or-rank0", **MICS),
     Case("mics-s3", stage=3, steps=3, accumulation=2, **MICS),
     Case("mics-s3-bf16", stage=3, dtype="bf16", steps=3, accumulation=2, **MICS),
+    Case("mics-s3-offload-cpu", stage=3, steps=2, offload_optimizer="cpu", **MICS),
+    # 2**19 overflows at first: every replica must skip the same steps (an inf on one replica reaches the other
+    # through the boundary's all-reduce) and halve its scale alike
+    Case("mics-s1-fp16-overflowing", stage=1, dtype="fp16", initial_scale_power=19, steps=4, **MICS),
     Case("flat-s3", stage=3, steps=3, accumulation=2, **NODES),  # the same job without MiCS: its bytes cross nodes
 ]
 MEMORY = Case("memory-s1", stage=1, steps=1, **MICS)  # optimizer state: MiCS on 4 ranks vs flat on 2 and on 4
@@ -105,7 +109,7 @@ def runs(tmp_path_factory):
 # --- numerics ----------------------------------------------------------------------------------------
 
 def check_against_reference(case: Case, losses_by_rank: list[list[float]], params: dict, ranks_per_step: list[int],
-                            first_step: int = 0) -> None:
+                            first_step: int = 0) -> dict:
     reference = run_reference(case, ranks_per_step[0], ranks_per_step)
     fp32 = case.dtype == "fp32"
     for rank, losses in enumerate(losses_by_rank):
@@ -117,13 +121,18 @@ def check_against_reference(case: Case, losses_by_rank: list[list[float]], param
     else:
         initial = {name: p.detach().float() for name, p in make_model(case).named_parameters()}
         assert update_error(params, reference["params"], initial) < allowed_update_error(case, 4)
+    return reference
 
 
 @pytest.mark.parametrize("case", PARITY, ids=lambda c: c.name)
 def test_mics_matches_one_process(runs, case: Case) -> None:
     """Each rank's losses and the final parameters are one process's on the union of the 4 ranks' batches."""
     out = [r["parity"][case.name] for r in runs[0]]
-    check_against_reference(case, [o["losses"] for o in out], out[0]["params"], [4] * case.steps)
+    reference = check_against_reference(case, [o["losses"] for o in out], out[0]["params"], [4] * case.steps)
+    for rank in out:
+        assert [result["skipped"] for result in rank["results"]] == reference["skipped"]
+    if case.dtype == "fp16":
+        assert reference["skipped"][0] and not reference["skipped"][-1]
     for other in out[1:]:  # every rank (both replicas) ends with the same parameters
         for name, value in out[0]["params"].items():
             assert torch.equal(other["params"][name], value), name
@@ -265,3 +274,15 @@ def test_two_torchrun_nodes(tmp_path) -> None:
     params = {name: torch.tensor(value) for name, value in out[0]["params"].items()}
     check_against_reference(TORCHRUN_CASE, [o["losses"] for o in out], params, [4] * TORCHRUN_CASE.steps)
     assert all(o["cross_node"] == o["replica_bytes"] > 0 for o in out)
+
+
+def test_a_profile_record_of_a_mics_run_is_refused() -> None:
+    """The planner models flat sharding only: a record of a MiCS run would be checked against the wrong model."""
+    from types import SimpleNamespace
+
+    from zerokit.profiling.record import engine_setup
+
+    config = load_config({"zero_optimization": {"stage": 3, "mics_shard_size": 2}})
+    engine = SimpleNamespace(config=config, settings=engine_settings(config, 4, "gloo"), world_size=4)
+    with pytest.raises(ValueError, match=r"^zero_optimization.mics_shard_size=2: the planner does not model MiCS"):
+        engine_setup(engine, "adamw")

@@ -4,6 +4,11 @@ once per session and every parity case for it runs inside that one spawn."""
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch.distributed as dist
@@ -12,6 +17,16 @@ from zerokit.testing.parity import Case, run_cases
 from zerokit.testing.spawn import spawn
 
 WORLD_SIZES = (1, 2, 3, 5)
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def deepspeed_script(name: str, needs: str, why: str) -> ModuleType:
+    """The launch script tests/scripts/`name`.py, or the test skipped, saying `why`, where DeepSpeed's module
+    `needs` is not installed (the tests that run real DeepSpeed)."""
+    if importlib.util.find_spec(needs) is None:
+        pytest.skip(f"deepspeed is not installed: {why}")
+    sys.path.insert(0, str(SCRIPTS))
+    return importlib.import_module(name)
 
 
 @pytest.fixture

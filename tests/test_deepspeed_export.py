@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from zerokit.checkpoint import consolidate
 from zerokit.checkpoint.deepspeed_export import convert_to_universal
 from zerokit.cli import main
+from conftest import deepspeed_script
 from zerokit.testing.spawn import spawn
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -47,11 +48,8 @@ def _close(ours: dict, reference: dict, what: str, precision: str = "fp32") -> N
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    if importlib.util.find_spec("deepspeed.checkpoint.ds_to_universal") is None:
-        pytest.skip("deepspeed is not installed: these tests load the converted checkpoint in real DeepSpeed")
-    sys.path.insert(0, str(SCRIPTS))
-    import ds_universal
-
+    ds_universal = deepspeed_script("ds_universal", "deepspeed.checkpoint.ds_to_universal",
+                                    "these tests load the converted checkpoint in real DeepSpeed")
     root = tmp_path_factory.mktemp("universal")
     zerokit_runs = spawn(ds_universal.zerokit_train, 2, str(root), [(3, "fp32"), (2, "bf16")], timeout=300)
     for precision in ("fp32", "bf16"):

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from zerokit.checkpoint.deepspeed_import import (DeepSpeedCheckpointError, check_model, is_deepspeed_checkpoint,
                                                  read_deepspeed_checkpoint)
+from conftest import deepspeed_script
 from zerokit.testing.spawn import spawn
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -30,11 +31,8 @@ CASES = [f"stage{s}_{p}_w2" for s, p in TWO_RANKS] + [f"stage{s}_{p}_w3" for s, 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory) -> Path:
     """Every case written by real DeepSpeed, in two launches (2 and 3 ranks)."""
-    if importlib.util.find_spec("deepspeed.utils.zero_to_fp32") is None:
-        pytest.skip("deepspeed is not installed: these tests read checkpoints that real DeepSpeed writes")
-    sys.path.insert(0, str(SCRIPTS))
-    import ds_checkpoints
-
+    ds_checkpoints = deepspeed_script("ds_checkpoints", "deepspeed.utils.zero_to_fp32",
+                                      "these tests read checkpoints that real DeepSpeed writes")
     root = tmp_path_factory.mktemp("deepspeed")
     spawn(ds_checkpoints.write_all, 2, str(root), TWO_RANKS, timeout=600)
     spawn(ds_checkpoints.write_all, 3, str(root), THREE_RANKS, timeout=600)

@@ -3,8 +3,10 @@
 One optimizer step, in order (See [Note: buckets are the unit of sharding]):
   forward -> backward, gradients land in buckets -> each bucket is all-reduced (stage 0) or
   reduce-scattered (stages 1-2) as soon as it is complete, overlapped with the rest of backward ->
-  at the accumulation boundary: unscale, one scalar all-reduce for the global norm and overflow,
+  at the accumulation boundary (step.py): unscale, one scalar all-reduce for the global norm and overflow,
   clip -> optimizer step on the fp32 master shard -> cast and all-gather the updated shards.
+What the engine will do is decided once (settings.py); checkpoints and full_state_dict() see the stage through
+its per-parameter view (stages/view.py).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from zerokit.testing.parity import (Case, engine_config, forward_loss, make_batc
 from zerokit.testing.spawn import spawn
 
 NODES = {"ranks_per_node": 2}
+SAVED_AFTER, STEPS = 2, 4
 MICS = {"mics_shard_size": 2, **NODES}
 PARITY = [
     Case("mics-s1", stage=1, steps=3, accumulation=2, **MICS),
@@ -43,9 +44,13 @@ PARITY = [
     # through the boundary's all-reduce) and halve its scale alike
     Case("mics-s1-fp16-overflowing", stage=1, dtype="fp16", initial_scale_power=19, steps=4, **MICS),
     Case("flat-s3", stage=3, steps=3, accumulation=2, **NODES),  # the same job without MiCS: its bytes cross nodes
+    # hpZ: later micro-steps, backward and recomputation gather from the secondary copy inside the node
+    Case("hpz-s3", stage=3, steps=3, accumulation=2, hpz_partition_size=2, **NODES),
+    Case("hpz-s3-bf16-recompute", stage=3, dtype="bf16", steps=3, accumulation=2, checkpoint_units=True,
+         hpz_partition_size=2, **NODES),
 ]
+HPZ_RESUME = Case("hpz-resume", stage=3, steps=STEPS, hpz_partition_size=2, **NODES)
 MEMORY = Case("memory-s1", stage=1, steps=1, **MICS)  # optimizer state: MiCS on 4 ranks vs flat on 2 and on 4
-SAVED_AFTER, STEPS = 2, 4
 HYBRID_SAVE = Case("save-hybrid-s3", stage=3, steps=STEPS, **MICS)  # saved on 2x2 MiCS, resumed flat on 2 ranks
 FLAT_SAVE = Case("save-flat-s2", stage=2, steps=STEPS, **NODES)  # saved flat on 4 ranks, resumed MiCS on 2x2
 
@@ -91,7 +96,25 @@ def four_ranks(rank: int, world_size: int, root: str) -> dict:
         saved[case.name] = weights(engine)
     out["saved"] = saved
     out["flat-to-hybrid"] = resumed(replace(FLAT_SAVE, **MICS), Path(root) / FLAT_SAVE.name, rank)
+    out["hpz-resume"] = hpz_resume(rank, Path(root) / HPZ_RESUME.name)
     return out
+
+
+def hpz_resume(rank: int, directory: Path) -> dict:
+    """Save after SAVED_AFTER steps and go on; then, with hpZ's secondary copy filled by an evaluation forward, load
+    the save into the same engine and go on again: the two continuations must be equal (a secondary copy kept
+    across the load would hold the weights of the end of the first continuation)."""
+    case = HPZ_RESUME
+    engine = build(case)
+    train(engine, case, range(SAVED_AFTER), rank)
+    engine.save_checkpoint(directory)
+    uninterrupted = train(engine, case, range(SAVED_AFTER, STEPS), rank)
+    with torch.no_grad():
+        forward_loss(engine, make_batch(case, STEPS, 0, rank))
+    kept = sum(part.numel() for part in engine.stage.trainable.secondary.values())
+    engine.load_checkpoint(directory)
+    return {"uninterrupted": uninterrupted, "resumed": train(engine, case, range(SAVED_AFTER, STEPS), rank),
+            "secondary_before_load": kept}
 
 
 def two_ranks(rank: int, world_size: int, root: str) -> dict:
@@ -144,7 +167,8 @@ def crosses(group: str, rank: int) -> bool:
     """Whether `rank`'s ring successor in `group` is on the other node, for nodes {0, 1} | {2, 3}: the MiCS shard
     groups ({0, 1}, {2, 3}) never, the replica groups ({0, 2}, {1, 3}) always, a group of all four ranks from
     ranks 1 (-> 2) and 3 (-> 0)."""
-    return {"mics_shard": False, "mics_gather": False, "mics_replica": True}.get(group, rank in (1, 3))
+    return {"mics_shard": False, "mics_gather": False, "mics_replica": True, "hpz_gather": False}.get(group,
+                                                                                                   rank in (1, 3))
 
 
 def ring_formula(step: dict, rank: int) -> float:
@@ -152,7 +176,7 @@ def ring_formula(step: dict, rank: int) -> float:
     for key, count in step.items():
         group, _, kind = key.partition(".")
         if kind and count["calls"] and crosses(group, rank):
-            size = 2 if group.startswith("mics_") else 4
+            size = 2 if group.startswith(("mics_", "hpz_")) else 4
             total += RING_FACTOR[Collective(kind)](size) * count["bytes"]
     return total
 
@@ -188,6 +212,36 @@ def test_optimizer_state_is_split_over_the_shard_group_only(runs) -> None:
         assert mics > 1.9 * runs[0][rank]["memory"]["flat"]["optimizer_state"]
 
 
+def test_hpz_gathers_after_the_first_forward_stay_in_the_node(runs) -> None:
+    """Per step, hpZ gathers what flat stage 3 gathers, each unit's first gather of the step from the primary shards
+    over all ranks and every later one from the secondary copy over the node's 2 ranks, so fewer bytes cross."""
+    for rank in range(4):
+        hpz = runs[0][rank]["parity"]["hpz-s3"]["comm_per_step"][-1]
+        flat = runs[0][rank]["parity"]["flat-s3"]["comm_per_step"][-1]
+        primary, secondary = hpz["gather.all_gather"], hpz["hpz_gather.all_gather"]
+        assert primary["calls"] + secondary["calls"] == flat["gather.all_gather"]["calls"]
+        assert primary["bytes"] + secondary["bytes"] == flat["gather.all_gather"]["bytes"]
+        assert secondary["calls"] > primary["calls"] > 0  # 2 micro-steps' forwards and backwards, 1 from primary
+        crossing = 0.75 * secondary["bytes"] if rank in (1, 3) else 0  # what a ring over the 4 ranks sends across
+        assert hpz["cross_node"]["bytes"] == flat["cross_node"]["bytes"] - crossing
+
+
+def test_hpz_memory_counts_the_secondary_copy(runs) -> None:
+    """After full_state_dict() every bucket was gathered once since the step: each rank keeps 1/2 of every bucket,
+    trainable and frozen, beside its 1/4 primary shard."""
+    for rank in range(4):
+        hpz, flat = runs[0][rank]["parity"]["hpz-s3"], runs[0][rank]["parity"]["flat-s3"]
+        gathered = sum(hpz["unit_numel"]) + sum(hpz["unit_frozen_numel"])  # padded elements, fp32
+        assert hpz["unit_frozen_numel"] != [0] * len(hpz["unit_frozen_numel"])
+        assert hpz["memory"]["parameters"] == flat["memory"]["parameters"] + gathered * 4 // 2
+
+
+def test_first_loss_after_loading_an_hpz_checkpoint_is_the_uninterrupted_runs(runs) -> None:
+    for out in (r["hpz-resume"] for r in runs[0]):
+        assert out["secondary_before_load"] > 0  # the evaluation forward filled it: the load had to drop it
+        assert out["resumed"] == out["uninterrupted"]
+
+
 # --- checkpoints ---------------------------------------------------------------------------------------
 
 def test_hybrid_checkpoint_resumes_flat_on_two_ranks(runs) -> None:
@@ -218,6 +272,10 @@ def test_flat_checkpoint_resumes_hybrid(runs) -> None:
     ({"stage": 0, "mics_shard_size": 2}, {}, r"^zero_optimization.mics_shard_size=2 needs stage 1, 2 or 3"),
     ({"stage": 1}, {"ranks_per_node": 0}, r"^ranks_per_node=0 must be a positive rank count"),
     ({"stage": 1}, {"ranks_per_node": 3}, r"^ranks_per_node=3 does not divide the world size 4"),
+    ({"stage": 3, "zero_hpz_partition_size": 3}, {}, r"^zero_optimization.zero_hpz_partition_size=3 does not divide"),
+    ({"stage": 3, "zero_hpz_partition_size": 2, "mics_shard_size": 2}, {},
+     r"^zero_optimization.zero_hpz_partition_size=2 needs stage 3 without mics_shard_size"),
+    ({"stage": 3, "zero_hpz_partition_size": 0}, {}, r"^zero_optimization.zero_hpz_partition_size=0 is not a group"),
 ])
 def test_bad_shard_sizes_are_named_in_one_line(zero, top, message) -> None:
     with pytest.raises(ValueError, match=message) as error:

@@ -228,6 +228,9 @@ class ZeroConfig:
     mics_shard_size: int = -1
     """Stages 1-3: shard over groups of this many consecutive ranks, replicated across the groups (DeepSpeed's MiCS,
     FSDP's HSDP; See [Note: hybrid sharding] in comm/groups.py); -1: one group over every rank."""
+    hpz_partition_size: int = 1
+    """Stage 3: ZeRO++ hpZ, a secondary copy of the parameter shards split over groups of this many consecutive ranks,
+    which every gather after the first of a step reads (See [Note: hpZ's secondary copy] in flat/sharded.py); 1: none."""
     ranks_per_node: int | None = None
     """Ranks on each node, numbered consecutively. None: torchrun's LOCAL_WORLD_SIZE, else one node (the start-up
     fingerprint checks that every rank agrees on the outcome)."""
@@ -292,6 +295,9 @@ class ZeroConfig:
         if self.mics_shard_size != -1 and self.stage == 0:
             raise ValueError(f"zero_optimization.mics_shard_size={self.mics_shard_size} needs stage 1, 2 or 3 (stage 0 "
                              "shards nothing); zero_optimization.stage=0")
+        if isinstance(self.hpz_partition_size, bool) or self.hpz_partition_size < 1:
+            raise ValueError(f"zero_optimization.zero_hpz_partition_size={self.hpz_partition_size!r} is not a group size; "
+                             "use a positive divisor of the world size, or 1 for no secondary copy")
         if self.ranks_per_node is not None and (isinstance(self.ranks_per_node, bool) or self.ranks_per_node < 1):
             raise ValueError(f"ranks_per_node={self.ranks_per_node!r} must be a positive rank count")
         if self.grad_accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
@@ -385,7 +391,7 @@ SCALAR_FIELDS = {
     "prescale_gradients": "prescale_gradients", "gradient_predivide_factor": "gradient_predivide_factor",
     "dataloader_drop_last": "dataloader_drop_last", "comm_timeout_seconds": "comm_timeout_seconds",
     "broadcast_buffers": "broadcast_buffers", Z + "mics_shard_size": "mics_shard_size",
-    "ranks_per_node": "ranks_per_node",
+    "ranks_per_node": "ranks_per_node", Z + "zero_hpz_partition_size": "hpz_partition_size",
 }
 
 
@@ -397,7 +403,7 @@ def engine_settings(config: ZeroConfig, world_size: int, backend: str) -> Engine
                                   reduce_every_micro_step=config.reduce_every_micro_step,
                                   bucket_bytes=config.reduce_bucket_bytes,
                                   reduce_dtype=DTYPE_NAMES[config.precision.reduce_dtype],
-                                  mics_shard_size=config.mics_shard_size,
+                                  mics_shard_size=config.mics_shard_size, hpz_partition_size=config.hpz_partition_size,
                                   ranks_per_node=config.ranks_per_node or ranks_per_node_from_launcher(world_size))
 
 

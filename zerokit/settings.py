@@ -50,6 +50,24 @@ def shard_group_size(mics_shard_size: int | None, world_size: int, stage: int, r
     return mics_shard_size
 
 
+def secondary_group_size(hpz_partition_size: int | None, world_size: int, stage: int, shard_size: int,
+                         ranks_per_node: int) -> int:
+    """hpZ's k: the consecutive ranks that split stage 3's secondary copy of the parameters (See [Note: hpZ's
+    secondary copy] in flat/sharded.py); 1 (absent, DeepSpeed's default) or the world size: none."""
+    k = hpz_partition_size or 1
+    if k == 1 or k == world_size:
+        return 1
+    if stage != 3 or shard_size != world_size:
+        raise ValueError(f"zero_optimization.zero_hpz_partition_size={k} needs stage 3 without mics_shard_size (hpZ "
+                         f"keeps a second copy of stage 3's parameter shards); stage={stage}, mics_shard_size="
+                         f"{shard_size if shard_size != world_size else -1}")
+    if k < 1 or world_size % k:
+        raise ValueError(f"zero_optimization.zero_hpz_partition_size={k} does not divide the world size {world_size}; "
+                         f"use a divisor of it (the ranks per node, {ranks_per_node}, keeps later gathers inside each "
+                         "node) or 1 for none")
+    return k
+
+
 def bucket_numel(bucket_bytes: int, element_bytes: int) -> int:
     """Elements of a gradient bucket of `bucket_bytes` in a reduce dtype of `element_bytes` (at least one)."""
     return max(1, bucket_bytes // element_bytes)
@@ -86,6 +104,8 @@ class EngineSettings:
     otherwise (0 here: the world size, for settings made field by field)."""
     ranks_per_node: int = 0
     """Ranks on each node (torchrun's LOCAL_WORLD_SIZE, or the config's); 0: all on one node."""
+    secondary_size: int = 1
+    """hpZ's k at stage 3: the consecutive ranks a secondary copy of the parameter shards is split over; 1: none."""
 
     def __post_init__(self) -> None:
         if not self.shard_size:
@@ -96,7 +116,7 @@ class EngineSettings:
     @classmethod
     def resolve(cls, *, stage: int, world_size: int, backend: str, reduce_scatter: bool | None,
                 reduce_every_micro_step: bool, bucket_bytes: int, reduce_dtype: str, mics_shard_size: int | None = None,
-                ranks_per_node: int | None = None) -> "EngineSettings":
+                ranks_per_node: int | None = None, hpz_partition_size: int | None = None) -> "EngineSettings":
         per_node = ranks_per_node or world_size
         if world_size % per_node:
             raise ValueError(f"ranks_per_node={per_node} does not divide the world size {world_size}; give the ranks on "
@@ -106,7 +126,9 @@ class EngineSettings:
                    reduces_every_micro_step=reduces_every_micro_step(stage, reduce_every_micro_step),
                    bucket_numel=bucket_numel(bucket_bytes, ELEMENT_BYTES[reduce_dtype]),
                    shards_optimizer=stage > 0,
-                   shard_size=shard_group_size(mics_shard_size, world_size, stage, per_node), ranks_per_node=per_node)
+                   shard_size=(shard := shard_group_size(mics_shard_size, world_size, stage, per_node)),
+                   ranks_per_node=per_node,
+                   secondary_size=secondary_group_size(hpz_partition_size, world_size, stage, shard, per_node))
 
     @property
     def layout_world_size(self) -> int:
@@ -125,4 +147,4 @@ class EngineSettings:
 
 
 __all__ = ["ELEMENT_BYTES", "EngineSettings", "bucket_numel", "optimizer_piece_numel", "reduces_by_scatter",
-           "reduces_every_micro_step", "shard_group_size"]
+           "reduces_every_micro_step", "secondary_group_size", "shard_group_size"]

@@ -86,11 +86,11 @@ def test_no_fsdp_equivalent_is_a_clear_error(config, message):
     assert partial.unmapped and all(m.kind == NONE for m in partial.unmapped)
 
 
-def test_hybrid_shard_has_no_deepspeed_or_zerokit_equivalent():
+def test_hybrid_shard_has_no_deepspeed_equivalent_but_zerokit_keeps_mics_and_hpz():
     with pytest.raises(ValueError, match="DeepSpeed has no HSDP"):
         fsdp_to_deepspeed(parse_fsdp_terms(["HYBRID_SHARD", "param_dtype=bf16"]))
-    with pytest.raises(ValueError, match="zerokit shards over one flat group"):
-        deepspeed_to_zerokit(ds(3, zero_hpz_partition_size=8))
+    for key, value in (("zero_hpz_partition_size", 8), ("mics_shard_size", 8)):  # issue 26
+        assert deepspeed_to_zerokit(ds(3, **{key: value})).config["zero_optimization"][key] == value
 
 
 def test_reshard_after_forward_int_is_hpz():

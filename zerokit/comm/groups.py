@@ -45,12 +45,15 @@ class ProcessGroups:
     """Which copy of the states this rank holds (its shard group's index); replica 0 writes checkpoints."""
     world: Communicator | None = None
     """With MiCS, the engine's group over every rank (closed with these); None: it is `shard`."""
+    node: Communicator | None = None
+    """Stage 3 with hpZ: the k consecutive ranks that split the secondary copy of the parameter shards, which every
+    gather after a step's first reads (See [Note: hpZ's secondary copy] in flat/sharded.py); None without hpZ."""
 
     def close(self) -> None:
         """Destroy the groups (See Communicator.close)."""
         self.gather.close()
         self.shard.close()
-        for extra in (self.replica, self.world):
+        for extra in (self.replica, self.world, self.node):
             if extra is not None:
                 extra.close()
 
@@ -60,7 +63,10 @@ class ProcessGroups:
         comm.stats.ranks_per_node = settings.ranks_per_node  # See [Note: bytes that cross nodes] in collectives.py
         size, twin = settings.shard_size, settings.stage == 3
         if settings.replicas == 1 or size == comm.world_size:
-            return cls(shard=comm, gather=comm.twin() if twin else comm)
+            k = settings.secondary_size
+            node = comm.split([list(range(start, start + k)) for start in range(0, comm.world_size, k)], "hpz_gather") \
+                if k > 1 else None
+            return cls(shard=comm, gather=comm.twin() if twin else comm, node=node)
         ranks = range(comm.world_size)
         shard_groups = [list(ranks[start:start + size]) for start in range(0, comm.world_size, size)]
         shard = comm.split(shard_groups, "mics_shard")

@@ -54,8 +54,9 @@ CORE = (
             "0.19.8 refuses it too)"),
     always(Z + "parameter_alignment", "zerokit packs parameters without alignment padding (padding moves "
            "addresses, not values)", Kind.BOOL, False),
-    refused(Z + "zero_hpz_partition_size", "ZeRO++ hierarchical partitioning (hpZ)", "zerokit shards over one flat "
-            "group", Kind.INT, 1, (0, 1)),
+    honoured(Z + "zero_hpz_partition_size", Kind.INT, 1, "stage 3: ZeRO++ hpZ, a secondary copy of the parameter "
+             "shards over groups of this many consecutive ranks, read by every gather after a step's first", auto=False,
+             stage3=True),
     refused(Z + "zero_quantized_weights", "ZeRO++ quantized weight all-gathers", "zerokit gathers in the compute "
             "dtype"),
     refused(Z + "zero_quantized_nontrainable_weights", "frozen weights stored quantized", "zerokit stores them in "

@@ -5,6 +5,17 @@ Between gathers a parameter keeps its true shape and dtype (no torch.Size([0]) s
 one NaN broadcast to that shape, so code that computes with it outside its unit's forward gets NaN
 (and zerokit skips and reports the step) rather than plausible zeros, and code that writes to it in
 place gets an error. Gather with engine.unsharded() first.
+
+[Note: hpZ's secondary copy]
+With `zero_hpz_partition_size: k` (ZeRO++ hpZ, stage 3) a bucket's primary shards stay over every rank, and the
+first gather of a bucket after its shards change (the first forward of a step) also keeps a secondary shard: this
+rank's 1/k of the whole bucket, the part its index in its node group of k consecutive ranks owns. Every later
+gather of the bucket (backward, recomputation, later micro-steps, another rank's request) is an all-gather of
+those secondary shards inside the node group. The secondary copy is dropped whenever the shards change: after
+each optimizer step, after a checkpoint load, after edits written back (See `drop_secondary`), so it is never
+stale. Whether a bucket has one is decided when a gather is issued (not when it completes) and follows only
+from the gathers issued, which every rank issues alike: so every rank picks the same group for each gather.
+Buckets owned by one rank (broadcast, not gathered) keep no secondary copy.
 """
 
 from __future__ import annotations
@@ -30,8 +41,12 @@ class ShardHome(Protocol):
 
 
 class ShardedFlat:
-    def __init__(self, flat: FlatParameters, rank: int, home: ShardHome) -> None:
+    def __init__(self, flat: FlatParameters, rank: int, home: ShardHome, node: Communicator | None = None) -> None:
+        """`node`: hpZ's group of the k ranks that split a secondary copy (See [Note: hpZ's secondary copy])."""
         self.flat = flat
+        self.node = node
+        self.secondary: dict[int, torch.Tensor] = {}  # bucket index -> this rank's 1/k of it (1-D), or pending
+        self.capturing: set[int] = set()  # buckets whose secondary part is taken from their gather when it is done
         self.layout = flat.layout
         self.rank = rank
         self.home = home
@@ -59,14 +74,42 @@ class ShardedFlat:
         if bucket.index in self.full:
             return 0
         full = torch.empty(bucket.numel, dtype=self.flat.dtype, device=self.flat.device)
-        source = self.home.fetch(self.shard(bucket), own_part(full, bucket, self.rank))
-        self.in_flight[bucket.index] = gather_bucket(comm, bucket, full, source, async_op=True, purpose=purpose)
+        self.in_flight[bucket.index] = self._gather_into(full, bucket, comm, purpose, async_op=True)
         self.full[bucket.index] = full
         return bucket.numel
+
+    def _gather_into(self, full: torch.Tensor, bucket: Bucket, comm: Communicator, purpose: str,
+                     async_op: bool) -> Pending:
+        """From the secondary shards inside the node group where they are kept, else from the primary shards
+        over `comm` (keeping a secondary part, with hpZ). See [Note: hpZ's secondary copy]."""
+        if bucket.index in self.secondary:
+            return self.node.all_gather(full, self.secondary[bucket.index], async_op=async_op,
+                                        purpose=f"{purpose} (hpZ secondary)")
+        if self.node is not None and bucket.owner is None:
+            self.secondary[bucket.index] = full.chunk(self.node.world_size)[self.node.rank]  # a view until done
+            self.capturing.add(bucket.index)
+        source = self.home.fetch(self.shard(bucket), own_part(full, bucket, self.rank))
+        pending = gather_bucket(comm, bucket, full, source, async_op=async_op, purpose=purpose)
+        if not async_op:
+            self._captured(bucket)
+        return pending
+
+    def _captured(self, bucket: Bucket) -> None:
+        """The primary gather is done: the secondary part becomes a copy of its own."""
+        if bucket.index in self.capturing:
+            self.capturing.discard(bucket.index)
+            self.secondary[bucket.index] = self.secondary[bucket.index].clone()
+
+    def drop_secondary(self) -> None:
+        """The shards changed (or will): the next gather of each bucket reads the primary shards again."""
+        for index in list(self.capturing):
+            self.wait(self.layout.buckets[index])
+        self.secondary.clear()
 
     def wait(self, bucket: Bucket) -> None:
         if bucket.index in self.in_flight:
             wait(self.in_flight.pop(bucket.index))
+        self._captured(bucket)
 
     def has(self, bucket: Bucket) -> bool:
         """Gathered, or being gathered."""
@@ -91,9 +134,7 @@ class ShardedFlat:
         """Refresh a gathered bucket from the shards (after the shards changed), in place."""
         if bucket.index in self.full:
             self.wait(bucket)
-            full = self.full[bucket.index]
-            source = self.home.fetch(self.shard(bucket), own_part(full, bucket, self.rank))
-            wait(gather_bucket(comm, bucket, full, source, purpose=purpose))
+            wait(self._gather_into(self.full[bucket.index], bucket, comm, purpose, async_op=False))
 
     def write_back(self, bucket: Bucket) -> torch.Tensor | None:
         """Keep in-place edits of a gathered bucket: this rank's part goes back to its shard, and is
@@ -103,12 +144,17 @@ class ShardedFlat:
         return self.keep_shard(bucket, self.full[bucket.index])
 
     def tensors(self) -> list[torch.Tensor]:
-        """What this holds in memory: the shards, and the gathered buckets."""
-        return [self.shards, *self.full.values()]
+        """What this holds in memory: the shards, the gathered buckets, hpZ's secondary parts."""
+        return [self.shards, *self.full.values(), *self._secondary_copies()]
+
+    def _secondary_copies(self) -> list[torch.Tensor]:
+        """The secondary parts held apart (one still being gathered is a view of its gathered bucket)."""
+        return [part for index, part in self.secondary.items() if index not in self.capturing]
 
     def held_by_tier(self) -> dict[str, int]:
-        """Bytes by tier: the shards where their home keeps them, the gathered buckets on the device."""
-        held = {"device": tensor_bytes(self.full.values())}
+        """Bytes by tier: the shards where their home keeps them, the gathered buckets and hpZ's secondary parts on
+        the device."""
+        held = {"device": tensor_bytes(self.full.values()) + tensor_bytes(self._secondary_copies())}
         for tier, count in self.home.held(self.shards).items():
             held[tier] = held.get(tier, 0) + count
         return held

@@ -85,8 +85,9 @@ class ShardedParameters(ShardedGradients):
         layout = build_layout(param_entries(model, params, keys, owners), comm.world_size, bucket_numel=sys.maxsize)
         dtype, device = config.precision.param_dtype, _device_of(model)
         home = shard_home(config, comm.stats, device, global_rank)
-        trainable = ShardedFlat(FlatParameters(params, layout, dtype), comm.rank, home)
-        frozen = ShardedFlat(_frozen_flat(model, params, unit_of, comm.world_size, dtype), comm.rank, home)
+        node = process_groups.node  # See [Note: hpZ's secondary copy] in flat/sharded.py
+        trainable = ShardedFlat(FlatParameters(params, layout, dtype), comm.rank, home, node)
+        frozen = ShardedFlat(_frozen_flat(model, params, unit_of, comm.world_size, dtype), comm.rank, home, node)
         shards = UnitShards(units, trainable, frozen, [b.group // per_unit for b in layout.buckets],
                             process_groups.gather, config.stage3)
         homes = master_homes([trainable.shard(b) for b in layout.buckets], config, comm.stats, device, global_rank, home,
@@ -121,13 +122,15 @@ class ShardedParameters(ShardedGradients):
         return [unit.module for unit in self.units[1:]] if self.config.activation_checkpointing.checkpoint_units else []
 
     def publish_params(self) -> None:
-        """Masters -> shards; units that stay gathered (persistent, or all while pinned) are re-gathered."""
+        """Masters -> shards; units that stay gathered (persistent, or all while pinned) are re-gathered (from the
+        new shards: hpZ's secondary copy is dropped first)."""
+        self.shards.drop_secondary()
         self.masters.publish()
         self.shards.refresh_gathered()
 
     def after_load(self) -> None:
         """Published, and the frozen buckets of units kept gathered gathered again from their loaded shards."""
-        self.publish_params()
+        self.publish_params()  # drops hpZ's secondary copy: it held the values from before the load
         for bucket in self.frozen.layout.buckets:
             self.frozen.regather(bucket, self.shards.comm)
 
@@ -145,7 +148,8 @@ class ShardedParameters(ShardedGradients):
 
     def write_back_params(self) -> None:
         """The user changed gathered parameters in place: keep this rank's slice of each, in the shard
-        and in the fp32 master (frozen ones: in their shard)."""
+        and in the fp32 master (frozen ones: in their shard); hpZ's secondary copy goes."""
+        self.shards.drop_secondary()
         self.shards.write_back()
         self.masters.write_back()
 
@@ -184,7 +188,14 @@ class ShardedParameters(ShardedGradients):
         return [*super().describe(),
                 f"stage 3: {len(self.units)} units ({len(self.units) - 1} besides the root); gathered, the root holds "
                 f"{sizes[0]:,} elements and the largest other unit {max(sizes[1:], default=0):,}; "
-                f"{len(self.shards.persistent)} persistent", *self.shards.live_limit_lines()]
+                f"{len(self.shards.persistent)} persistent", *self.shards.live_limit_lines(), *self._hpz_lines()]
+
+    def _hpz_lines(self) -> list[str]:
+        node = self.groups.node
+        if node is None:
+            return []
+        return [f"hpZ: a secondary copy of the parameter shards over groups of {node.world_size} consecutive ranks; "
+                "each unit's first gather of a step reads the primary shards, every later one the secondary copy"]
 
     # --- access between steps ----------------------------------------------------------------------
     @contextmanager

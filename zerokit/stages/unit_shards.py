@@ -160,6 +160,11 @@ class UnitShards:
         for bucket in self.trainable.layout.buckets:
             self.trainable.regather(bucket, self.comm)
 
+    def drop_secondary(self) -> None:
+        """The shards are about to change: hpZ's secondary copies go (See [Note: hpZ's secondary copy])."""
+        self.trainable.drop_secondary()
+        self.frozen.drop_secondary()
+
     def write_back(self) -> None:
         """The user changed gathered parameters in place: keep this rank's slice of each in its shard."""
         for flat in (self.frozen, self.trainable):

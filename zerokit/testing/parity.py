@@ -72,6 +72,7 @@ class Case:
     cpu_checkpointing: bool = False  # checkpointed activations in host memory
     mics_shard_size: int = -1  # stages 1-3: MiCS shard groups of this many ranks (-1: one group over all)
     ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE, else one node
+    hpz_partition_size: int = 1  # stage 3: ZeRO++ hpZ's secondary copy over groups of this many ranks (1: none)
 
 
 def make_model(case: Case) -> torch.nn.Module:
@@ -213,6 +214,8 @@ def engine_config(case: Case) -> dict:
             config["activation_checkpointing"]["checkpoint_units"] = True
     if case.mics_shard_size != -1:
         config["zero_optimization"]["mics_shard_size"] = case.mics_shard_size
+    if case.hpz_partition_size != 1:
+        config["zero_optimization"]["zero_hpz_partition_size"] = case.hpz_partition_size
     if case.ranks_per_node is not None:
         config["ranks_per_node"] = case.ranks_per_node
     if case.dtype == "bf16":

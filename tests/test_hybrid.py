@@ -334,13 +334,14 @@ def test_two_torchrun_nodes(tmp_path) -> None:
     assert all(o["cross_node"] == o["replica_bytes"] > 0 for o in out)
 
 
-def test_a_profile_record_of_a_mics_run_is_refused() -> None:
-    """The planner models flat sharding only: a record of a MiCS run would be checked against the wrong model."""
+@pytest.mark.parametrize("key", ["mics_shard_size", "zero_hpz_partition_size"])
+def test_a_profile_record_of_a_hybrid_run_is_refused(key) -> None:
+    """The planner models flat sharding only: a record of a MiCS or hpZ run would be checked against the wrong model."""
     from types import SimpleNamespace
 
     from zerokit.profiling.record import engine_setup
 
-    config = load_config({"zero_optimization": {"stage": 3, "mics_shard_size": 2}})
+    config = load_config({"zero_optimization": {"stage": 3, key: 2}})
     engine = SimpleNamespace(config=config, settings=engine_settings(config, 4, "gloo"), world_size=4)
-    with pytest.raises(ValueError, match=r"^zero_optimization.mics_shard_size=2: the planner does not model MiCS"):
+    with pytest.raises(ValueError, match=rf"^zero_optimization.{key}=2: the planner does not model MiCS or hpZ"):
         engine_setup(engine, "adamw")

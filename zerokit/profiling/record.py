@@ -60,11 +60,11 @@ class RunRecord(JsonRecord):
 
 def engine_setup(engine: Any, optimizer_name: str) -> EngineSetup:
     config = engine.config
-    hybrid = {"mics_shard_size": config.mics_shard_size} if engine.settings.replicas > 1 else (
-        {"zero_hpz_partition_size": config.hpz_partition_size} if engine.settings.secondary_size > 1 else {})
-    for key, value in hybrid.items():  # See [Note: hybrid sharding] in zerokit/comm/groups.py
-        raise ValueError(f"zero_optimization.{key}={value}: the planner does not model MiCS or hpZ yet, so a record "
-                         "of this run could not be checked against it; record it without")
+    hybrid = f"mics_shard_size={config.mics_shard_size}" if engine.settings.replicas > 1 else (
+        f"zero_hpz_partition_size={config.hpz_partition_size}" if engine.settings.secondary_size > 1 else "")
+    if hybrid:  # See [Note: hybrid sharding] in zerokit/comm/groups.py
+        raise ValueError(f"zero_optimization.{hybrid}: the planner does not model MiCS or hpZ yet, so a record of this "
+                         "run could not be checked against it; record it without")
     return EngineSetup(stage=config.stage, world=engine.world_size,
                        precision=DTYPE_NAMES[config.precision.param_dtype],
                        reduce_dtype=DTYPE_NAMES[config.precision.reduce_dtype], optimizer=optimizer_name,

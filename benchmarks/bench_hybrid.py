@@ -1,6 +1,7 @@
 """Hybrid sharding (issue 26) on 2 simulated nodes x 2 gloo ranks: the bytes each rank sends across nodes per
-optimizer step, and the step time, for flat ZeRO-3 (one group over all 4 ranks) and MiCS ZeRO-3
-(`mics_shard_size: 2`, shard groups inside each node, gradients averaged across the nodes once per step).
+optimizer step, and the step time, for flat ZeRO-3 (one group over all 4 ranks), MiCS ZeRO-3 (`mics_shard_size: 2`,
+shard groups inside each node, gradients averaged across the nodes once per step) and hpZ ZeRO-3
+(`zero_hpz_partition_size: 2`, a secondary copy inside each node that every gather after a step's first reads).
 
     python benchmarks/bench_hybrid.py                      # benchmarks/workload.py's GPT, 2 micro-steps per step
     python benchmarks/bench_hybrid.py --n-layer 4 --n-embd 256 --accumulation 4 --steps 4
@@ -9,7 +10,7 @@ The nodes are simulated (`ranks_per_node: 2` in the config; every rank is on thi
 zerokit counts (comm_stats()["cross_node"], See [Note: bytes that cross nodes] in zerokit/comm/collectives.py),
 summed over the 4 ranks and per rank at most; the step time is the median over --steps timed steps (after one
 warm-up step) of the slowest rank, with no slow link between the "nodes", so it shows what MiCS costs on one host
-(the replica all-reduce at the boundary), not what it saves on a real network. Flat and MiCS take turns for
+(the replica all-reduce at the boundary), not what it saves on a real network. The modes take turns for
 --rounds rounds (a shared 2-core machine: the load average is printed beside the figures).
 """
 
@@ -34,21 +35,21 @@ from zerokit.testing.models import lm_loss  # noqa: E402
 from zerokit.testing.spawn import spawn  # noqa: E402
 
 WORLD, PER_NODE = 4, 2
-MODES = {"flat stage 3": -1, "MiCS stage 3 (s=2)": PER_NODE}
+MODES = {"flat stage 3": {}, "MiCS stage 3 (s=2)": {"mics_shard_size": PER_NODE},
+         "hpZ stage 3 (k=2)": {"zero_hpz_partition_size": PER_NODE}}
 
 
-def config(settings: BenchSettings, shard_size: int, accumulation: int) -> dict:
-    return {"zero_optimization": {"stage": 3, "reduce_bucket_bytes": settings.bucket_bytes,
-                                  "mics_shard_size": shard_size},
+def config(settings: BenchSettings, hybrid: dict, accumulation: int) -> dict:
+    return {"zero_optimization": {"stage": 3, "reduce_bucket_bytes": settings.bucket_bytes, **hybrid},
             "ranks_per_node": PER_NODE, "gradient_accumulation_steps": accumulation,
             "train_micro_batch_size_per_gpu": settings.batch_size}
 
 
-def run_rank(rank: int, world_size: int, settings: BenchSettings, shard_size: int, accumulation: int) -> dict:
+def run_rank(rank: int, world_size: int, settings: BenchSettings, hybrid: dict, accumulation: int) -> dict:
     import zerokit
 
     model = make_model(settings)
-    engine = zerokit.initialize(model, make_optimizer(model, settings), config(settings, shard_size, accumulation))
+    engine = zerokit.initialize(model, make_optimizer(model, settings), config(settings, hybrid, accumulation))
     times, crossed, sent = [], [], []
     for step in range(settings.warmup + settings.steps):
         dist.barrier()
@@ -69,8 +70,8 @@ def run_rank(rank: int, world_size: int, settings: BenchSettings, shard_size: in
 def measure(settings: BenchSettings, accumulation: int, rounds: int) -> dict[str, dict]:
     results: dict[str, dict] = {name: {"step_s": [], "cross": None} for name in MODES}
     for _ in range(rounds):
-        for name, shard_size in MODES.items():
-            ranks = spawn(run_rank, WORLD, settings, shard_size, accumulation, timeout=1200)
+        for name, hybrid in MODES.items():
+            ranks = spawn(run_rank, WORLD, settings, hybrid, accumulation, timeout=1200)
             slowest = [max(step) for step in zip(*(r["times"] for r in ranks))]
             results[name]["step_s"] += slowest
             results[name]["cross"] = [r["cross_node"][-1] for r in ranks]  # equal every step

@@ -12,7 +12,8 @@ zerokit counts (comm_stats()["cross_node"], See [Note: bytes that cross nodes] i
 summed over the 4 ranks and per rank at most, and, for every row, DeepSpeed's too, the same bytes counted at torch's
 c10d operators over one more, untimed step (a TorchDispatchMode that finds each collective's process group: the
 same ring convention, applied to the calls whoever makes them; on the CPU DeepSpeed's small all-reduces may go
-through its shared-memory op instead and are then not seen); the step time is the median over --steps timed steps (after one
+through its shared-memory op instead and are then not seen);
+the step time is the median over --steps timed steps (after one
 warm-up step) of the slowest rank, with no slow link between the "nodes", so it shows what MiCS costs on one host
 (the replica all-reduce at the boundary), not what it saves on a real network. The modes take turns for
 --rounds rounds (a shared 2-core machine: the load average is printed beside the figures).

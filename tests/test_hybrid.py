@@ -275,7 +275,7 @@ def test_flat_checkpoint_resumes_hybrid(runs) -> None:
     ({"stage": 3, "zero_hpz_partition_size": 3}, {}, r"^zero_optimization.zero_hpz_partition_size=3 does not divide"),
     ({"stage": 3, "zero_hpz_partition_size": 2, "mics_shard_size": 2}, {},
      r"^zero_optimization.zero_hpz_partition_size=2 needs stage 3 without mics_shard_size"),
-    ({"stage": 3, "zero_hpz_partition_size": 0}, {}, r"^zero_optimization.zero_hpz_partition_size=0 is not a group"),
+    ({"stage": 3, "zero_hpz_partition_size": 0}, {}, r"^zero_optimization.zero_hpz_partition_size=0 is not a group size"),
 ])
 def test_bad_shard_sizes_are_named_in_one_line(zero, top, message) -> None:
     with pytest.raises(ValueError, match=message) as error:

@@ -229,8 +229,9 @@ class ZeroConfig:
     """Stages 1-3: shard over groups of this many consecutive ranks, replicated across the groups (DeepSpeed's MiCS,
     FSDP's HSDP; See [Note: hybrid sharding] in comm/groups.py); -1: one group over every rank."""
     hpz_partition_size: int = 1
-    """Stage 3: ZeRO++ hpZ, a secondary copy of the parameter shards split over groups of this many consecutive ranks,
-    which every gather after the first of a step reads (See [Note: hpZ's secondary copy] in flat/sharded.py); 1: none."""
+    """Stage 3: ZeRO++ hpZ, a secondary copy of the parameter shards split over groups of this many consecutive
+    ranks, which every gather after the first of a step reads (See [Note: hpZ's secondary copy] in
+    flat/sharded.py); 1: none."""
     ranks_per_node: int | None = None
     """Ranks on each node, numbered consecutively. None: torchrun's LOCAL_WORLD_SIZE, else one node (the start-up
     fingerprint checks that every rank agrees on the outcome)."""
@@ -296,8 +297,8 @@ class ZeroConfig:
             raise ValueError(f"zero_optimization.mics_shard_size={self.mics_shard_size} needs stage 1, 2 or 3 (stage 0 "
                              "shards nothing); zero_optimization.stage=0")
         if isinstance(self.hpz_partition_size, bool) or self.hpz_partition_size < 1:
-            raise ValueError(f"zero_optimization.zero_hpz_partition_size={self.hpz_partition_size!r} is not a group size; "
-                             "use a positive divisor of the world size, or 1 for no secondary copy")
+            raise ValueError(f"zero_optimization.zero_hpz_partition_size={self.hpz_partition_size!r} is not a group "
+                             "size; use a positive divisor of the world size, or 1 for no secondary copy")
         if self.ranks_per_node is not None and (isinstance(self.ranks_per_node, bool) or self.ranks_per_node < 1):
             raise ValueError(f"ranks_per_node={self.ranks_per_node!r} must be a positive rank count")
         if self.grad_accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):

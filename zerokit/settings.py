@@ -119,8 +119,8 @@ class EngineSettings:
                 ranks_per_node: int | None = None, hpz_partition_size: int | None = None) -> "EngineSettings":
         per_node = ranks_per_node or world_size
         if world_size % per_node:
-            raise ValueError(f"ranks_per_node={per_node} does not divide the world size {world_size}; give the ranks on "
-                             "each node (nodes of equal size, numbered consecutively)")
+            raise ValueError(f"ranks_per_node={per_node} does not divide the world size {world_size}; give the ranks "
+                             "on each node (nodes of equal size, numbered consecutively)")
         return cls(stage=stage, world_size=world_size,
                    reduce_scatter=reduces_by_scatter(backend, reduce_scatter),
                    reduces_every_micro_step=reduces_every_micro_step(stage, reduce_every_micro_step),

@@ -14,8 +14,10 @@ to the next rank of the group, the last to the first. Those bytes cross nodes ex
 another node (nodes hold consecutive ranks: node = global rank // ranks per node). So a flat group over two nodes
 of two ranks (0 1 | 2 3) sends across from ranks 1 and 3, each a whole ring share, and nothing from ranks 0 and
 2; a MiCS replica group {0, 2} sends its whole share across from both. A group inside one node never counts.
-The split by group ("<group>.<kind>" entries) and "cross_node" appear once a job spans more than one node;
-collectives before the stage made its groups (the start-up checks, placing the model) are not counted across.
+The split by group ("<group>.<kind>" entries: "shard" and "gather" are the groups over every rank, "mics_shard",
+"mics_gather", "mics_replica" MiCS's and "hpz_gather" hpZ's) and "cross_node" appear once a job spans more than
+one node; collectives before the stage made its groups (the start-up checks, placing the model) are not counted
+across.
 
 [Note: all-gather on gloo]
 gloo's all-gather copies its result through a temporary as large as the output: with 25 MiB buckets

@@ -152,7 +152,8 @@ OFFLOAD = (
            "CPU step uses torch's threads", Kind.FLOAT, 0.8),
 )
 
-# DeepSpeed 0.19.8 removed MiCS; zerokit offers it with DeepSpeed's meaning (See [Note: hybrid sharding] in comm/groups.py)
+# DeepSpeed 0.19.8 removed MiCS; zerokit offers it with DeepSpeed's meaning (See [Note: hybrid sharding] in
+# comm/groups.py)
 MICS = (
     honoured(Z + "mics_shard_size", Kind.INT, -1, "stages 1-3: shard the model states over groups of this many "
              "consecutive ranks and replicate them across the groups (MiCS/HSDP); -1: one group over every rank",

@@ -90,8 +90,8 @@ class ShardedParameters(ShardedGradients):
         frozen = ShardedFlat(_frozen_flat(model, params, unit_of, comm.world_size, dtype), comm.rank, home, node)
         shards = UnitShards(units, trainable, frozen, [b.group // per_unit for b in layout.buckets],
                             process_groups.gather, config.stage3)
-        homes = master_homes([trainable.shard(b) for b in layout.buckets], config, comm.stats, device, global_rank, home,
-                             plan.names)
+        homes = master_homes([trainable.shard(b) for b in layout.buckets], config, comm.stats, device, global_rank,
+                             home, plan.names)
         masters = ShardMasters(homes, [b.param_slices(comm.rank) for b in layout.buckets],
                                [groups[b.slots[0].param_index] for b in layout.buckets], plan, config.sub_group_size)
         _place(model, shards, masters, comm, construction or Construction())

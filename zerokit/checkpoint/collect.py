@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from zerokit.checkpoint.files import TensorSpec
 from zerokit.checkpoint.manifest import BUFFER, FROZEN, MASTER, PartRecord, dtype_name, state_key, values_key
@@ -122,9 +121,3 @@ def _frozen(view: ParameterView, payload: RankPayload) -> None:
 def _whole(payload: RankPayload, name: str, role: str, tensor: torch.Tensor, rank: int) -> None:
     payload.entries.append(SaveEntry(TensorSpec(values_key(name, role), tensor.dtype, (tensor.numel(),)), [tensor]))
     payload.parts.append(PartRecord(name, role, dtype_name(tensor.dtype), tuple(tensor.shape), rank, 0, tensor.numel()))
-
-
-def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Buffers the module's state_dict holds (not the non-persistent ones), by name."""
-    keys = module.state_dict(keep_vars=True).keys()
-    return [(name, buffer) for name, buffer in module.named_buffers() if name in keys]

@@ -8,11 +8,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from zerokit.checkpoint.collect import persistent_buffers
 from zerokit.checkpoint.files import Readers
 from zerokit.checkpoint.manifest import MANIFEST, MASTER, Manifest, ParamRecord, rank_file, state_key, values_key
 from zerokit.checkpoint.optimizer_state import decode_scalar
-from zerokit.stages.view import ParameterView, PieceView
+from zerokit.stages.view import ParameterView, PieceView, persistent_buffers
 
 
 def read_range(readers: Readers, record: ParamRecord, key: str, begin: int, out: torch.Tensor) -> None:

@@ -122,8 +122,7 @@ class ParameterView:
 
     def buffers(self) -> list[tuple[str, torch.Tensor]]:
         """Buffers the module's state_dict holds (not the non-persistent ones), by name."""
-        keys = self.module.state_dict(keep_vars=True).keys()
-        return [(name, buffer) for name, buffer in self.module.named_buffers() if name in keys]
+        return persistent_buffers(self.module)
 
     @contextmanager
     def resident(self, publish: bool = False) -> Iterator[None]:
@@ -148,11 +147,15 @@ class ParameterView:
                 for param in params:
                     for name in names[id(param)]:
                         state[name] = param.detach().float().cpu().clone()
-        saved = self.module.state_dict(keep_vars=True)  # which buffers are persistent, and the key order
-        for name, buffer in self.module.named_buffers():
-            if name in saved:
-                state[name] = buffer.detach().cpu().clone()
-        return {name: state[name] for name in saved}
+        for name, buffer in persistent_buffers(self.module):
+            state[name] = buffer.detach().cpu().clone()
+        return {name: state[name] for name in self.module.state_dict(keep_vars=True)}  # the state dict's key order
 
 
-__all__ = ["FrozenView", "ParameterView", "PieceView", "TrainableView"]
+def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Buffers the module's state_dict holds (not the non-persistent ones), by name."""
+    keys = module.state_dict(keep_vars=True).keys()
+    return [(name, buffer) for name, buffer in module.named_buffers() if name in keys]
+
+
+__all__ = ["FrozenView", "ParameterView", "PieceView", "TrainableView", "persistent_buffers"]

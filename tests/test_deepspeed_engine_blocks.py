@@ -141,7 +141,7 @@ def predivision() -> list[dict]:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_predivision_by_powers_of_two_is_bit_identical(predivision, stage: int) -> None:
-    """See [Note: gradient pre-division] in zerokit/stages/base.py."""
+    """See [Note: gradient pre-division] in zerokit/stages/averaging.py."""
     for rank in range(2):
         default = predivision[rank][stage, "default"]
         for name in ("prescale", "predivide-2"):

@@ -28,7 +28,9 @@ from zerokit.observe import EngineMonitor, collective_stats
 from zerokit.precision import StepResult, make_loss_scaler
 from zerokit.reliability import Safeguards, check_at_start
 from zerokit.runtime import close_at_exit, default_device, ensure_process_group, forget_at_exit, log_startup
-from zerokit.stages import STAGES, BucketReducer, install_hooks
+from zerokit.settings import EngineSettings
+from zerokit.stages import STAGES, BucketReducer, ZeroStage, install_hooks
+from zerokit.stages.base import memory_by_tier
 from zerokit.step import Progress, Stepper
 from zerokit.stages.construction import ParamInit, place_model
 from zerokit.stages.view import ParameterView
@@ -53,22 +55,11 @@ class Engine:
         config = self.config = config.resolve(world_size=self.world_size, hidden_size=hidden_size_of(model))
         setup_lines = grad_accum_dtype_lines(config)
         self.device = device or default_device()
-        optimizers = optimizers_for(model, optimizer, config, model_parameters)
-        kinds = [optimizer_kind(o, config.optimizer_kinds, config.allow_untested_optimizer) for o in optimizers]
-        check_at_start(model, optimizers, config, self.comm, self.device)  # before any collective on the model
-        construction = place_model(model, optimizers, param_init, config.stage, self.device, self.comm)
         self.module = model
-        groups, refs = trainable_groups(model, optimizers, kinds)
-        params, group_of_param = _backward_ordered(model, groups)
-        plan = OptimizerPlan(tuple(optimizers), tuple(refs))
-        extra = {"construction": construction} if construction is not None else {}
         # See [Note: one place for each engine decision] in zerokit/settings.py
         self.settings = engine_settings(config, self.world_size, self.comm.backend)
-        self.stage = STAGES[config.stage].build(model, params, group_of_param, plan, config, self.settings, self.comm,
-                                                **extra)
-        # Frozen parameters (stages 0-2; stage 3 shards them in the compute dtype already) and buffers;
-        # trainable ones are cast.
-        model.to(dtype=config.precision.param_dtype)
+        self.stage, kinds = _build_stage(model, optimizer, model_parameters, param_init, config, self.settings,
+                                         self.comm, self.device)
         self.optimizer = self.stage.optimizer
         self.view = ParameterView(self.stage, model, kinds)  # See [Note: a per-parameter view of the stage]
         self.lr_schedules = lr_schedules_for(config, self.stage.masters.optimizers)  # See zerokit/engine_blocks.py
@@ -155,7 +146,7 @@ class Engine:
     def memory_by_tier(self) -> dict[str, dict[str, int]]:
         """memory_stats() by tier: what this rank holds on the device, in host memory (offload tiers) and in
         NVMe files."""
-        return self.stage.memory_by_tier(self.module)
+        return memory_by_tier(self.stage, self.module)
 
     def unsharded(self, params: list[nn.Parameter] | None = None, write_back: bool = False):
         """Context: the given parameters (default: all) hold their full values until exit, as
@@ -242,6 +233,26 @@ class Engine:
 
     def eval(self) -> "Engine":
         return self.train(False)
+
+
+def _build_stage(model: nn.Module, optimizer: Optimizers | None, model_parameters: Iterable[Any] | None,
+                 param_init: ParamInit | None, config: ZeroConfig, settings: EngineSettings, comm: Communicator,
+                 device: torch.device) -> tuple[ZeroStage, list[str]]:
+    """The model and its optimizers made into the config's stage (layout, flat buffers, masters; See ZeroStage.build),
+    the model placed on `device` and cast to the compute dtype; with each optimizer's kind."""
+    optimizers = optimizers_for(model, optimizer, config, model_parameters)
+    kinds = [optimizer_kind(o, config.optimizer_kinds, config.allow_untested_optimizer) for o in optimizers]
+    check_at_start(model, optimizers, config, comm, device)  # before any collective on the model
+    construction = place_model(model, optimizers, param_init, config.stage, device, comm)
+    groups, refs = trainable_groups(model, optimizers, kinds)
+    params, group_of_param = _backward_ordered(model, groups)
+    plan = OptimizerPlan(tuple(optimizers), tuple(refs))
+    extra = {"construction": construction} if construction is not None else {}
+    stage = STAGES[config.stage].build(model, params, group_of_param, plan, config, settings, comm, **extra)
+    # Frozen parameters (stages 0-2; stage 3 shards them in the compute dtype already) and buffers; trainable ones
+    # are cast.
+    model.to(dtype=config.precision.param_dtype)
+    return stage, kinds
 
 
 def _backward_ordered(model: nn.Module, groups: list[list[nn.Parameter]]) -> tuple[list[nn.Parameter], list[int]]:

@@ -19,6 +19,9 @@ The split by group ("<group>.<kind>" entries: "shard" and "gather" are the group
 one node; collectives before the stage made its groups (the start-up checks, placing the model) are not counted
 across.
 
+
+The counting itself is counting.py's (CommStats for an engine, GroupCount for each of its groups).
+
 [Note: all-gather on gloo]
 gloo's all-gather copies its result through a temporary as large as the output: with 25 MiB buckets
 that was most of what stage 1 held beyond torch's ZeroRedundancyOptimizer at its peak (365 vs 277 MiB
@@ -29,101 +32,16 @@ instead: N broadcasts of 1/N each, in which every rank sends its own slice to th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from datetime import timedelta
-from enum import Enum
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from zerokit.comm.counting import RING_FACTOR, Collective, CommStats, GroupCount, Transfer
 from zerokit.comm.deadline import TrackedWork, Watcher
 from zerokit.comm.flight import FlightRecorder
-
-
-class Collective(str, Enum):
-    ALL_REDUCE = "all_reduce"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_GATHER = "all_gather"
-    BROADCAST = "broadcast"
-    REDUCE = "reduce"
-
-
-class Transfer(str, Enum):
-    """Bytes an offload tier moves between memories (counted beside the collectives, sent by no one)."""
-
-    HOST_TO_DEVICE = "host_to_device"
-    DEVICE_TO_HOST = "device_to_host"
-    NVME_READ = "nvme_read"
-    NVME_WRITE = "nvme_write"
-
-
-# Ring traffic per rank as a multiple of the logical bytes, for N ranks.
-RING_FACTOR = {
-    Collective.ALL_REDUCE: lambda n: 2 * (n - 1) / n,
-    Collective.REDUCE_SCATTER: lambda n: (n - 1) / n,
-    Collective.ALL_GATHER: lambda n: (n - 1) / n,
-    Collective.BROADCAST: lambda n: (n - 1) / n,
-    Collective.REDUCE: lambda n: (n - 1) / n,
-}
-
-
-@dataclass
-class CollectiveCount:
-    calls: int = 0
-    elements: int = 0
-    bytes: int = 0
-
-
-@dataclass
-class CommStats:
-    world_size: int
-    counts: dict[Collective | Transfer, CollectiveCount] = field(
-        default_factory=lambda: {kind: CollectiveCount() for kind in (*Collective, *Transfer)})
-    ranks_per_node: int | None = None
-    """Set once the stage knows the nodes (See [Note: bytes that cross nodes]); None: not split by group."""
-    by_group: dict[str, dict[Collective, CollectiveCount]] = field(default_factory=dict)
-    cross_node_bytes: float = 0.0
-
-    def record(self, kind: Collective | Transfer, tensor: torch.Tensor, group: str = "",
-               ring_share: float = 0.0) -> None:
-        """`ring_share`: the share of the bytes this rank sends to another node (See [Note: bytes that cross
-        nodes]); `group`: the Communicator's name, for the split by group."""
-        count = self.counts[kind]
-        _add(count, tensor)
-        if self.spans_nodes and kind in RING_FACTOR and group:
-            self.add_group(group)
-            _add(self.by_group[group][kind], tensor)
-            self.cross_node_bytes += ring_share * tensor.numel() * tensor.element_size()
-
-    def add_group(self, group: str) -> None:
-        """Count `group`'s collectives apart from the start (so that comm_stats() keeps the same keys throughout)."""
-        self.by_group.setdefault(group, {kind: CollectiveCount() for kind in Collective})
-
-    @property
-    def spans_nodes(self) -> bool:
-        return self.ranks_per_node is not None and self.ranks_per_node < self.world_size
-
-    def wire_bytes(self) -> float:
-        """Bytes this rank sends on a ring over every rank, summed over all collectives."""
-        return sum(RING_FACTOR[kind](self.world_size) * count.bytes for kind, count in self.counts.items()
-                   if kind in RING_FACTOR)
-
-    def as_dict(self) -> dict[str, dict[str, int]]:
-        """Per kind, every group together; across nodes, also "<group>.<kind>" and "cross_node"."""
-        stats = {kind.value: vars(count).copy() for kind, count in self.counts.items()}
-        if self.spans_nodes:
-            for group, counts in self.by_group.items():
-                stats.update({f"{group}.{kind.value}": vars(count).copy() for kind, count in counts.items()})
-            stats["cross_node"] = {"bytes": round(self.cross_node_bytes)}
-        return stats
-
-
-def _add(count: CollectiveCount, tensor: torch.Tensor) -> None:
-    count.calls += 1
-    count.elements += tensor.numel()
-    count.bytes += tensor.numel() * tensor.element_size()
 
 
 class Pending(NamedTuple):
@@ -153,14 +71,13 @@ class Communicator:
         # where this group's tensors must be: NCCL reduces device tensors only
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.stats = stats or CommStats(self.world_size)
-        self.stats.add_group(name)
+        self.count = GroupCount(self.stats, name, group, self.rank, self.world_size)
         self.name, self.timeout_seconds = name, timeout_seconds
         self.blocking_waits = self.backend == "gloo"  # a gloo wait blocks the CPU anyway: give it the deadline
         self.incident = incident or _group_name(group)  # where this job's failure reports meet in the store
         self.recorder = recorder or FlightRecorder(self.rank, self.incident)
         self.sequence = 0  # collectives issued on this group so far
         self._control: Communicator | None = None
-        self._crosses: bool | None = None  # whether the next rank of this group's ring is on another node
         self._watcher = Watcher(self, min(1.0, timeout_seconds / 4)) if timeout_seconds and not self.blocking_waits \
             else None
 
@@ -181,39 +98,21 @@ class Communicator:
         where it needs a group of its own. `twin_of`: the Communicator of an earlier split of the same parts, whose
         control group this one shares, as `twin` does."""
         members = dist.get_process_group_ranks(self.group or dist.group.WORLD)
-        timeout = {"timeout": _group_timeout(self.timeout_seconds, self.backend)} if self.timeout_seconds else {}
         own_control = twin_of is None and self.backend not in ("gloo", "fake")
         mine = None
         for part in parts:
             ranks = [members[rank] for rank in part]
-            group = dist.new_group(ranks, **timeout)
-            control = dist.new_group(ranks, backend="gloo", **timeout) if own_control else None
+            group = self._new_group(ranks)
+            control = self._new_group(ranks, backend="gloo") if own_control else None
             if self.rank in part:
-                mine = Communicator(group, self.stats, name=name, timeout_seconds=self.timeout_seconds,
-                                    recorder=self.recorder, incident=self.incident, owns_group=True)
+                mine = self._member(group, self.stats, name)
                 if control is not None:
-                    mine._control = Communicator(control, CommStats(len(part)), name="control", owns_group=True,
-                                                 timeout_seconds=self.timeout_seconds, recorder=self.recorder,
-                                                 incident=self.incident)
+                    mine._control = self._member(control, CommStats(len(part)), "control")
         if mine is None:
             raise RuntimeError(f"rank {self.rank} is in none of the groups {parts} (an internal bug)")
         if twin_of is not None and twin_of._control is not None and twin_of._control.group is not twin_of.group:
             mine._control = twin_of._control
         return mine
-
-    def crosses_nodes(self) -> bool:
-        """Whether this rank's ring traffic on this group goes to another node (See [Note: bytes that cross
-        nodes]); decided on first use, once the stats know the nodes."""
-        if self._crosses is None and self.stats.ranks_per_node is not None and self.group is not None:
-            ranks = sorted(dist.get_process_group_ranks(self.group))
-            me = dist.get_global_rank(self.group, self.rank)
-            following = ranks[(ranks.index(me) + 1) % len(ranks)]
-            self._crosses = me // self.stats.ranks_per_node != following // self.stats.ranks_per_node
-        return bool(self._crosses)
-
-    def _record(self, kind: Collective, tensor: torch.Tensor) -> None:
-        share = RING_FACTOR[kind](self.world_size) if self.stats.spans_nodes and self.crosses_nodes() else 0.0
-        self.stats.record(kind, tensor, self.name, share)
 
     def twin(self, name: str = "gather") -> "Communicator":
         """A Communicator over a new group with the same ranks, counted in the same stats. Collectives on
@@ -235,18 +134,27 @@ class Communicator:
         ranks, made on first use (every rank must first use it at the same point)."""
         if self._control is None:
             cpu = self.backend in ("gloo", "fake")
-            self._control = Communicator(
-                self.group if cpu else self._sibling("control", backend="gloo", stats=self.stats).group,
-                CommStats(self.world_size), name="control", timeout_seconds=self.timeout_seconds,
-                recorder=self.recorder, incident=self.incident)
+            group = self.group if cpu else self._sibling("control", backend="gloo", stats=self.stats).group
+            self._control = self._member(group, CommStats(self.world_size), "control", owns_group=False)
         return self._control
 
     def _sibling(self, name: str, backend: str | None, stats: CommStats) -> "Communicator":
-        ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+        """A Communicator over a new group with the same ranks (`backend` None: this one's)."""
+        group = self._new_group(dist.get_process_group_ranks(self.group or dist.group.WORLD), backend)
+        return self._member(group, stats, name)
+
+    def _new_group(self, ranks: list[int], backend: str | None = None) -> dist.ProcessGroup:
+        """A new process group over `ranks` (global ranks) whose own timeout is this one's deadline. Every rank of the
+        job must call it, in the same order: torch's new_group is a collective over the whole job."""
         timeout = _group_timeout(self.timeout_seconds, backend or self.backend) if self.timeout_seconds else None
-        group = dist.new_group(ranks, backend=backend, **({"timeout": timeout} if timeout else {}))
+        return dist.new_group(ranks, backend=backend, **({"timeout": timeout} if timeout else {}))
+
+    def _member(self, group: dist.ProcessGroup | None, stats: CommStats, name: str,
+                owns_group: bool = True) -> "Communicator":
+        """A Communicator over `group` made for this one's engine: the same deadline, and failures reported with this
+        one's (the same flight recorder and incident)."""
         return Communicator(group, stats, name=name, timeout_seconds=self.timeout_seconds, recorder=self.recorder,
-                            incident=self.incident, owns_group=True)
+                            incident=self.incident, owns_group=owns_group)
 
     def close(self) -> None:
         """Destroy the process group zerokit made for this Communicator (and its control group, when that is a
@@ -269,11 +177,8 @@ class Communicator:
                    async_op: bool = False, purpose: str = "") -> Pending:
         """In place; AVG by default, which is what data-parallel gradients need. `purpose`, here and in every
         collective: what it is for, named in reports ("gradients: bucket 3 of param group 0")."""
-        self._check_open(Collective.ALL_REDUCE)
-        self._record(Collective.ALL_REDUCE, tensor)
-        with record_function("zerokit::all_reduce"):
-            work = dist.all_reduce(tensor, op=op, group=self.group, async_op=True)
-        return self._issued(Collective.ALL_REDUCE, tensor, [work], purpose, async_op)
+        return self._launch(Collective.ALL_REDUCE, tensor, purpose, async_op,
+                            lambda: [dist.all_reduce(tensor, op=op, group=self.group, async_op=True)])
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        op: dist.ReduceOp = dist.ReduceOp.AVG, async_op: bool = False, purpose: str = "") -> Pending:
@@ -281,12 +186,10 @@ class Communicator:
 
         `output` must not alias `input`: gloo returns wrong values for the in-place form.
         """
-        self._check_open(Collective.REDUCE_SCATTER)
         self._check_sizes("reduce_scatter", big=input, small=output)
-        self._record(Collective.REDUCE_SCATTER, input)
-        with record_function("zerokit::reduce_scatter"):
-            work = dist.reduce_scatter_single(output, input, op=op, group=self.group, async_op=True)
-        return self._issued(Collective.REDUCE_SCATTER, input, [work], purpose, async_op, output)
+        return self._launch(Collective.REDUCE_SCATTER, input, purpose, async_op,
+                            lambda: [dist.reduce_scatter_single(output, input, op=op, group=self.group, async_op=True)],
+                            output)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
                    purpose: str = "") -> Pending:
@@ -295,46 +198,41 @@ class Communicator:
         `input` may be this rank's own slice of `output` (the in-place form).
         See [Note: all-gather on gloo].
         """
-        self._check_open(Collective.ALL_GATHER)
         self._check_sizes("all_gather", big=output, small=input)
-        self._record(Collective.ALL_GATHER, output)
-        with record_function("zerokit::all_gather"):
-            if self.backend != "gloo":
-                works = [dist.all_gather_single(output, input, group=self.group, async_op=True)]
-            else:
-                slots = output.chunk(self.world_size)
-                if slots[self.rank].data_ptr() != input.data_ptr():
-                    slots[self.rank].copy_(input)
-                works = [dist.broadcast(slot, src=self._global(rank), group=self.group, async_op=True)
-                         for rank, slot in enumerate(slots)]
-        return self._issued(Collective.ALL_GATHER, output, works, purpose, async_op)
+        if self.backend != "gloo":
+            return self._launch(Collective.ALL_GATHER, output, purpose, async_op,
+                                lambda: [dist.all_gather_single(output, input, group=self.group, async_op=True)])
+        slots = output.chunk(self.world_size)
+
+        def broadcast_slots() -> list[dist.Work]:
+            if slots[self.rank].data_ptr() != input.data_ptr():
+                slots[self.rank].copy_(input)
+            return [dist.broadcast(slot, src=self._global(rank), group=self.group, async_op=True)
+                    for rank, slot in enumerate(slots)]
+        return self._launch(Collective.ALL_GATHER, output, purpose, async_op, broadcast_slots)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False, purpose: str = "") -> Pending:
         """In place: every rank's `tensor` becomes `src`'s."""
-        self._check_open(Collective.BROADCAST)
-        self._record(Collective.BROADCAST, tensor)
-        with record_function("zerokit::broadcast"):
-            work = dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)
-        return self._issued(Collective.BROADCAST, tensor, [work], purpose, async_op)
+        return self._launch(Collective.BROADCAST, tensor, purpose, async_op,
+                            lambda: [dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)])
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: dist.ReduceOp = dist.ReduceOp.AVG,
                async_op: bool = False, purpose: str = "") -> Pending:
         """In place on `dst`, which receives the reduction (AVG by default); the others' `tensor` is scratch."""
-        self._check_open(Collective.REDUCE)
-        self._record(Collective.REDUCE, tensor)
-        with record_function("zerokit::reduce"):
-            work = dist.reduce(tensor, dst=self._global(dst), op=op, group=self.group, async_op=True)
-        return self._issued(Collective.REDUCE, tensor, [work], purpose, async_op)
+        return self._launch(Collective.REDUCE, tensor, purpose, async_op,
+                            lambda: [dist.reduce(tensor, dst=self._global(dst), op=op, group=self.group, async_op=True)])
 
-    def _check_open(self, kind: Collective) -> None:
-        """A closed Communicator has no group (None would mean the default group to torch): refuse."""
+    def _launch(self, kind: Collective, tensor: torch.Tensor, purpose: str, async_op: bool,
+                issue: Callable[[], list[dist.Work]], output: torch.Tensor | None = None) -> Pending:
+        """What every collective does around torch's call (`issue`): refuse on a closed group (None would mean the
+        default group to torch), count `tensor` (the logical one), issue under the profiler's name for the kind,
+        record it for reports, and wait on it now (its deadline applies) unless `async_op`."""
         if self.closed:
             raise RuntimeError(f"rank {self.rank}: a {kind.value} on zerokit's {self.name!r} group after its engine was "
                                "closed (engine.close() or destroy()); build a new engine to train again")
-
-    def _issued(self, kind: Collective, tensor: torch.Tensor, works: list[dist.Work], purpose: str, async_op: bool,
-                output: torch.Tensor | None = None) -> Pending:
-        """Record the collective just issued; wait on it now (its deadline applies) unless `async_op`."""
+        self.count.record(kind, tensor)
+        with record_function(f"zerokit::{kind.value}"):
+            works = issue()
         self.sequence += 1
         entry = self.recorder.begin(self.name, self.sequence, kind.value, tensor.numel(),
                                     tensor.numel() * tensor.element_size(), purpose)
@@ -343,8 +241,7 @@ class Communicator:
             self._watcher.watch(work)
         if not async_op:
             work.wait()
-            return Pending(tensor if output is None else output, None)
-        return Pending(tensor if output is None else output, work)
+        return Pending(tensor if output is None else output, work if async_op else None)
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group else rank

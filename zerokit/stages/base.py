@@ -6,23 +6,8 @@ A stage is built in one explicit order by `build` (stage 3 has its own): the lay
 parameters, then the flat buffer, then the masters over the compute shards, then the stage's own
 state in `__init__`. Nothing is created by an overridden method called from a base constructor.
 
-[Note: reducing a bucket to a shard]
-Stages 1-3 need only this rank's shard of each averaged gradient bucket. A reduce-scatter gives just
-that and sends half the bytes of an all-reduce, so it is the default wherever the back-end implements
-it well (NCCL). gloo does not: for a 25 MiB fp32 bucket on 2 ranks here, its reduce-scatter took
-32 ms and allocated a second full-size copy, its all-reduce 14 ms in place. So on gloo the bucket,
-which this rank already holds whole, is all-reduced in place and the shard is read from it: no more
-memory, less time, and counted honestly as an all-reduce. `zero_optimization.reduce_scatter` forces
-either choice.
-
-[Note: gradient pre-division]
-Gradients are averaged over ranks by default: summed, then divided by N (gloo's AVG does exactly that). A
-16-bit sum of N gradients can overflow where their average would not (two fp16 60000s sum to inf), so
-DeepSpeed offers to divide first: `prescale_gradients` divides by N before the sum; `gradient_predivide_factor`
-f divides by f before it and multiplies the sum by f/N after. zerokit does the same arithmetic, in the
-reduce dtype, with a SUM collective: (sum of g/f) x f/N. Dividing and multiplying by a power of two is exact
-(short of underflow), so with f and N powers of two the result is bit-identical to the plain average
-(tests/test_deepspeed_engine_blocks.py checks it); otherwise it differs by rounding only.
+How a bucket is averaged across ranks (pre-division, the collective that leaves this rank its shard, the average
+across MiCS replicas) is the stage's `averaging` (stages/averaging.py, with [Note: reducing a bucket to a shard]).
 """
 
 from __future__ import annotations
@@ -31,11 +16,10 @@ from contextlib import contextmanager
 from typing import Any, Callable, ClassVar, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zerokit.comm import Communicator, Pending, ProcessGroups, Reduction, wait
+from zerokit.comm import Communicator, ProcessGroups, Reduction, wait
 from zerokit.config import ZeroConfig
 from zerokit.settings import EngineSettings
 from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT
@@ -46,6 +30,7 @@ from zerokit.masters.state import load_masters_state, masters_state_dict
 from zerokit.masters.shards import TIERS
 from zerokit.tiers import DeviceShards, Home, ShardIO, master_homes
 from zerokit.tiers.swap import SwapDirectory
+from zerokit.stages.averaging import BucketAveraging
 from zerokit.stages.usage import GradientUsage
 from zerokit.stages.view import FrozenView
 
@@ -63,14 +48,11 @@ class ZeroStage:
         self.replica_comm, self.replica_index = groups.replica, groups.replica_index  # See [Note: hybrid sharding]
         self.global_rank = self.replica_index * self.world_size + self.rank
         self.global_world_size = settings.world_size
-        self.awaiting_replicas: list[Bucket] = []  # reduced in the shard group, not yet across the replicas
         self.reduce_dtype = config.precision.reduce_dtype
-        self.reduce_scatter = settings.reduce_scatter  # See [Note: reducing a bucket to a shard]
         self.reduces_every_micro_step = settings.reduces_every_micro_step
         """True where gradients must leave the rank on every micro-step (stage 2's default, stage 3)."""
         self.usage = GradientUsage(len(flat.params))  # See [Note: parameters no rank used]
-        # See [Note: gradient pre-division]: what gradients are divided by before their sum (1: averaged as usual)
-        self.predivide = float(self.global_world_size) if config.prescale_gradients else config.gradient_predivide_factor
+        self.averaging = BucketAveraging(groups, config, settings, self.bucket_purpose)
 
     @classmethod
     def build(cls, model: nn.Module, params: list[nn.Parameter], groups: list[int], plan: OptimizerPlan,
@@ -114,20 +96,7 @@ class ZeroStage:
     def finish_backward(self) -> None:
         """Called after every backward, once its reductions are done: at the boundary with MiCS, the reduced shards
         are averaged across the replicas now (See [Note: hybrid sharding] in comm/groups.py)."""
-        self.average_across_replicas()
-
-    def average_across_replicas(self) -> None:
-        """Each bucket's shard, reduced inside the shard group, all-reduced (averaged) over the replica group, in
-        bucket order on every rank, then handed to its master. Nothing without replicas."""
-        buckets, self.awaiting_replicas = self.awaiting_replicas, []
-        if not buckets:
-            return
-        pending = [self.replica_comm.all_reduce(self.owned_grad(bucket), async_op=True,
-                                                purpose=f"{self.bucket_purpose(bucket)}, across replicas")
-                   for bucket in buckets]
-        for bucket, item in zip(buckets, pending):
-            wait(item)
-            self.masters.accept_grad(bucket.index, self.owned_grad(bucket))
+        self.averaging.average_across_replicas(self.owned_grad, self._accept_grad)
 
     def on_grad_ready(self, param_index: int) -> None:
         """params[param_index]'s gradient for this backward is complete (autograd hook)."""
@@ -146,44 +115,19 @@ class ZeroStage:
         raise NotImplementedError
 
     # --- shared --------------------------------------------------------------------------------
-    def reduce_to_shard(self, bucket: Bucket, full: torch.Tensor, then: Callable[[torch.Tensor], None]) -> Reduction:
-        """Average `full` (1-D, the whole bucket, reduce dtype; this rank may overwrite it) across ranks,
-        then call `then` with this rank's shard of the average: a new tensor after a reduce-scatter, a
-        view of `full` after an all-reduce. See [Note: reducing a bucket to a shard]."""
-        begin, end = bucket.shard_in_bucket(self.rank)
-        op, after = self.predivide_(full)
-        if not self.reduce_scatter:
-            pending = Pending(full[begin:end], self.comm.all_reduce(full, op=op, async_op=True,
-                                                                 purpose=self.bucket_purpose(bucket)).work)
-        elif bucket.owner is not None:  # See [Note: buckets owned by one rank]
-            pending = Pending(full[begin:end], self.comm.reduce(full, dst=bucket.owner, op=op, async_op=True,
-                                                             purpose=self.bucket_purpose(bucket)).work)
-        else:
-            shard = torch.empty(end - begin, dtype=full.dtype, device=full.device)
-            pending = self.comm.reduce_scatter(shard, full, op=op, async_op=True, purpose=self.bucket_purpose(bucket))
-
-        def store(shard: torch.Tensor) -> None:  # the last link of the chain (`then` may return a tensor)
-            if after != 1.0:
-                shard.mul_(after)
-            then(shard)
-        return Reduction(pending, store, keep_alive=full)
-
-    def predivide_(self, grads: torch.Tensor) -> tuple[dist.ReduceOp, float]:
-        """Divide `grads` in place before their reduction as DeepSpeed's prescale_gradients /
-        gradient_predivide_factor ask; returns the reduction's op and what its result is then multiplied by.
-        See [Note: gradient pre-division]."""
-        if self.predivide == 1.0:
-            return dist.ReduceOp.AVG, 1.0
-        grads.mul_(1.0 / self.predivide)
-        return dist.ReduceOp.SUM, self.predivide / self.world_size  # the replicas then average over the rest
+    @property
+    def reduce_scatter(self) -> bool:
+        """Whether buckets are reduce-scattered (else all-reduced, this rank keeping its shard)."""
+        return self.averaging.reduce_scatter
 
     def grad_final(self, bucket: Bucket) -> None:
         """The bucket's reduction at the accumulation boundary is done: its master gets its gradient now (an
         offload tier starts copying it to the host while backward goes on). With MiCS, once it is averaged across
-        the replicas too, after backward (See average_across_replicas)."""
-        if self.replica_comm is not None:
-            self.awaiting_replicas.append(bucket)
-            return
+        the replicas too, after backward (See BucketAveraging.average_across_replicas)."""
+        if not self.averaging.waits_for_replicas(bucket):
+            self._accept_grad(bucket)
+
+    def _accept_grad(self, bucket: Bucket) -> None:
         self.masters.accept_grad(bucket.index, self.owned_grad(bucket))
 
     def release_grads(self) -> None:
@@ -253,19 +197,6 @@ class ZeroStage:
         """Bytes of trainable parameters by tier: the flat buffer, on the device."""
         return {"device": tensor_bytes([self.flat.buffer])}
 
-    def memory_by_tier(self, model: nn.Module) -> dict[str, dict[str, int]]:
-        """Bytes this rank holds by tier (device, host, nvme) and category (parameters, trainable and frozen;
-        gradients; optimizer_state: fp32 masters, when separate, and the optimizer's own state)."""
-        held = {tier: {"parameters": 0, "gradients": 0, "optimizer_state": 0} for tier in TIERS}
-        held["device"]["gradients"] = tensor_bytes(self.gradient_tensors())
-        for source in (self.parameter_bytes(), self.frozen_bytes(model)):
-            for tier, count in source.items():
-                held[tier]["parameters"] += count
-        for tier, categories in self.masters.held_by_tier().items():
-            for category, count in categories.items():
-                held[tier][category] += count
-        return held
-
     # --- teardown ------------------------------------------------------------------------------
     def close(self) -> None:
         """Release what would otherwise last until interpreter exit: the NVMe tiers' swap files, then the process
@@ -284,23 +215,7 @@ class ZeroStage:
 
     def describe(self) -> list[str]:
         """One line each for the start-up log."""
-        layout = self.layout
-        reduction = "all-reduced" if not self.shards_optimizer else (
-            "reduce-scattered" if self.reduce_scatter else "all-reduced, this rank keeping its shard")
-        return [f"ZeRO stage {self.config.stage} ({type(self).__name__}) on {self.world_size} rank(s), "
-                f"{self.comm.backend}: {layout.data_numel:,} trainable parameters in {len(layout.buckets)} "
-                f"bucket(s) of up to {max((b.numel for b in layout.buckets), default=0):,} elements, each {reduction}",
-                *self._hybrid_lines()]
-
-    def _hybrid_lines(self) -> list[str]:
-        """With MiCS: the groups, and whether they line up with the nodes (a knob of speed: said, not refused)."""
-        if self.replica_comm is None:
-            return []
-        s, per_node = self.world_size, self.settings.ranks_per_node
-        aligned = "" if per_node % s == 0 or s % per_node == 0 else (
-            f"; shard groups straddle nodes of {per_node} ranks, so their gathers cross nodes too")
-        return [f"MiCS: shard groups of {s} consecutive ranks, {self.settings.replicas} replicas, gradients averaged "
-                f"across replicas once per optimizer step{aligned}"]
+        return [layout_line(self), *hybrid_lines(self)]
 
     # --- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -335,3 +250,38 @@ def swap_directories_of(holders: list[Home | ShardIO]) -> list[SwapDirectory]:
     """The distinct swap folders among `holders` (master homes, a shard home): the NVMe tiers'."""
     found = {id(holder.swap): holder.swap for holder in holders if holder.swap is not None}
     return list(found.values())
+
+
+def memory_by_tier(stage: ZeroStage, model: nn.Module) -> dict[str, dict[str, int]]:
+    """Bytes this rank holds by tier (device, host, nvme) and category (parameters, trainable and frozen;
+    gradients; optimizer_state: fp32 masters, when separate, and the optimizer's own state)."""
+    held = {tier: {"parameters": 0, "gradients": 0, "optimizer_state": 0} for tier in TIERS}
+    held["device"]["gradients"] = tensor_bytes(stage.gradient_tensors())
+    for source in (stage.parameter_bytes(), stage.frozen_bytes(model)):
+        for tier, count in source.items():
+            held[tier]["parameters"] += count
+    for tier, categories in stage.masters.held_by_tier().items():
+        for category, count in categories.items():
+            held[tier][category] += count
+    return held
+
+
+def layout_line(stage: ZeroStage) -> str:
+    """The start-up line saying the stage, the ranks, the buckets and how each is reduced."""
+    layout = stage.layout
+    reduction = "all-reduced" if not stage.shards_optimizer else (
+        "reduce-scattered" if stage.reduce_scatter else "all-reduced, this rank keeping its shard")
+    return (f"ZeRO stage {stage.config.stage} ({type(stage).__name__}) on {stage.world_size} rank(s), "
+            f"{stage.comm.backend}: {layout.data_numel:,} trainable parameters in {len(layout.buckets)} "
+            f"bucket(s) of up to {max((b.numel for b in layout.buckets), default=0):,} elements, each {reduction}")
+
+
+def hybrid_lines(stage: ZeroStage) -> list[str]:
+    """With MiCS: the groups, and whether they line up with the nodes (a knob of speed: said, not refused)."""
+    if stage.replica_comm is None:
+        return []
+    s, per_node = stage.world_size, stage.settings.ranks_per_node
+    aligned = "" if per_node % s == 0 or s % per_node == 0 else (
+        f"; shard groups straddle nodes of {per_node} ranks, so their gathers cross nodes too")
+    return [f"MiCS: shard groups of {s} consecutive ranks, {stage.settings.replicas} replicas, gradients averaged "
+            f"across replicas once per optimizer step{aligned}"]

@@ -38,14 +38,11 @@ class DataParallel(ZeroStage):
         if grads.dtype != self.reduce_dtype:
             grads = grads.to(self.reduce_dtype)
             self.reduced[bucket.index] = grads[:bucket.numel]
-        op, after = self.predivide_(grads[:bucket.numel])  # See [Note: gradient pre-division]
 
         def then(reduced: torch.Tensor) -> None:  # usage flags are summed or averaged alike: only > 0 matters
-            if after != 1.0:
-                reduced[:bucket.numel].mul_(after)
             if carries_flags:
                 self.usage.agree(reduced[bucket.numel:])
-        return Reduction(self.comm.all_reduce(grads, op=op, async_op=True, purpose=self.bucket_purpose(bucket)), then)
+        return self.averaging.whole(bucket, grads, then)  # See [Note: gradient pre-division]
 
     def owned_grad(self, bucket: Bucket) -> torch.Tensor:
         return self.reduced.get(bucket.index, bucket_view(self.grad_buffer, bucket))

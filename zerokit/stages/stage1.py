@@ -20,12 +20,12 @@ class ShardedOptimizerState(DataParallel):
         if grads.dtype == self.reduce_dtype:
             # The averaged shard goes back into the gradient buffer: no second gradient copy is held.
             owned = shard_view(self.grad_buffer, bucket, self.rank)
-            return self.reduce_to_shard(bucket, grads, lambda shard: _copy_unless_same(owned, shard))
+            return self.averaging.to_shard(bucket, grads, lambda shard: _copy_unless_same(owned, shard))
         full = grads.to(self.reduce_dtype)  # a copy, whole bucket
 
         def keep_shard(shard: torch.Tensor) -> None:  # in reduce dtype until the step; never a view of `full`
             self.reduced[bucket.index] = shard.clone() if _same_storage(shard, full) else shard
-        return self.reduce_to_shard(bucket, full, keep_shard)
+        return self.averaging.to_shard(bucket, full, keep_shard)
 
     def owned_grad(self, bucket: Bucket) -> torch.Tensor:
         return self.reduced.get(bucket.index, shard_view(self.grad_buffer, bucket, self.rank))

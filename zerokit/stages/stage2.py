@@ -47,7 +47,7 @@ class ShardedGradients(ZeroStage):
         staging = self._staging_for(bucket)
         del self.staging[bucket.index]
         owned = self.owned_grad(bucket)
-        return self.reduce_to_shard(bucket, staging, owned.add_)
+        return self.averaging.to_shard(bucket, staging, owned.add_)
 
     def owned_grad(self, bucket: Bucket) -> torch.Tensor:
         return self.local.view(self.grad_shards, bucket)

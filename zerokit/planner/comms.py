@@ -8,8 +8,26 @@ reduce-scatter its input, all-gather its output. Ring algorithms move, per rank 
     all-gather         (n-1)/n x bytes   in   (n-1) steps
 so time = wire bytes / (link bandwidth x efficiency) + calls x steps x latency (the alpha-beta
 model; the wire factors are nccl-tests' bus-bandwidth factors, doc/PERFORMANCE.md). A group whose
-ranks sit in one node uses the intra-node link; one that spans nodes is limited by the inter-node
-bandwidth each GPU gets (NIC bandwidth x NICs per node / GPUs per node).
+ranks sit in one node uses the intra-node link. A ring over a group that spans nodes enters and leaves each
+node once, so one ring's bus bandwidth is about min(intra-node link, the node's NIC total = inter link x
+NICs per node); only rings that cross at the same time share the NICs. Those are the groups of the same
+kind with ranks on one node: gpus_per_node / (the group's ranks on a node) of them, each NIC total / that
+count. A flat group of 16 over 2 nodes of 8 A100s with 4 HDR ports (25 GB/s each): one ring per node,
+min(300, 4 x 25) = 100 GB/s, 80 GB/s at 80% efficiency; the 8 replica groups of MiCS/HSDP over the same
+nodes (one rank a node each, all crossing at once): 100 / 8 = 12.5 GB/s each, 10 GB/s at 80%, which is
+the per-GPU share of the NICs. (The model before this counted the per-GPU share for every group that
+spans nodes, 8x too slow for the flat ring.) Tensor-parallel and pipeline groups follow the same rule.
+
+[Note: cross-node bytes per step]
+`CommEstimate.cross_node_bytes` is what a rank sends to ranks on other nodes per optimizer step under the
+engine's convention ([Note: bytes that cross nodes] in zerokit/comm/collectives.py): each collective runs as
+one ring over its group in ascending global rank order; a rank sends its whole ring share (the engine's ring
+factor x the logical bytes: 2 (n-1)/n for an all-reduce, (n-1)/n for the rest, broadcast and reduce
+included) to the next rank of its ring, which crosses iff that rank is on another node. Nodes hold
+consecutive ranks (tp fastest, then dp_shard, replicas, pp). Ranks differ (in a flat group of 4 over
+0 1 | 2 3 ranks 1 and 3 send across, 0 and 2 do not), so the planner reports the average over all ranks:
+the ring share x the fraction of ranks whose successor is on another node (`Group.cross_fraction`).
+The engine reports one rank's own count; the average of its ranks' counts is this figure.
 
 Per step with m micro-steps, trainable Psi_t and all parameters Psi on a rank, N_d ranks sharding:
     stage 0  all-reduce Psi_t gradients once (accumulation runs without communication)
@@ -19,7 +37,12 @@ Per step with m micro-steps, trainable Psi_t and all parameters Psi on a rank, N
     stage 3  every micro-step: all-gather Psi in forward, again in backward (all but the root unit,
              which stays gathered for the step), reduce-scatter Psi_t one unit at a time
 Stages 0-2 move 2 Psi per step and stage 3 3 Psi less the root (ZeRO paper Section 7: 1.5x), before
-the ring factor. HSDP adds an all-reduce of each gradient shard (Psi_t / N_d) across replicas. Sharded stages also
+the ring factor. HSDP (MiCS) adds an all-reduce of each gradient shard (Psi_t / N_d) across replicas, once per
+step. hpZ (stage 3, a secondary group of k ranks; See [Note: hpZ's secondary copy] in flat/sharded.py): only the
+first micro-step's forward gathers over all N_d ranks, every later gather of the step (later micro-steps'
+forwards, every backward) over the k ranks; the secondary copy is kept from that first gather, so rebuilding it
+after the step costs no collective of its own (whole-tensor optimizers' parameters keep none: they are broadcast
+over N_d every time). The reduce-scatter stays over N_d. Sharded stages also
 all-reduce one float64 scalar per step, the sum of squared gradients. The engine pads each bucket to a
 multiple of N_d, so its counts exceed these by at most N_d - 1 elements per bucket, and it buckets each
 optimizer param group apart, so its calls are these times the number of param groups. A whole-tensor
@@ -32,9 +55,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from zerokit.planner.catalogue import Cluster, Link
-from zerokit.planner.memory import RankParams, whole_tensor_fraction
+from zerokit.planner.memory import RankParams, broadcast_gathered, whole_tensor_fraction
 from zerokit.planner.models import ModelSpec
 from zerokit.planner.spec import Layout, Training
 
@@ -51,6 +75,12 @@ def wire_factor(kind: str, n: int) -> float:
     return {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0, "broadcast": 1.0, "reduce": 1.0}.get(kind, (n - 1) / n)
 
 
+def engine_ring_factor(kind: str, n: int) -> float:
+    """The share of a collective's logical bytes the engine counts a rank as sending (RING_FACTOR in
+    zerokit/comm/collectives.py): broadcast and reduce (n-1)/n there, not the chain's 1 x bytes of their time."""
+    return {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(kind, (n - 1) / n)
+
+
 def ring_steps(kind: str, n: int) -> int:
     return {"all_reduce": 2 * (n - 1), "send_recv": 1}.get(kind, n - 1)
 
@@ -64,6 +94,9 @@ class Group:
     """bytes/s per rank per direction, efficiency applied."""
     latency: float
     intra_node: bool
+    cross_fraction: float = 0.0
+    """Share of all ranks whose successor in their ring of this group is on another node
+    (See [Note: cross-node bytes per step])."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +113,9 @@ class Collective:
     wire_bytes: int
     """Bytes this rank sends per optimizer step: bytes x ring factor."""
     seconds: float
+    cross_node_bytes: int = 0
+    """Of what a rank sends, the part to ranks on other nodes, averaged over ranks (See [Note: cross-node
+    bytes per step])."""
 
 
 @dataclass(frozen=True)
@@ -97,13 +133,18 @@ class CommEstimate:
     def wire_bytes(self) -> int:
         return sum(c.wire_bytes for c in self.per_step())
 
+    @property
+    def cross_node_bytes(self) -> int:
+        """Bytes a rank sends to other nodes per optimizer step, the average over ranks."""
+        return sum(c.cross_node_bytes for c in self.per_step())
+
     def phase_seconds(self, phase: str) -> float:
         return sum(c.seconds for c in self.collectives if c.phase == phase)
 
     def phase_calls(self, phase: str) -> int:
         return sum(c.calls for c in self.collectives if c.phase == phase)
 
-    def by_kind(self, groups: tuple[str, ...] = ("dp", "dp_shard", "dp_replicate")) -> dict[str, dict[str, int]]:
+    def by_kind(self, groups: tuple[str, ...] = ("dp", "dp_shard", "dp_replicate", "hpz")) -> dict[str, dict[str, int]]:
         """Per optimizer step, in `engine.comm_stats()` form: kind -> calls, elements, bytes (the
         data-parallel collectives the engine issues; tensor/pipeline traffic is on paper only)."""
         stats: dict[str, dict[str, int]] = {}
@@ -116,20 +157,57 @@ class CommEstimate:
         return stats
 
 
+GROUP_NAMES = ("tp", "dp_shard", "dp_replicate", "dp", "pp", "hpz")
+
+
+def _coordinates(rank: int, layout: Layout, shard: int) -> tuple[int, int, int, int]:
+    """(tp, dp_shard, replica, pp) index of a global rank: tp fastest, then dp_shard, replicas, pp."""
+    tp_index, rest = rank % layout.tp, rank // layout.tp
+    shard_index, rest = rest % shard, rest // shard
+    return tp_index, shard_index, rest % layout.replicas, rest // layout.replicas
+
+
+def _group_key(name: str, rank: int, layout: Layout, shard: int) -> tuple[int, ...]:
+    """What the ranks of one group of `name` share: every coordinate the group does not run over."""
+    t, s, q, p = _coordinates(rank, layout, shard)
+    return {"tp": (s, q, p), "dp_shard": (t, q, p), "dp_replicate": (t, s, p), "dp": (t, p), "pp": (t, s, q),
+            "hpz": (rank // layout.secondary,)}[name]
+
+
+@lru_cache(maxsize=256)
+def group_placement(name: str, layout: Layout, shard: int, world: int, per_node: int) -> tuple[int, float]:
+    """(most ranks of one group on one node, share of ranks whose ring successor is on another node) for the
+    groups of `name` (See [Note: cross-node bytes per step]). The pp group is the ring over the pipeline
+    stages, as the send of each activation goes to the next stage."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in range(world):  # ascending, so each group's list is in ring order
+        groups.setdefault(_group_key(name, rank, layout, shard), []).append(rank)
+    crossing, on_one_node = 0, 1
+    for ranks in groups.values():
+        nodes = [rank // per_node for rank in ranks]
+        on_one_node = max(on_one_node, max(nodes.count(node) for node in set(nodes)))
+        if len(ranks) > 1:
+            crossing += sum(node != nodes[(i + 1) % len(nodes)] for i, node in enumerate(nodes))
+    return on_one_node, crossing / world
+
+
 def make_groups(cluster: Cluster, layout: Layout, shard: int, efficiency: float) -> dict[str, Group]:
-    """Rank order tp -> dp_shard -> replicas -> pp: a group spans the product of itself and the
-    dimensions inside it, and stays in one node if that span is at most gpus_per_node."""
-    spans = {"tp": (layout.tp, layout.tp), "dp_shard": (shard, layout.tp * shard),
-             "dp_replicate": (layout.replicas, cluster.world // layout.pp),
-             "dp": (shard * layout.replicas, cluster.world // layout.pp), "pp": (2, cluster.world)}
+    """Each kind of group, with the link and bandwidth its rings get (See [Note: communication model])."""
+    sizes = {"tp": layout.tp, "dp_shard": shard, "dp_replicate": layout.replicas, "dp": shard * layout.replicas,
+             "pp": layout.pp, "hpz": layout.secondary}
     groups = {}
-    for name, (size, span) in spans.items():
-        intra = span <= cluster.gpus_per_node
+    for name in GROUP_NAMES:
+        size = sizes[name]
+        on_one_node, crossing = group_placement(name, layout, shard, cluster.world, cluster.gpus_per_node)
+        intra = size <= on_one_node
+        if intra:
+            bandwidth = cluster.intra_link.bandwidth
+        else:
+            concurrent = math.ceil(cluster.gpus_per_node / on_one_node)  # rings of this kind leaving a node at once
+            nics = cluster.inter_link.bandwidth * cluster.nics_per_node
+            bandwidth = min(cluster.intra_link.bandwidth, nics / concurrent)
         used = cluster.intra_link if intra else cluster.inter_link
-        bandwidth = cluster.intra_link.bandwidth if intra else min(cluster.intra_link.bandwidth,
-                                                                   cluster.inter_bandwidth_per_gpu)
-        latency = cluster.intra_link.latency if intra else cluster.inter_link.latency
-        groups[name] = Group(name, size, used, bandwidth * efficiency, latency, intra)
+        groups[name] = Group(name, size, used, bandwidth * efficiency, used.latency, intra, crossing)
     return groups
 
 
@@ -138,7 +216,9 @@ def _collective(kind: str, group: Group, phase: str, calls: int, elements: int, 
     logical = elements * element_bytes
     wire = math.ceil(wire_factor(kind, size) * logical)
     seconds = wire / group.bandwidth + calls * ring_steps(kind, size) * group.latency
-    return Collective(kind, group.name, group.size, group.link.name, phase, calls, elements, logical, wire, seconds)
+    across = math.ceil(engine_ring_factor(kind, size) * logical * group.cross_fraction)
+    return Collective(kind, group.name, group.size, group.link.name, phase, calls, elements, logical, wire, seconds,
+                      across)
 
 
 def stage3_blocks(model: ModelSpec, layout: Layout, bucket_elements: int, total: int) -> int:
@@ -148,23 +228,44 @@ def stage3_blocks(model: ModelSpec, layout: Layout, bucket_elements: int, total:
     return math.ceil(model.architecture.n_layers / layout.pp)
 
 
-def _stage3(rank: RankParams, training: Training, group: Group, blocks: int) -> list[Collective]:
+def _stage3(rank: RankParams, training: Training, group: Group, blocks: int,
+            secondary: Group | None = None) -> list[Collective]:
     """Per micro-step: the root once and every block before its forward; every block again before its
     backward; one reduce-scatter per unit (zerokit/stages/stage3.py). A whole-tensor optimizer's parameters
-    are broadcast from their owner instead of gathered, and their gradients reduced to it."""
+    are broadcast from their owner instead of gathered, and their gradients reduced to it. With hpZ
+    (`secondary`), every gather after the first micro-step's forward is over the secondary group."""
     m, p, r = training.grad_accum, training.param_bytes, training.reduce_bytes
     root = 1 if rank.root else 0
     in_blocks = rank.total - rank.root
     whole = whole_tensor_fraction(rank, training)
-    # Muon's part is the blocks' (the root stays AdamW's); Adafactor's is everything
-    forward_whole = in_blocks if training.optimizer == "muon" and whole < 1 else round(whole * rank.total)
+    forward_whole = broadcast_gathered(rank, training)
     backward_whole = in_blocks if forward_whole == in_blocks else round(whole * in_blocks)
     trainable_whole = round(whole * rank.trainable)
     reduce = "reduce_scatter" if training.reduces_by_scatter else "all_reduce"
-    return [*_split("all_gather", "broadcast", group, "forward", m * (root + blocks), m * rank.total, m * forward_whole, p),
-            *_split("all_gather", "broadcast", group, "backward", m * blocks, m * in_blocks, m * backward_whole, p),
-            *_split(reduce, _whole_reduce(training), group, "backward", m * (root + blocks), m * rank.trainable,
-                    m * trainable_whole, r)]
+    scatter = _split(reduce, _whole_reduce(training), group, "backward", m * (root + blocks), m * rank.trainable,
+                     m * trainable_whole, r)
+    if secondary is None:
+        return [*_split("all_gather", "broadcast", group, "forward", m * (root + blocks), m * rank.total,
+                        m * forward_whole, p),
+                *_split("all_gather", "broadcast", group, "backward", m * blocks, m * in_blocks, m * backward_whole, p),
+                *scatter]
+    first = _split("all_gather", "broadcast", group, "forward", root + blocks, rank.total, forward_whole, p)
+    later = _secondary_gathers(group, secondary, "forward", (m - 1) * (root + blocks), (m - 1) * rank.total,
+                               (m - 1) * forward_whole, p)
+    backward = _secondary_gathers(group, secondary, "backward", m * blocks, m * in_blocks, m * backward_whole, p)
+    return [*first, *later, *backward, *scatter]
+
+
+def _secondary_gathers(group: Group, secondary: Group, phase: str, calls: int, elements: int, whole: int,
+                       element_bytes: int) -> list[Collective]:
+    """hpZ's later gathers: all-gathers over the secondary group, except a whole-tensor optimizer's parameters,
+    which keep no secondary copy and are broadcast over the shard group again."""
+    out = []
+    if calls and elements > whole:
+        out.append(_collective("all_gather", secondary, phase, calls, elements - whole, element_bytes))
+    if calls and whole > 0:
+        out.append(_collective("broadcast", group, phase, calls, whole, element_bytes))
+    return out
 
 
 def _whole_reduce(training: Training) -> str:
@@ -199,7 +300,7 @@ def data_parallel(rank: RankParams, training: Training, stage: int, groups: dict
     if g["dp_shard"].size > 1:
         whole, shard = round(whole_tensor_fraction(rank, training) * trainable), g["dp_shard"]
         if stage == 3:
-            out += _stage3(rank, training, shard, blocks)
+            out += _stage3(rank, training, shard, blocks, g["hpz"] if g["hpz"].size > 1 else None)
         elif training.reduces_every_micro_step(stage):  # stage 2 by default
             out += _split(reduce, _whole_reduce(training), shard, "backward", m * buckets, m * trainable, m * whole, r)
         else:

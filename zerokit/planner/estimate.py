@@ -102,8 +102,15 @@ class Estimate:
         return self.training.tokens_per_micro_batch * self.training.grad_accum * replicas / self.step_seconds
 
     @property
+    def mode(self) -> str:
+        """ZeRO-s, and the hybrid sharding it runs with: MiCS over s ranks, or hpZ's k."""
+        layout, shard = self.scenario.layout, self.scenario.shard
+        hybrid = {"mics": f" + MiCS s={shard}", "hpz": f" + hpZ k={layout.secondary}", "": ""}[layout.hybrid]
+        return f"ZeRO-{self.stage}{hybrid}"
+
+    @property
     def label(self) -> str:
-        parts = [f"ZeRO-{self.stage}", self.offload.name]
+        parts = [self.mode, self.offload.name]
         parts.append("full checkpointing" if self.training.checkpointing == "full" else "no checkpointing")
         return ", ".join(parts)
 
@@ -118,6 +125,9 @@ def _validate(scenario: Scenario, stage: int, offload: Offload) -> None:
         raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 keeps a full optimizer per rank)")
     if offload.params != "none" and stage != 3:
         raise ValueError(f"parameter offload needs stage 3 (parameters are only sharded there); got stage {stage}")
+    if scenario.layout.secondary > 1 and stage != 3:
+        raise ValueError(f"hpZ (a secondary copy of the parameters over {scenario.layout.secondary} ranks) needs "
+                         f"stage 3, where parameters are sharded; got stage {stage}")
 
 
 def estimate(scenario: Scenario | None = None, stage: int = 3, offload: Offload | None = None, *,
@@ -150,6 +160,7 @@ def make_scenario(model: ModelSpec | str | int | float = "llama2-13b", *, gpu: s
                   bucket_bytes: int | None = None, overlap_comm: bool = True, reduce_every_micro_step: bool = True,
                   trainable_fraction: float = 1.0, lora_rank: int | None = None,
                   lora_targets: tuple[str, ...] | None = None, tp: int = 1, pp: int = 1, replicas: int = 1,
+                  secondary: int = 1,
                   mfu: float | None = None, bandwidth_efficiency: float | None = None,
                   overhead_bytes: int | None = None, backend: str = "nccl", reduce_scatter: bool | None = None,
                   calibration: Calibration | None = None, optimizer_seconds_per_element: float | None = None,
@@ -175,5 +186,5 @@ def make_scenario(model: ModelSpec | str | int | float = "llama2-13b", *, gpu: s
                               overhead_bytes=defaults.overhead_bytes if overhead_bytes is None else overhead_bytes,
                               optimizer_seconds_per_element=optimizer_seconds_per_element)
     cluster = make_cluster(gpu, gpus_per_node=gpus_per_node, nodes=nodes, **cluster_overrides)
-    return Scenario(model=spec, cluster=cluster, training=training, layout=Layout(tp=tp, pp=pp, replicas=replicas),
+    return Scenario(model=spec, cluster=cluster, training=training, layout=Layout(tp=tp, pp=pp, replicas=replicas, secondary=secondary),
                     assumptions=assumptions, calibration=calibration)

@@ -140,6 +140,23 @@ def whole_tensor_fraction(rank: RankParams, training: Training) -> float:
     return 1.0
 
 
+def broadcast_gathered(rank: RankParams, training: Training) -> int:
+    """Of the parameters stage 3 gathers, those broadcast from their owner instead (a whole-tensor optimizer's:
+    Muon's blocks, Adafactor's all); they keep no hpZ secondary copy either."""
+    whole = whole_tensor_fraction(rank, training)
+    # Muon's part is the blocks' (the root stays AdamW's); Adafactor's is everything
+    return rank.total - rank.root if training.optimizer == "muon" and whole < 1 else round(whole * rank.total)
+
+
+def secondary_bytes(rank: RankParams, training: Training, layout: Layout, stage: int) -> int:
+    """hpZ's secondary copy: this rank's 1/k of every gathered parameter (See [Note: hpZ's secondary copy] in
+    zerokit/flat/sharded.py), held on the GPU from the first forward of a step to its optimizer step; the
+    engine's memory_stats() counts it with the parameters (the ShardedFlat holds it)."""
+    if stage != 3 or layout.secondary == 1:
+        return 0
+    return training.param_bytes * math.ceil((rank.total - broadcast_gathered(rank, training)) / layout.secondary)
+
+
 def optimizer_state_total(rank: RankParams, training: Training, elements: int) -> int:
     """Optimizer-state bytes of `elements` trainable parameters (a shard, or all): K each, and for Muon the
     root's part at AdamW's K."""
@@ -260,6 +277,7 @@ def memory_breakdown(model: ModelSpec, rank: RankParams, training: Training, lay
     """With a calibration, overhead also holds the backward's measured transient peak above the saved
     activations (activation gradients, the logits' gradients: See [Note: extrapolating a calibration])."""
     parameters, gradients, optimizer = model_states(rank, training, stage, offload)
+    parameters += secondary_bytes(rank, training, layout, stage)
     activations = activation_bytes(model, training, layout, calibration)
     transient = 0
     if calibration is not None and model.architecture is not None:

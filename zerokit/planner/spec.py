@@ -169,11 +169,24 @@ class Layout:
     tp: int = 1
     pp: int = 1
     replicas: int = 1
-    """Copies of the ZeRO shard group (HSDP): shard inside a group, all-reduce across groups."""
+    """Copies of the ZeRO shard group (HSDP; zerokit's and DeepSpeed's MiCS, `mics_shard_size` = world /
+    replicas): shard inside a group, all-reduce across groups."""
+    secondary: int = 1
+    """hpZ (`zero_hpz_partition_size`, stage 3): k consecutive ranks that also hold a secondary copy of the
+    parameters, 1/k each; every gather after a step's first forward reads it inside the group."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "replicas"):
+        for name in ("tp", "pp", "replicas", "secondary"):
             _positive_int(name, getattr(self, name))
+        if self.secondary > 1 and (self.tp, self.pp, self.replicas) != (1, 1, 1):
+            raise ValueError(f"hpZ (secondary={self.secondary}) shards over every rank of a flat data-parallel job; "
+                             f"it does not combine with tp={self.tp}, pp={self.pp}, replicas={self.replicas}: "
+                             "use one of them")
+
+    @property
+    def hybrid(self) -> str:
+        """"mics", "hpz" or "" (flat): the hybrid sharding mode, as the memo and the emitters name it."""
+        return "hpz" if self.secondary > 1 else "mics" if self.replicas > 1 else ""
 
     def dp_shard(self, world: int) -> int:
         """ZeRO's shard degree N_d for a world of `world` ranks; raises if the layout does not fit."""
@@ -181,6 +194,9 @@ class Layout:
         if world % cut:
             raise ValueError(f"world size {world} does not fit the layout tp={self.tp} x pp={self.pp} x "
                              f"replicas={self.replicas}: {world} is not divisible by {cut}")
+        if world % self.secondary:
+            raise ValueError(f"hpZ secondary group of {self.secondary} ranks does not divide the world size {world}; "
+                             "use a divisor of it (usually the GPUs per node)")
         return world // cut
 
     @property
@@ -188,6 +204,7 @@ class Layout:
         parts = [f"tp={self.tp}"] if self.tp > 1 else []
         parts += [f"pp={self.pp}"] if self.pp > 1 else []
         parts += [f"replicas={self.replicas} (HSDP)"] if self.replicas > 1 else []
+        parts += [f"hpZ k={self.secondary}"] if self.secondary > 1 else []
         return ", ".join(parts) or "flat data parallel"
 
 

@@ -1,0 +1,109 @@
+"""Hybrid sharding in the architecture-level planner: node bandwidth, cross-node bytes, hpZ, the pick, emit."""
+
+from __future__ import annotations
+
+import pytest
+
+from zerokit.planner import estimate, make_scenario
+from zerokit.planner.comms import make_groups
+
+HDR, NVLINK3 = 25e9, 300e9  # the catalogue's ib-hdr port and nvlink3, bytes/s per direction
+
+
+def scenario(**kwargs):
+    kwargs.setdefault("model", "gpt2")
+    kwargs.setdefault("seq_len", 512)
+    return make_scenario(**kwargs)
+
+
+def groups(nics_per_node=4, inter_link="ib-hdr", **layout):
+    s = make_scenario("llama2-13b", nodes=2, gpus_per_node=8, nics_per_node=nics_per_node, inter_link=inter_link,
+                      **layout)
+    return make_groups(s.cluster, s.layout, s.shard, 1.0)
+
+
+def test_a_flat_ring_over_two_nodes_gets_the_nodes_nic_total():
+    """16 ranks over 2 nodes of 8: one ring crosses each boundary once, min(NVLink, 4 x 25 GB/s) = 100 GB/s
+    (the per-GPU share, 12.5 GB/s, was the bug); with 16 ports the NICs outrun NVLink, which then limits."""
+    flat = groups()["dp_shard"]
+    assert (flat.size, flat.intra_node, flat.bandwidth) == (16, False, min(NVLINK3, 4 * HDR))
+    assert groups(nics_per_node=16)["dp_shard"].bandwidth == NVLINK3
+    assert groups(inter_link="eth-100g")["dp_shard"].bandwidth == 4 * 12.5e9
+
+
+def test_replica_groups_split_the_nics():
+    """MiCS/HSDP over 2 nodes: 8 replica groups (one per shard index) cross at once, NIC total / 8 each; the
+    shard group of 8 stays on NVLink."""
+    hsdp = groups(replicas=2)
+    assert (hsdp["dp_replicate"].size, hsdp["dp_replicate"].bandwidth) == (2, 4 * HDR / 8)
+    assert (hsdp["dp_shard"].size, hsdp["dp_shard"].intra_node, hsdp["dp_shard"].bandwidth) == (8, True, NVLINK3)
+    hpz = groups(secondary=8)
+    assert (hpz["hpz"].size, hpz["hpz"].intra_node) == (8, True) and not hpz["dp_shard"].intra_node
+
+
+# --- cross-node bytes on 2 nodes x 2 ranks, by the ring rule -----------------------------------------
+# Ring convention (zerokit/comm/collectives.py): a rank sends its whole ring share to the next rank of its
+# group in ascending global order. Flat 0 1 | 2 3: ranks 1 and 3 send across, so half the ranks; MiCS replica
+# groups {0, 2} and {1, 3}: every rank; shard groups {0, 1}, {2, 3} and hpZ groups: none.
+
+def two_by_two(stage=3, **kwargs):
+    return estimate(scenario(gpus_per_node=2, nodes=2, **kwargs), stage)
+
+
+def test_cross_node_bytes_of_flat_stage_3_by_hand():
+    e = two_by_two()
+    rank, p, r = e.scenario.rank, 2, 4  # bf16 parameters, fp32 gradients on the wire
+    gathers = p * rank.total + p * (rank.total - rank.root)
+    ring = 3 / 4  # (n - 1) / n for n = 4
+    expected = ring * (gathers + r * rank.trainable) / 2 + 2 * ring * 8 / 2  # + the float64 norm all-reduce
+    assert e.comm.cross_node_bytes == pytest.approx(expected, abs=len(e.comm.per_step()))
+
+
+def test_cross_node_bytes_of_mics_by_hand():
+    """Stage 3 over each node's 2 ranks: nothing crosses but the all-reduce of each fp32 gradient shard, P/2
+    elements over the 2 replicas, 2 (2-1)/2 = 1 x its bytes, from every rank."""
+    e = two_by_two(replicas=2)
+    assert e.comm.cross_node_bytes == pytest.approx(4 * -(-e.scenario.rank.trainable // 2), abs=1)
+    for stage in (1, 2):
+        assert two_by_two(stage, replicas=2).comm.cross_node_bytes == e.comm.cross_node_bytes
+
+
+def test_cross_node_bytes_of_hpz_by_hand():
+    """k = 2, 3 micro-steps: only the first forward gathers over all 4; every reduce-scatter still does."""
+    e = two_by_two(secondary=2, grad_accum=3)
+    rank, ring = e.scenario.rank, 3 / 4
+    expected = ring * (2 * rank.total + 3 * 4 * rank.trainable) / 2 + 2 * ring * 8 / 2
+    assert e.comm.cross_node_bytes == pytest.approx(expected, abs=len(e.comm.per_step()))
+    flat = two_by_two(grad_accum=3)
+    assert e.comm.cross_node_bytes < flat.comm.cross_node_bytes
+
+
+def test_hpz_gathers_after_the_first_forward_stay_in_the_node():
+    e = two_by_two(secondary=2, grad_accum=3)
+    gathers = [c for c in e.comm.per_step() if c.kind == "all_gather"]
+    over_all = [c for c in gathers if c.group == "dp_shard"]
+    assert len(over_all) == 1 and over_all[0].phase == "forward"
+    blocks = e.scenario.model.architecture.n_layers
+    assert over_all[0].calls == 1 + blocks  # the root and every block, once: the first micro-step's forward
+    later = [c for c in gathers if c.group == "hpz"]
+    assert {c.phase for c in later} == {"forward", "backward"}
+    assert all(c.link == e.scenario.cluster.intra_link.name and c.cross_node_bytes == 0 for c in later)
+    assert sum(c.calls for c in later) == 2 * (1 + blocks) + 3 * blocks
+    # every gather of the step still happens: the same elements as flat stage 3
+    flat = two_by_two(grad_accum=3)
+    assert sum(c.elements for c in gathers) == flat.comm.by_kind()["all_gather"]["elements"]
+
+
+def test_hpz_memory_holds_the_secondary_shard():
+    """Psi x 2 bytes / k more parameters per rank than flat stage 3."""
+    flat, hpz = two_by_two(), two_by_two(secondary=2)
+    assert hpz.memory.parameters - flat.memory.parameters == 2 * -(-hpz.scenario.rank.total // 2)
+
+
+def test_bad_hybrid_layouts_are_named_in_one_line():
+    with pytest.raises(ValueError, match="needs stage 3"):
+        two_by_two(stage=2, secondary=2)
+    with pytest.raises(ValueError, match="does not divide the world size 4"):
+        scenario(gpus_per_node=2, nodes=2, secondary=3)
+    with pytest.raises(ValueError, match="does not combine"):
+        scenario(gpus_per_node=2, nodes=2, secondary=2, replicas=2)

@@ -24,6 +24,10 @@ import zerokit
 from test_parity import allowed_update_error, update_error
 from zerokit.comm.collectives import RING_FACTOR, Collective
 from zerokit.config import engine_settings, load_config
+from zerokit.planner.check import check_rows
+from zerokit.planner.engine_model import EngineSetup, engine_comm, engine_states
+from zerokit.planner.engine_offload import engine_transfers
+from zerokit.profiling.inventory import param_inventory
 from zerokit.reliability.mistakes import refuse_misnumbered_node
 from zerokit.testing.parity import (Case, engine_config, forward_loss, make_batch, make_model, make_optimizer,
                                     run_engine, run_reference)
@@ -49,6 +53,11 @@ PARITY = [
     Case("hpz-s3-bf16-recompute", stage=3, dtype="bf16", steps=3, accumulation=2, checkpoint_units=True,
          hpz_partition_size=2, **NODES),
 ]
+# The planner's engine model against each rank (steps and usage as test_planner_engine_exact.py's: every
+# parameter gets a gradient on the first step, so the optimizer's state is whole by the second)
+MODEL_CASES = [replace(case, steps=2, usage="rotating")
+               for case in PARITY if case.name in ("mics-s1", "mics-s2", "mics-s3", "flat-s3", "hpz-s3")]
+RECORDED = [case for case in MODEL_CASES if case.name in ("mics-s3", "hpz-s3")]
 HPZ_RESUME = Case("hpz-resume", stage=3, steps=STEPS, hpz_partition_size=2, **NODES)
 MEMORY = Case("memory-s1", stage=1, steps=1, **MICS)  # optimizer state: MiCS on 4 ranks vs flat on 2 and on 4
 HYBRID_SAVE = Case("save-hybrid-s3", stage=3, steps=STEPS, **MICS)  # saved on 2x2 MiCS, resumed flat on 2 ranks
@@ -84,8 +93,40 @@ def resumed(case: Case, directory: Path, rank: int) -> dict:
     return {"loaded": loaded, "losses": train(engine, case, range(SAVED_AFTER, STEPS), rank), "params": weights(engine)}
 
 
+def states_and_step(rank: int, case: Case) -> dict:
+    """memory_stats() after the last backward of the second optimizer step (the optimizer's state exists) and
+    after that step, and the growth of comm_stats() over it: what the planner's engine model predicts."""
+    engine = build(case)
+    train(engine, case, range(1), rank)
+    before = engine.comm_stats()
+    for micro in range(case.accumulation):
+        engine.backward(forward_loss(engine, make_batch(case, 1, micro, rank)))
+        after_backward = engine.memory_stats()
+        engine.step()
+    after = engine.comm_stats()
+    comm = {kind: {key: after[kind][key] - before[kind].get(key, 0) for key in after[kind]} for kind in after}
+    return {"after_backward": after_backward, "after_step": engine.memory_stats(), "comm": comm}
+
+
+def recorded(rank: int, case: Case) -> dict | None:
+    """A profile record of a short run of `case` (rank 0's, as record_run keeps it)."""
+    from dataclasses import asdict
+
+    from zerokit.profiling.record import record_run
+
+    model = make_model(case)
+    optimizer = make_optimizer(case, model)
+    engine = zerokit.initialize(model, optimizer, engine_config(case))
+    batches = (make_batch(case, step, micro, rank) for step in range(10) for micro in range(case.accumulation))
+    record = record_run(engine, batches, forward_loss, optimizer=optimizer, micro_batch=case.micro_batch, seq_len=16,
+                        warmup=1, steps=1)
+    return asdict(record) if rank == 0 else None
+
+
 def four_ranks(rank: int, world_size: int, root: str) -> dict:
     out = {"parity": {case.name: run_engine(rank, world_size, case) for case in PARITY}}
+    out["model"] = {case.name: states_and_step(rank, case) for case in MODEL_CASES}
+    out["record"] = {case.name: recorded(rank, case) for case in RECORDED}
     out["memory"] = {name: run_engine(rank, world_size, case)["memory"]
                      for name, case in (("mics", MEMORY), ("flat", replace(MEMORY, mics_shard_size=-1)))}
     saved = {}
@@ -242,6 +283,73 @@ def test_first_loss_after_loading_an_hpz_checkpoint_is_the_uninterrupted_runs(ru
         assert out["resumed"] == out["uninterrupted"]
 
 
+# --- the planner's engine model, rank by rank ---------------------------------------------------------------
+
+def model_setup(case: Case, world: int) -> EngineSetup:
+    """The planner's description of `case`'s engine, as profiling/record.py's engine_setup makes it from a real one."""
+    return EngineSetup(stage=case.stage, world=world, precision=case.dtype, reduce_dtype=case.dtype,
+                       grad_accum=case.accumulation, bucket_bytes=case.bucket_bytes,
+                       persistence_threshold=case.persistence_threshold, mics_shard_size=case.mics_shard_size,
+                       ranks_per_node=case.ranks_per_node, hpz_partition_size=case.hpz_partition_size)
+
+
+def inventory(case: Case):
+    model = make_model(case)
+    return param_inventory(model, make_optimizer(case, model), load_config(engine_config(case)).stage3)
+
+
+def moved(stats: dict) -> dict:
+    """The entries of a comm_stats() growth that changed (as a profile record keeps them)."""
+    return {kind: entry for kind, entry in stats.items() if any(entry.values())}
+
+
+@pytest.mark.parametrize("case", MODEL_CASES, ids=lambda c: c.name)
+def test_the_planner_predicts_every_ranks_comm_stats_and_memory_stats(runs, case: Case) -> None:
+    """Per group, across nodes (which differ by rank) and in every memory category, to the byte."""
+    setup, parts = model_setup(case, 4), inventory(case)
+    for rank, out in enumerate(r["model"][case.name] for r in runs[0]):
+        predicted = engine_comm(parts, setup, rank)
+        assert moved(predicted) == moved(out["comm"]), rank
+        assert predicted["cross_node"] == out["comm"]["cross_node"], rank  # rank 0's and 2's may be 0: not moved
+        states = engine_states(parts, setup, rank)
+        assert (states.after_backward, states.after_step) == (out["after_backward"], out["after_step"]), rank
+
+
+def test_the_planner_predicts_mics_with_optimizer_offload(runs) -> None:
+    """The collectives and the offload tier's copies of each rank's last step (the optimizer's state exists)."""
+    case = next(case for case in PARITY if case.offload_optimizer == "cpu")
+    setup, parts = replace(model_setup(case, 4), offload_optimizer="cpu"), inventory(case)
+    for rank, out in enumerate(r["parity"][case.name] for r in runs[0]):
+        step = moved(out["comm_per_step"][-1])
+        transfers = engine_transfers(parts, setup, rank)
+        assert transfers and transfers == {kind: step[kind] for kind in transfers}, rank
+        assert moved(engine_comm(parts, setup, rank)) == {kind: step[kind] for kind in step if kind not in transfers}
+
+
+def test_the_model_splits_as_the_engine_does(runs) -> None:
+    """The model's own reading of the cases: MiCS's replica all-reduce crosses nodes from every rank, flat stage 3
+    only from ranks 1 and 3, hpZ's secondary copy is in the parameters after backward and not after the step."""
+    cross = {case.name: [engine_comm(inventory(case), model_setup(case, 4), rank)["cross_node"]["bytes"]
+                         for rank in range(4)] for case in MODEL_CASES}
+    assert all(cross[name][0] == cross[name][1] > 0 for name in ("mics-s1", "mics-s2", "mics-s3"))
+    assert cross["flat-s3"][0] == cross["flat-s3"][2] == 0 < cross["hpz-s3"][1] < cross["flat-s3"][1]
+    hpz = next(case for case in MODEL_CASES if case.name == "hpz-s3")
+    states = engine_states(inventory(hpz), model_setup(hpz, 4))
+    assert states.after_backward["parameters"] > states.after_step["parameters"]
+
+
+@pytest.mark.parametrize("case", RECORDED, ids=lambda c: c.name)
+def test_a_profile_record_of_a_hybrid_run_is_checked_to_the_byte(runs, case: Case) -> None:
+    """record_run takes a MiCS or hpZ engine, and `zerokit check`'s rows (check_rows) for its model states and its
+    collectives, per kind, per group and across nodes, have no error."""
+    record = runs[0][0]["record"][case.name]
+    assert record["setup"]["ranks_per_node"] == 2
+    rows = {row.category: row for row in check_rows(record)}
+    exact = [name for name in rows if not name.startswith(("activations", "peak_", "time.", "cpu_time."))]
+    assert "cross_node.bytes" in exact and any(name.startswith(("mics_", "hpz_")) for name in exact)
+    assert {name: rows[name].error for name in exact} == dict.fromkeys(exact, 0.0)
+
+
 # --- checkpoints ---------------------------------------------------------------------------------------
 
 def test_hybrid_checkpoint_resumes_flat_on_two_ranks(runs) -> None:
@@ -332,16 +440,3 @@ def test_two_torchrun_nodes(tmp_path) -> None:
     params = {name: torch.tensor(value) for name, value in out[0]["params"].items()}
     check_against_reference(TORCHRUN_CASE, [o["losses"] for o in out], params, [4] * TORCHRUN_CASE.steps)
     assert all(o["cross_node"] == o["replica_bytes"] > 0 for o in out)
-
-
-@pytest.mark.parametrize("key", ["mics_shard_size", "zero_hpz_partition_size"])
-def test_a_profile_record_of_a_hybrid_run_is_refused(key) -> None:
-    """The planner models flat sharding only: a record of a MiCS or hpZ run would be checked against the wrong model."""
-    from types import SimpleNamespace
-
-    from zerokit.profiling.record import engine_setup
-
-    config = load_config({"zero_optimization": {"stage": 3, key: 2}})
-    engine = SimpleNamespace(config=config, settings=engine_settings(config, 4, "gloo"), world_size=4)
-    with pytest.raises(ValueError, match=rf"^zero_optimization.{key}=2: the planner does not model MiCS or hpZ"):
-        engine_setup(engine, "adamw")

@@ -34,6 +34,7 @@ from zerokit.planner.engine_model import (
     engine_buckets,
     engine_comm,
     engine_states,
+    per_kind,
     persistent_units,
     stage3_units,
     wire_bytes,
@@ -139,9 +140,9 @@ def predicted_seconds(record: dict, setup: EngineSetup, inventory: ParamInventor
         out["forward"], out["backward"] = forward * tokens / rate, backward * tokens / rate
     n = setup.world
     steps = {"all_reduce": 2 * (n - 1)}
-    wire = wire_bytes(comm, n)
+    wire = wire_bytes(comm, setup)
     seconds = {k: wire[k] / device.link_bandwidth + e["calls"] * steps.get(k, n - 1) * device.link_latency
-               for k, e in comm.items()}
+               for k, e in per_kind(comm).items()}
     out["communication"] = sum(seconds.values())
     per_element = device.optimizer_seconds_per_element.get(setup.optimizer)
     if per_element is not None:
@@ -202,13 +203,14 @@ def check_rows(record: dict, calibration: Calibration | None = None, device: Dev
     rows.append(Row("peak_total", "bytes", total, measured["peak_resident"],
                     f"resident peak: framework {resident / 2**20:.0f} MiB + model states + {fixed / 2**20:.0f} MiB "
                     f"+ the step's allocations x {1 + slack:.2f}"))
-    comm = engine_comm(inventory, setup)
-    for kind in sorted(set(comm) | set(measured["comm_per_step"])):
+    comm = engine_comm(inventory, setup, rank=0)  # the record holds rank 0's (See [Note: what a record measures])
+    for kind in sorted(set(comm) | set(measured["comm_per_step"])):  # per kind, per "<group>.<kind>", "cross_node"
         plan, run = comm.get(kind, {}), measured["comm_per_step"].get(kind, {})
+        keys = ("bytes",) if kind == "cross_node" else ("calls", "elements", "bytes")
         rows += [Row(f"{kind}.{key}", "bytes" if key == "bytes" else "count", plan.get(key, 0), run.get(key, 0))
-                 for key in ("calls", "elements", "bytes")]
-    rows.append(Row("wire_bytes", "bytes", sum(wire_bytes(comm, setup.world).values()),
-                    sum(wire_bytes(measured["comm_per_step"], setup.world).values()), "sent per rank on a ring"))
+                 for key in keys]
+    rows.append(Row("wire_bytes", "bytes", sum(wire_bytes(comm, setup).values()),
+                    sum(wire_bytes(measured["comm_per_step"], setup).values()), "sent per rank on a ring"))
     return rows + time_rows(record, setup, inventory, comm, calibration, device, mfu)
 
 

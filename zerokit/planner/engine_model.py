@@ -10,10 +10,11 @@ zerokit.profiling.inventory). From it, as the engine does (zerokit/flat/layout.p
   - trainable parameters in reverse registration order (the order backward usually finishes them);
     stages 0-2 bucket them per param group, closing a bucket once it reaches reduce_bucket_bytes of the
     reduce dtype; stage 3 makes one bucket per (unit, param group). A bucket is padded to a multiple of
-    N (stage 0: of 1, it shards nothing) and rank r owns shard r of every bucket.
+    the shard group's s ranks (N, unless MiCS splits them; stage 0: 1, it shards nothing) and rank r owns
+    shard r % s of every bucket (See [Note: hybrid sharding] in zerokit/comm/groups.py).
   - parameters: the flat buffer in the compute dtype (stage 3: the shards, plus the full buckets of the
-    units that stay gathered); frozen parameters whole in the compute dtype (stage 3: one padded buffer
-    per unit, sharded).
+    units that stay gathered, and with hpZ the secondary copy: See `secondary_numel`); frozen parameters
+    whole in the compute dtype (stage 3: one padded buffer per unit, sharded).
   - gradients: stages 0-1 keep a full flat gradient buffer in the compute dtype; where the reduce dtype
     differs, each reduced bucket (stage 0) or shard (stage 1) is kept in the reduce dtype from backward
     until the step releases it. Stages 2-3 keep only the reduced shards, in the reduce dtype.
@@ -27,7 +28,11 @@ zerokit.profiling.inventory). From it, as the engine does (zerokit/flat/layout.p
     the sum of squares behind the global norm with one usage flag per trainable parameter behind it (at
     stage 0 the flags ride behind the last gradient bucket: See [Note: parameters no rank used]) and,
     with broadcast_buffers, one broadcast of the module's buffers per dtype and micro-step (See [Note:
-    buffers kept in step] in zerokit/reliability/buffers.py).
+    buffers kept in step] in zerokit/reliability/buffers.py). With MiCS, the reductions, gathers and norm go
+    over the shard group and, at the boundary, each reduced shard and the usage flags are all-reduced across
+    the replicas; with hpZ every gather of a bucket but the first of a step goes over the node group. Once
+    the job spans nodes, each is also counted under its group and, per rank, in the bytes that cross nodes
+    (See [Note: bytes that cross nodes] in zerokit/comm/collectives.py).
   - offload transfers: See [Note: offload traffic, copy by copy] in engine_offload.py.
 """
 
@@ -35,7 +40,8 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from fractions import Fraction
 
 from zerokit.defaults import DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
 from zerokit.flat.layout import build_layout, round_up
@@ -124,6 +130,13 @@ class EngineSetup:
     """offload_param=nvme: elements per swap record of a shard outside the host cache (DeepSpeed's 1e8; 0: a
     shard is one record)."""
     broadcast_buffers: bool = True
+    mics_shard_size: int | None = None
+    """MiCS's s (stages 1-3): consecutive ranks that split the model states, replicated across the groups; None or
+    -1: one group over every rank. See [Note: hybrid sharding] in zerokit/comm/groups.py."""
+    ranks_per_node: int | None = None
+    """Ranks on each node (None: every rank on one node); decides which ring traffic crosses nodes."""
+    hpz_partition_size: int | None = None
+    """hpZ's k (stage 3): consecutive ranks that split the secondary copy of the parameter shards; None or 1: none."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -146,6 +159,7 @@ class EngineSetup:
             raise ValueError(f"max_in_cpu={self.max_in_cpu!r} must be an integer >= 0")
         if isinstance(self.buffer_size, bool) or not isinstance(self.buffer_size, int) or self.buffer_size < 0:
             raise ValueError(f"buffer_size={self.buffer_size!r} must be an integer >= 0")
+        self.settings  # the engine's own one-line errors for shard, hpZ and node sizes that do not divide the world
 
     @property
     def settings(self) -> EngineSettings:
@@ -153,7 +167,14 @@ class EngineSetup:
         return EngineSettings.resolve(stage=self.stage, world_size=self.world, backend=self.backend,
                                       reduce_scatter=self.reduce_scatter,
                                       reduce_every_micro_step=self.reduce_every_micro_step,
-                                      bucket_bytes=self.bucket_bytes, reduce_dtype=self.reduce_dtype)
+                                      bucket_bytes=self.bucket_bytes, reduce_dtype=self.reduce_dtype,
+                                      mics_shard_size=self.mics_shard_size, ranks_per_node=self.ranks_per_node,
+                                      hpz_partition_size=self.hpz_partition_size)
+
+    @property
+    def shard_size(self) -> int:
+        """The ranks one bucket is split over: MiCS's s, else every rank (stage 0: one, it shards nothing)."""
+        return self.settings.layout_world_size
 
     @property
     def reduces_by_scatter(self) -> bool:
@@ -236,7 +257,7 @@ def stage3_units(inventory: ParamInventory, setup: EngineSetup, buckets: tuple[B
     for e in inventory.entries:
         if not e.trainable and e.floating:
             frozen[e.unit] += e.numel
-    return [UnitPlan(i, trainable[i], round_up(frozen[i], setup.world) if frozen[i] else 0) for i in range(count)]
+    return [UnitPlan(i, trainable[i], round_up(frozen[i], setup.shard_size) if frozen[i] else 0) for i in range(count)]
 
 
 def persistent_units(units: list[UnitPlan], setup: EngineSetup) -> list[UnitPlan]:
@@ -257,7 +278,7 @@ def frozen_bytes(inventory: ParamInventory, setup: EngineSetup, units: list[Unit
     if setup.stage < 3:
         return inventory.fixed_bytes + p * sum(e.numel for e in inventory.entries if not e.trainable and e.floating)
     kept = set() if units is None else {u.index for u in persistent_units(units, setup)}
-    shards = sum(u.frozen_numel // setup.world + (u.frozen_numel if u.index in kept else 0) for u in units or ())
+    shards = sum(u.frozen_numel // setup.shard_size + (u.frozen_numel if u.index in kept else 0) for u in units or ())
     return inventory.fixed_bytes + p * shards
 
 
@@ -267,7 +288,7 @@ def optimizer_state_bytes(buckets: tuple[BucketPlan, ...], setup: EngineSetup, r
     per_element, has_step = STATE_BYTES[setup.optimizer]
     owned = [b.shard_numel for b in buckets]  # stage 0: world 1, the whole bucket
     masters = 4 * sum(owned) if setup.precision != "fp32" else 0
-    parts = [part for b in buckets for part in b.slices(rank if setup.stage >= 1 else 0)]
+    parts = [part for b in buckets for part in b.slices(rank % setup.shard_size)]  # its index in its shard group
     pieces = sum(math.ceil(part / setup.piece_numel) for part in parts)
     return masters + per_element * sum(parts) + (4 * pieces if has_step else 0)
 
@@ -278,7 +299,7 @@ def engine_states(inventory: ParamInventory, setup: EngineSetup, rank: int = 0) 
     p, r = BYTES_PER_ELEMENT[setup.precision], BYTES_PER_ELEMENT[setup.reduce_dtype]
     numel = sum(b.numel for b in buckets)
     flags = len([e for e in inventory.entries if e.trainable]) if setup.stage == 0 else 0
-    shard = numel // (setup.world if setup.stage >= 1 else 1)
+    shard = numel // setup.shard_size
     units = stage3_units(inventory, setup, buckets) if setup.stage == 3 else None
     if setup.stage == 3:
         parameters = p * (shard + sum(u.trainable_numel for u in persistent_units(units, setup)))
@@ -292,8 +313,25 @@ def engine_states(inventory: ParamInventory, setup: EngineSetup, rank: int = 0) 
         kept = p * (numel + flags)  # reduce dtype until the step
         gradients = kept + (r * shard if widened else 0)
     optimizer = optimizer_state_bytes(buckets, setup, rank)
-    after_backward = {"parameters": parameters, "gradients": gradients, "optimizer_state": optimizer}
-    return EngineStates(after_backward, after_backward | {"gradients": kept})
+    held, left = (p * secondary_numel(units, setup, after_step) if units else 0 for after_step in (False, True))
+    after_backward = {"parameters": parameters + held, "gradients": gradients, "optimizer_state": optimizer}
+    return EngineStates(after_backward, after_backward | {"parameters": parameters + left, "gradients": kept})
+
+
+def secondary_numel(units: list[UnitPlan], setup: EngineSetup, after_step: bool) -> int:
+    """hpZ's secondary copy (See [Note: hpZ's secondary copy] in zerokit/flat/sharded.py): 1/k of every bucket
+    gathered from its primary shards since the shards last changed. After backward that is every unit's trainable
+    and frozen buckets (the step's first forward gathered them all) and the persistent units' trainable buckets
+    (gathered again when the previous step published them); the step drops them all and its publish gathers the
+    persistent units' trainable buckets again: only those are held after it. (A persistent unit's frozen bucket
+    stays gathered from start-up and is never gathered again.)"""
+    k = setup.settings.secondary_size
+    if k == 1:
+        return 0
+    kept = {u.index for u in persistent_units(units, setup)}
+    held = sum(u.trainable_numel if u.index in kept else u.gathered_numel
+               for u in units if u.index in kept or not after_step)
+    return held // k
 
 
 def add_count(stats: dict[str, dict[str, int]], kind: str, calls: int, elements: int, element_bytes: int) -> None:
@@ -303,51 +341,128 @@ def add_count(stats: dict[str, dict[str, int]], kind: str, calls: int, elements:
     entry["bytes"] += elements * element_bytes
 
 
-def engine_comm(inventory: ParamInventory, setup: EngineSetup) -> dict[str, dict[str, int]]:
-    """The growth of `engine.comm_stats()` over one optimizer step of `setup.grad_accum` micro-steps."""
-    stats: dict[str, dict[str, int]] = {}
+RING_FACTOR = {"all_reduce": lambda n: Fraction(2 * (n - 1), n)}
+"""Bytes one rank sends on a ring of n ranks per logical byte (all-reduce; every other kind (n - 1)/n), as
+zerokit/comm/collectives.py's RING_FACTOR."""
+
+
+def ring_factor(kind: str, n: int) -> Fraction:
+    return RING_FACTOR.get(kind, lambda m: Fraction(m - 1, m))(n)
+
+
+def group_ranks(group: str, setup: EngineSetup, rank: int) -> list[int]:
+    """The global ranks of `rank`'s group named `group` (as comm_stats() names it), in ring order. See [Note: hybrid
+    sharding] in zerokit/comm/groups.py: shard groups of s consecutive ranks, replica groups of the ranks with the
+    same index in theirs, hpZ's node groups of k consecutive ranks; "shard" and "gather" span every rank."""
+    world, s, k = setup.world, setup.settings.shard_size, setup.settings.secondary_size
+    if group in ("mics_shard", "mics_gather"):
+        return list(range(rank - rank % s, rank - rank % s + s))
+    if group == "mics_replica":
+        return list(range(rank % s, world, s))
+    if group == "hpz_gather":
+        return list(range(rank - rank % k, rank - rank % k + k))
+    return list(range(world))
+
+
+@dataclass
+class StepCounts:
+    """One rank's collectives of a step, per kind and, once the job spans nodes, per group and across nodes (the
+    keys of `engine.comm_stats()`: See [Note: bytes that cross nodes] in zerokit/comm/collectives.py)."""
+
+    setup: EngineSetup
+    rank: int
+    stats: dict[str, dict[str, int]] = field(default_factory=dict)
+    cross_node: Fraction = Fraction(0)
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.setup.settings.nodes > 1
+
+    def add(self, group: str, kind: str, calls: int, elements: int, element_bytes: int) -> None:
+        if not calls and not elements:
+            return
+        add_count(self.stats, kind, calls, elements, element_bytes)
+        if not self.spans_nodes:
+            return
+        add_count(self.stats, f"{group}.{kind}", calls, elements, element_bytes)
+        ranks, per_node = group_ranks(group, self.setup, self.rank), self.setup.settings.ranks_per_node
+        following = ranks[(ranks.index(self.rank) + 1) % len(ranks)]
+        if following // per_node != self.rank // per_node:  # its ring successor is on another node
+            self.cross_node += ring_factor(kind, len(ranks)) * elements * element_bytes
+
+    def result(self) -> dict[str, dict[str, int]]:
+        return self.stats | ({"cross_node": {"bytes": round(self.cross_node)}} if self.spans_nodes else {})
+
+
+def engine_comm(inventory: ParamInventory, setup: EngineSetup, rank: int = 0) -> dict[str, dict[str, int]]:
+    """The growth of `engine.comm_stats()` of `rank` over one optimizer step of `setup.grad_accum` micro-steps: per
+    kind, and when the job spans nodes per "<group>.<kind>" and the "cross_node" bytes, which differ by rank."""
     if setup.world == 1:
-        return stats
+        return {}
+    counts = StepCounts(setup, rank)
     buckets = engine_buckets(inventory, setup)
     p, r = BYTES_PER_ELEMENT[setup.precision], BYTES_PER_ELEMENT[setup.reduce_dtype]
     reductions = setup.grad_accum if setup.reduce_every_step else 1
     kind = "all_reduce" if setup.stage == 0 or not setup.reduces_by_scatter else "reduce_scatter"
     flags = len([e for e in inventory.entries if e.trainable])  # one usage flag per trainable parameter
+    mics = setup.settings.replicas > 1
+    shard = "mics_shard" if mics else "shard"  # See ProcessGroups.for_stage
     for bucket in buckets:
-        add_count(stats, kind, reductions, reductions * bucket.numel, r)
+        counts.add(shard, kind, reductions, reductions * bucket.numel, r)
     if setup.stage == 0:  # the flags ride behind the last bucket, in its dtype
-        add_count(stats, kind, 0, flags, r if setup.precision != setup.reduce_dtype else BYTES_PER_ELEMENT[setup.precision])
+        counts.add(shard, kind, 0, flags, r if setup.precision != setup.reduce_dtype else p)
+    if mics:  # at the boundary each reduced shard is averaged across the replicas (See [Note: hybrid sharding])
+        for bucket in buckets:
+            counts.add("mics_replica", "all_reduce", 1, bucket.shard_numel, r)
     if setup.stage in (1, 2):
         for bucket in buckets:
-            add_count(stats, "all_gather", 1, bucket.numel, p)
+            counts.add(shard, "all_gather", 1, bucket.numel, p)
     if setup.stage == 3:
-        _stage3_gathers(stats, inventory, setup, buckets)
+        _stage3_gathers(counts, inventory, setup, buckets)
     if setup.stage >= 1:  # the float64 sum of squares behind the global norm, and the usage flags
-        add_count(stats, "all_reduce", 1, 1 + flags, 8)
+        counts.add(shard, "all_reduce", 1, 1 + flags, 8)
+    if mics:  # the usage flags again, summed across the replicas
+        counts.add("mics_replica", "all_reduce", 1, flags, 8)
     if setup.broadcast_buffers:  # rank 0's buffers, per dtype, before each forward after the first and at the step
-        for numel, element_bytes in inventory.buffers:
-            add_count(stats, "broadcast", setup.grad_accum, setup.grad_accum * numel, element_bytes)
-    return stats
+        for numel, element_bytes in inventory.buffers:  # over the engine's group of every rank
+            counts.add("shard", "broadcast", setup.grad_accum, setup.grad_accum * numel, element_bytes)
+    return counts.result()
 
 
-def _stage3_gathers(stats: dict, inventory: ParamInventory, setup: EngineSetup, buckets: tuple[BucketPlan, ...]) -> None:
+def _stage3_gathers(counts: StepCounts, inventory: ParamInventory, setup: EngineSetup,
+                    buckets: tuple[BucketPlan, ...]) -> None:
     """A unit is gathered before its forward and, except the root, again before its backward, one call per
-    bucket and one for its frozen buffer; a persistent unit only when the step publishes it."""
+    bucket and one for its frozen buffer; a persistent unit only when the step publishes it. With hpZ, each
+    bucket's first gather of the step reads the primary shards and every later one the secondary copy inside
+    the node group (See [Note: hpZ's secondary copy] in zerokit/flat/sharded.py)."""
     p, m = BYTES_PER_ELEMENT[setup.precision], setup.grad_accum
+    gather = "mics_gather" if setup.settings.replicas > 1 else "gather"
+    secondary = "hpz_gather" if setup.settings.secondary_size > 1 else gather
     units = stage3_units(inventory, setup, buckets)
     kept = {u.index for u in persistent_units(units, setup)}
     for unit in units:
         own = [b.numel for b in buckets if b.unit == unit.index]
         if unit.index in kept:  # publish_params re-gathers its trainable buckets once per step
             for numel in own:
-                add_count(stats, "all_gather", 1, numel, p)
+                counts.add(gather, "all_gather", 1, numel, p)
             continue
         times = m * (1 if unit.index == 0 else 2)
         for numel in own + ([unit.frozen_numel] if unit.frozen_numel else []):
-            add_count(stats, "all_gather", times, times * numel, p)
+            counts.add(gather, "all_gather", 1, numel, p)
+            counts.add(secondary, "all_gather", times - 1, (times - 1) * numel, p)
 
 
-def wire_bytes(stats: dict[str, dict[str, int]], world: int) -> dict[str, float]:
-    """Bytes each rank sends per kind on a ring (all-reduce 2(N-1)/N, the others (N-1)/N of the logical size)."""
-    factor = {"all_reduce": 2 * (world - 1) / world}
-    return {kind: entry["bytes"] * factor.get(kind, (world - 1) / world) for kind, entry in stats.items()}
+def per_kind(stats: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """The entries of a comm_stats() dict that count every group together (not "<group>.<kind>" or "cross_node")."""
+    return {kind: entry for kind, entry in stats.items() if "." not in kind and kind != "cross_node"}
+
+
+def wire_bytes(stats: dict[str, dict[str, int]], setup: EngineSetup) -> dict[str, float]:
+    """Bytes each rank sends per kind on a ring (all-reduce 2(n-1)/n, the others (n-1)/n of the logical size), n
+    the ranks of the group each collective went over where `stats` splits them by group, else every rank."""
+    wire = {kind: float(ring_factor(kind, setup.world) * entry["bytes"]) for kind, entry in per_kind(stats).items()}
+    by_group = [(*key.split("."), entry["bytes"]) for key, entry in stats.items() if "." in key]
+    for kind in {kind for _, kind, _ in by_group}:
+        wire[kind] = float(sum(ring_factor(kind, len(group_ranks(group, setup, 0))) * sent
+                               for group, other, sent in by_group if other == kind))
+    return wire

@@ -69,6 +69,7 @@ def engine_transfers(inventory: ParamInventory, setup: EngineSetup, rank: int = 
     if setup.offload_optimizer == "none" and setup.offload_param == "none":
         return stats
     buckets = engine_buckets(inventory, setup)
+    rank %= setup.shard_size  # its index in its shard group (See [Note: hybrid sharding] in zerokit/comm/groups.py)
     _gradients_down(stats, buckets, setup, rank)
     _updates_out(stats, buckets, setup, rank)
     if setup.offload_optimizer == "nvme":
@@ -186,7 +187,7 @@ def _shard_numels(inventory: ParamInventory, setup: EngineSetup, buckets: tuple[
     units = stage3_units(inventory, setup, buckets)
     last = {e.unit: position for position, e in enumerate(inventory.entries) if not e.trainable and e.floating}
     for unit in sorted((u for u in units if u.frozen_numel), key=lambda u: last[u.index]):
-        numels[("frozen", unit.index)] = unit.frozen_numel // setup.world
+        numels[("frozen", unit.index)] = unit.frozen_numel // setup.shard_size
     return numels
 
 

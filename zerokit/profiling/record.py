@@ -11,7 +11,9 @@
   a collective replay  the profiled step's collectives again, alone (same kinds, calls and sizes): the
                        time communication takes without compute beside it
 Peaks and times are the maximum over ranks (what the job sees); memory_stats() and comm_stats() are
-rank 0's (every rank holds and sends the same, up to the shard padding, which rank 0 has the most of).
+rank 0's (every rank holds and sends the same, up to the shard padding, which rank 0 has the most of, and,
+across nodes, the bytes that cross them, which the planner predicts per rank: rank 0's here). A MiCS or hpZ
+run is recorded like a flat one; its collectives are replayed over every rank.
 Only the engine's public surface is used: engine(...), backward, step, memory_stats, comm_stats,
 config, module, world_size, rank, comm.backend.
 """
@@ -30,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from zerokit.config import DTYPE_NAMES
-from zerokit.planner.engine_model import EngineSetup
+from zerokit.planner.engine_model import EngineSetup, per_kind
 from zerokit.profiling.inventory import blocks_of, param_inventory
 from zerokit.profiling.measure import AllocationTimeline, SavedTensorCounter, backward_phases, resident_peak
 from zerokit.jsonfile import JsonRecord
@@ -59,12 +61,7 @@ class RunRecord(JsonRecord):
 
 
 def engine_setup(engine: Any, optimizer_name: str) -> EngineSetup:
-    config = engine.config
-    hybrid = f"mics_shard_size={config.mics_shard_size}" if engine.settings.replicas > 1 else (
-        f"zero_hpz_partition_size={config.hpz_partition_size}" if engine.settings.secondary_size > 1 else "")
-    if hybrid:  # See [Note: hybrid sharding] in zerokit/comm/groups.py
-        raise ValueError(f"zero_optimization.{hybrid}: the planner does not model MiCS or hpZ yet, so a record of this "
-                         "run could not be checked against it; record it without")
+    config, settings = engine.config, engine.settings
     return EngineSetup(stage=config.stage, world=engine.world_size,
                        precision=DTYPE_NAMES[config.precision.param_dtype],
                        reduce_dtype=DTYPE_NAMES[config.precision.reduce_dtype], optimizer=optimizer_name,
@@ -76,7 +73,9 @@ def engine_setup(engine: Any, optimizer_name: str) -> EngineSetup:
                        persistence_threshold=config.stage3.persistence_threshold,
                        offload_optimizer=config.offload_optimizer.device, offload_param=config.offload_param.device,
                        max_in_cpu=config.offload_param.max_in_cpu, buffer_size=config.offload_param.buffer_size,
-                       broadcast_buffers=config.broadcast_buffers)
+                       broadcast_buffers=config.broadcast_buffers, mics_shard_size=settings.shard_size,
+                       ranks_per_node=settings.ranks_per_node,
+                       hpz_partition_size=settings.secondary_size)  # See [Note: hybrid sharding] in comm/groups.py
 
 
 def engine_config(setup: dict) -> dict:
@@ -99,11 +98,23 @@ def engine_config(setup: dict) -> dict:
             block["max_in_cpu"] = setup["max_in_cpu"]
             if "buffer_size" in setup:  # records written before it was recorded: the default
                 block["buffer_size"] = setup["buffer_size"]
+    _hybrid_keys(setup, zero)
     config = {"zero_optimization": zero, "gradient_accumulation_steps": setup["grad_accum"],
               "communication_data_type": setup["reduce_dtype"], "broadcast_buffers": setup["broadcast_buffers"]}
+    if setup.get("ranks_per_node") not in (None, setup["world"]):  # simulated nodes, as the run had them
+        config["ranks_per_node"] = setup["ranks_per_node"]
     if setup["precision"] != "fp32":
         config[setup["precision"]] = {"enabled": True}
     return config
+
+
+def _hybrid_keys(setup: dict, zero: dict) -> None:
+    """MiCS's and hpZ's keys where the recorded run set them (a record made before they were recorded has none)."""
+    shard_size, k = setup.get("mics_shard_size"), setup.get("hpz_partition_size")
+    if shard_size not in (None, -1, setup["world"]):
+        zero["mics_shard_size"] = shard_size
+    if k not in (None, 1):
+        zero["zero_hpz_partition_size"] = k
 
 
 def optimizer_name(optimizer: Any) -> str:
@@ -233,7 +244,7 @@ def replay_collectives(comm: dict, dtype_of: Callable[[str], torch.dtype], devic
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
-        for kind, entry in comm.items():
+        for kind, entry in per_kind(comm).items():  # every group together, as if over every rank
             if not entry["calls"]:
                 continue
             dtype = dtype_of(kind) if entry["elements"] > 1 else torch.float64

@@ -8,10 +8,13 @@ param group; fp32, AdamW, no buffers.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from zerokit.planner.engine_model import (EngineSetup, ParamEntry, ParamInventory, engine_buckets, engine_comm,
                                           engine_states, wire_bytes)
+from zerokit.planner.engine_offload import engine_transfers
 
 INVENTORY = ParamInventory((ParamEntry("a", 10, 0, 1), ParamEntry("b", 7, 0, 1), ParamEntry("c", 5, 0, 0),
                             ParamEntry("d", 6, -1, 1, trainable=False)))
@@ -107,3 +110,14 @@ def test_bad_hybrid_sizes_are_the_engines_one_line_errors(extra: dict, message: 
     with pytest.raises(ValueError, match=message) as error:
         setup(3, **extra)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("offload", [{"offload_optimizer": "nvme"}, {"offload_param": "nvme", "max_in_cpu": 0}])
+def test_mics_offload_copies_are_flat_zeros_on_the_shard_group(offload: dict) -> None:
+    """The offload tier holds this rank's shards: rank r of 4 with s=2 copies what rank r % 2 of 2 copies (its
+    optimizer records and, with parameters on NVMe, its trainable and frozen shards, in 1/s). The inventory's sizes
+    x 10,000, so that a record's state is more than the 4 KiB block NVMe records round to."""
+    large = ParamInventory(tuple(replace(entry, numel=entry.numel * 10_000) for entry in INVENTORY.entries))
+    for rank in range(4):
+        mics = engine_transfers(large, setup(3, mics_shard_size=2, **NODES, **offload), rank)
+        assert mics and mics == engine_transfers(large, setup(3, world=2, **offload), rank % 2), rank

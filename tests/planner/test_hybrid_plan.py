@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from zerokit.planner import estimate, make_scenario
+from zerokit.planner import Layout, estimate, make_scenario, plan
 from zerokit.planner.comms import make_groups
+from zerokit.planner.emit import emit
 
 HDR, NVLINK3 = 25e9, 300e9  # the catalogue's ib-hdr port and nvlink3, bytes/s per direction
 
@@ -107,3 +110,89 @@ def test_bad_hybrid_layouts_are_named_in_one_line():
         scenario(gpus_per_node=2, nodes=2, secondary=3)
     with pytest.raises(ValueError, match="does not combine"):
         scenario(gpus_per_node=2, nodes=2, secondary=2, replicas=2)
+
+
+# --- the decision tree ------------------------------------------------------------------------------
+
+def forms_at(pick):
+    """Flat, MiCS and hpZ at the pick's stage, checkpointing and micro-batch (those the stage allows)."""
+    flat = replace(pick.scenario, layout=Layout())
+    layouts = [Layout(), Layout(replicas=flat.cluster.nodes)] if pick.stage >= 1 else [Layout()]
+    layouts += [Layout(secondary=flat.cluster.gpus_per_node)] if pick.stage == 3 else []
+    return [estimate(replace(flat, layout=layout), pick.stage, pick.offload) for layout in layouts]
+
+
+@pytest.mark.parametrize("inter_link", ["eth-100g", "ib-hdr"])
+def test_13b_on_2x8_a100_picks_the_fastest_form_that_fits(inter_link):
+    """The README's question: whichever form the tree lands on is the fastest of those that fit at its stage,
+    and a hybrid pick sends fewer bytes across nodes than the flat stage (the reason it wins)."""
+    p = plan(model="llama2-13b", gpu="a100-80gb", gpus_per_node=8, nodes=2, nics_per_node=4, inter_link=inter_link)
+    forms = forms_at(p.pick)
+    fitting = [f for f in forms if f.fits]
+    assert p.pick.step_seconds == min(f.step_seconds for f in fitting)
+    flat = forms[0]
+    if p.pick.scenario.layout.hybrid:
+        assert p.pick.comm.cross_node_bytes < flat.comm.cross_node_bytes
+        assert p.pick.step_seconds < flat.step_seconds or not flat.fits
+        assert any("across nodes" in r and p.pick.mode in r for r in p.reasons)
+    if p.pick.scenario.layout.hybrid and flat.fits:  # the flat stage lost on speed: the reasons show it beside
+        assert flat.mode in [r.mode for r in p.rivals]
+
+
+def test_the_tree_can_land_on_hpz():
+    """13B on 4 x 8 A100-40GB, 4 micro-steps: stage 3 is the lowest that fits; hpZ's gathers after the first
+    forward stay on NVLink, so its step beats flat stage 3's; MiCS over 8 does not fit."""
+    p = plan(model="llama2-13b", gpu="a100-40gb", nodes=4, nics_per_node=4, grad_accum=4)
+    forms = {f.mode: f for f in forms_at(p.pick)}
+    assert p.pick.stage == 3
+    best = min((f for f in forms.values() if f.fits), key=lambda f: f.step_seconds)
+    assert p.pick.mode == best.mode
+    assert forms["ZeRO-3 + hpZ k=8"].comm.cross_node_bytes < forms["ZeRO-3"].comm.cross_node_bytes
+
+
+def test_one_node_has_no_hybrid_forms():
+    p = plan(model="llama2-13b", gpu="a100-80gb", gpus_per_node=8, seq_len=4096)
+    assert all(not a.scenario.layout.hybrid for a in p.attempts) and p.rivals == ()
+
+
+# --- emit -------------------------------------------------------------------------------------------
+
+def picked(layout, stage):
+    return estimate(make_scenario("llama2-13b", nodes=2, gpus_per_node=8, **layout), stage)
+
+
+@pytest.mark.parametrize("layout, stage", [({"replicas": 2}, 1), ({"replicas": 2}, 2), ({"replicas": 2}, 3),
+                                           ({"secondary": 8}, 3)])
+def test_zerokit_and_deepspeed_configs_round_trip(layout, stage):
+    from zerokit.config import load_config
+
+    result = picked(layout, stage)
+    expected_mics = result.scenario.shard if "replicas" in layout else -1
+    expected_hpz = layout.get("secondary", 1)
+    for target in ("zerokit", "deepspeed"):
+        config = load_config(emit(result, target).config)
+        assert (config.stage, config.mics_shard_size, config.hpz_partition_size) == (stage, expected_mics,
+                                                                                        expected_hpz)
+    assert load_config(emit(result, "zerokit").config).ranks_per_node == 8
+
+
+def test_deepspeed_mics_config_says_what_0_19_8_does_with_it():
+    notes = emit(picked({"replicas": 2}, 3), "deepspeed").notes
+    assert any("DeepSpeedConfigError" in n and "zerokit's drop-in" in n for n in notes)
+    assert not any("MiCS" in n for n in emit(picked({"secondary": 8}, 3), "deepspeed").notes)
+
+
+@pytest.mark.parametrize("layout, stage, expect", [({"replicas": 2}, 3, 'init_device_mesh("cuda", (2, 8)'),
+                                                   ({"replicas": 2}, 2, "reshard_after_forward=False"),
+                                                   ({"secondary": 8}, 3, "reshard_after_forward=8")])
+def test_fsdp_code_compiles(layout, stage, expect):
+    code = emit(picked(layout, stage), "fsdp").config
+    compile(code, "<emitted>", "exec")
+    assert expect in code
+
+
+def test_fsdp_refuses_what_it_cannot_express():
+    with pytest.raises(ValueError, match="no hybrid ZeRO-1"):
+        emit(picked({"replicas": 2}, 1), "fsdp")
+    with pytest.raises(ValueError, match="other than 1 and 16"):
+        emit(picked({"secondary": 16}, 3), "fsdp")

@@ -10,6 +10,15 @@
     then: the largest micro-batch that fits the chosen configuration
 Stages above 1 are skipped under pipeline parallelism. The first configuration that fits is the
 pick; the reasons quote the numbers of everything tried before it.
+
+[Note: hybrid sharding in the tree]
+On more than one node (and a flat layout as asked), step 1 tries beside each flat stage its hybrid
+forms: MiCS/HSDP (shard inside a node, replicas = nodes; stages 1-3) and hpZ (stage 3, a secondary copy
+over k = gpus_per_node ranks). Each stage is one rung: the lowest rung where anything fits wins, and
+within it the fastest predicted step (ties: the flat form, then the order above). A hybrid form holds more
+per GPU (MiCS: state / s instead of / N; hpZ: + parameters / k) and sends fewer bytes across nodes, so
+it wins where the inter-node link, not memory, limits the step. Offload tiers stay flat: their step is
+bound by PCIe and the CPU, which a hybrid layout does not change.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from zerokit.planner.catalogue import link
 from zerokit.planner.estimate import STAGES, Estimate, Scenario, estimate, make_scenario
 from zerokit.planner.spec import GB, Layout, Offload, Policy
 
@@ -44,6 +54,9 @@ class Plan:
     """The first fit with the other checkpointing choice at a lower stage or less offload."""
     alternatives: tuple[Estimate, ...]
     """Hybrid layouts on paper (multi-node only): HSDP, ZeRO-1 + pipeline, ZeRO-1 + tensor parallel."""
+    rivals: tuple[Estimate, ...]
+    """The other forms of the pick's rung that also fit (flat vs MiCS vs hpZ: See [Note: hybrid sharding in the
+    tree]), slowest last."""
     reasons: tuple[str, ...]
     notes: tuple[str, ...]
 
@@ -56,31 +69,52 @@ def allowed_stages(layout: Layout) -> tuple[int, ...]:
     return (0, 1) if layout.pp > 1 else STAGES
 
 
-def _candidates(scenario: Scenario, policy: Policy) -> Iterator[tuple[int, Offload]]:
+def hybrid_layouts(scenario: Scenario, stage: int) -> tuple[Layout, ...]:
+    """The hybrid forms the tree tries beside flat ZeRO-`stage` (See [Note: hybrid sharding in the tree])."""
+    cluster = scenario.cluster
+    if cluster.nodes == 1 or scenario.layout != Layout():
+        return ()
+    forms = [Layout(replicas=cluster.nodes)] if stage >= 1 else []
+    return tuple(forms + ([Layout(secondary=cluster.gpus_per_node)] if stage == 3 else []))
+
+
+def _rungs(scenario: Scenario, policy: Policy) -> Iterator[tuple[tuple[Scenario, int, Offload], ...]]:
+    """The tree's rungs in order; each is a flat configuration and its hybrid forms, tried together."""
     stages = allowed_stages(scenario.layout)
     for stage in stages:
-        yield stage, Offload()
+        forms = (scenario, *(replace(scenario, layout=layout) for layout in hybrid_layouts(scenario, stage)))
+        yield tuple((form, stage, Offload()) for form in forms)
     if policy.offload == "auto":
         for tier in OFFLOAD_TIERS:
             for stage in stages:
                 if stage >= 1 and (tier.params == "none" or stage == 3):
-                    yield stage, tier
+                    yield ((scenario, stage, tier),)
 
 
 def _checkpointing_order(policy: Policy) -> tuple[str, ...]:
     return ("none", "full") if policy.checkpointing == "auto" else (policy.checkpointing,)
 
 
-def _search(scenario: Scenario, policy: Policy, orders: tuple[str, ...]) -> tuple[Estimate | None, list[Estimate]]:
+def _fastest(fits: list[Estimate]) -> tuple[Estimate, tuple[Estimate, ...]]:
+    """The pick of a rung and the rest that fit, slowest last; ties go to the earlier form (flat first)."""
+    ranked = sorted(fits, key=lambda e: e.step_seconds)  # sorted is stable: the flat form wins a tie
+    return ranked[0], tuple(ranked[1:])
+
+
+def _search(scenario: Scenario, policy: Policy,
+            orders: tuple[str, ...]) -> tuple[Estimate | None, list[Estimate], tuple[Estimate, ...]]:
+    """(pick, everything estimated, the pick's rivals on its rung)."""
     attempts = []
     for checkpointing in orders:
         trial = scenario.with_training(checkpointing=checkpointing)
-        for stage, offload in _candidates(trial, policy):
-            result = estimate(trial, stage, offload, headroom=policy.headroom)
-            attempts.append(result)
-            if result.fits:
-                return result, attempts
-    return None, attempts
+        for rung in _rungs(trial, policy):
+            results = [estimate(form, stage, offload, headroom=policy.headroom) for form, stage, offload in rung]
+            attempts += results
+            fits = [r for r in results if r.fits]
+            if fits:
+                pick, rivals = _fastest(fits)
+                return pick, attempts, rivals
+    return None, attempts, ()
 
 
 def largest_micro_batch(pick: Estimate, policy: Policy) -> tuple[int, Estimate | None]:
@@ -113,7 +147,7 @@ def _runner_up(scenario: Scenario, policy: Policy, pick: Estimate) -> Estimate |
     if policy.checkpointing != "auto":
         return None
     other = "full" if pick.training.checkpointing == "none" else "none"
-    found, _ = _search(scenario.with_training(micro_batch=pick.training.micro_batch), policy, (other,))
+    found, _, _ = _search(scenario.with_training(micro_batch=pick.training.micro_batch), policy, (other,))
     return found if found is not None and _order_key(found) < _order_key(pick) else None
 
 
@@ -146,11 +180,11 @@ def plan(scenario: Scenario | None = None, policy: Policy | None = None, **scena
     """Pick a configuration for `scenario` (or make_scenario()'s keyword arguments)."""
     scenario = scenario or make_scenario(**scenario_kwargs)
     policy = policy or Policy()
-    pick, attempts = _search(scenario, policy, _checkpointing_order(policy))
+    pick, attempts, rivals = _search(scenario, policy, _checkpointing_order(policy))
     shrunk = scenario
     while pick is None and shrunk.training.micro_batch > 1:  # the requested micro-batch fits nowhere
         shrunk = shrunk.with_training(micro_batch=shrunk.training.micro_batch // 2)
-        pick, more = _search(shrunk, policy, _checkpointing_order(policy))
+        pick, more, rivals = _search(shrunk, policy, _checkpointing_order(policy))
         attempts += more
     checkpointing = pick.training.checkpointing if pick else _checkpointing_order(policy)[-1]
     # A bare parameter count has no activations, so every micro-batch would "fit": do not search.
@@ -161,11 +195,34 @@ def plan(scenario: Scenario | None = None, policy: Policy | None = None, **scena
         at_max = estimate(pick.scenario.with_training(micro_batch=max_batch), pick.stage, pick.offload,
                           headroom=policy.headroom)
     runner_up = _runner_up(scenario, policy, pick) if pick else None
-    stages = _stage_table(pick.scenario if pick else scenario, policy, checkpointing)
-    alternatives = hybrid_alternatives(pick.scenario if pick else scenario, policy, checkpointing)
+    asked = replace(pick.scenario, layout=scenario.layout) if pick else scenario  # the pick's, laid out as asked
+    stages = _stage_table(asked, policy, checkpointing)
+    alternatives = hybrid_alternatives(asked, policy, checkpointing)
     draft = Plan(scenario, policy, pick, stages, tuple(attempts), max_batch, over, at_max, runner_up, alternatives,
-                 (), ())
+                 rivals, (), ())
     return replace(draft, reasons=tuple(reasons(draft)), notes=tuple(notes(draft)))
+
+
+def other_inter_link(scenario: Scenario) -> str:
+    """The memo compares InfiniBand with Ethernet: 100 Gb Ethernet for an InfiniBand cluster, else HDR."""
+    return "eth-100g" if scenario.cluster.inter_link.key.startswith("ib") else "ib-hdr"
+
+
+def hybrid_comparison(p: Plan) -> tuple[tuple[str, Plan, tuple[Estimate, ...]], ...]:
+    """Multi-node: for this cluster's inter-node link and the other kind (See other_inter_link), the plan and
+    flat / MiCS / hpZ ZeRO-3 at the pick's checkpointing and micro-batch (() on one node or without a pick)."""
+    if p.pick is None or p.scenario.cluster.nodes == 1 or p.scenario.layout != Layout():
+        return ()
+    other = replace(p.scenario, cluster=replace(p.scenario.cluster, inter_link=link(other_inter_link(p.scenario))))
+    out = []
+    for scenario, planned in ((p.scenario, p), (other, None)):
+        planned = planned or plan(scenario, p.policy)
+        trial = scenario.with_training(checkpointing=p.pick.training.checkpointing,
+                                       micro_batch=p.pick.training.micro_batch)
+        forms = (trial, *(replace(trial, layout=layout) for layout in hybrid_layouts(trial, 3)))
+        out.append((scenario.cluster.inter_link.name, planned,
+                    tuple(estimate(form, 3, headroom=p.policy.headroom) for form in forms)))
+    return tuple(out)
 
 
 # --- reasons, from the numbers ------------------------------------------------------------------
@@ -227,8 +284,8 @@ def reasons(p: Plan) -> list[str]:
     if p.pick is None:
         return _no_fit_reasons(p)
     pick, out = p.pick, []
-    for tried in p.attempts[:-1]:
-        if not tried.offload.any and tried.training.checkpointing == pick.training.checkpointing:
+    for tried in p.attempts:
+        if not tried.fits and not tried.offload.any and tried.training.checkpointing == pick.training.checkpointing:
             out.append(_failure(tried, p.policy))
     if pick.training.checkpointing == "full" and p.policy.checkpointing == "auto":
         tried = sum(1 for a in p.attempts if a.training.checkpointing == "none")
@@ -236,12 +293,13 @@ def reasons(p: Plan) -> list[str]:
                    "block's input is stored and the block recomputed in backward")
     if pick.offload.any:
         ckpt = pick.training.checkpointing
-        skipped = [a for a in p.attempts[:-1] if a.offload.any and a.training.checkpointing == ckpt]
+        skipped = [a for a in p.attempts if not a.fits and a.offload.any and a.training.checkpointing == ckpt]
         if skipped:
             out.append(f"cheaper offload tiers do not fit either: {_failure(skipped[-1], p.policy)}")
     out.append(f"{pick.label} fits: {gb(pick.memory.total)} of {_usable(pick, p.policy)}, "
                f"{gb(pick.usable - pick.memory.total)} to spare; largest parts {_biggest(pick)}")
     out.append(_comm_reason(pick))
+    out += _hybrid_reasons(p)
     if pick.offload.any:
         out.append(_offload_reason(pick))
     out.append(_micro_batch_reason(p))
@@ -255,6 +313,26 @@ def reasons(p: Plan) -> list[str]:
         out.append(f"{r.label} also fits ({gb(r.memory.total)}) but its predicted step is {r.step_seconds:.2f} s "
                    f"vs {pick.step_seconds:.2f} s; the tree turns to recomputation only when no stage or offload "
                    "tier fits without it")
+    return out
+
+
+def _crossing(result: Estimate) -> str:
+    return (f"{result.label.split(',')[0]}: {gb(result.comm.cross_node_bytes)} across nodes per GPU per step, "
+            f"{result.exposed_comm_seconds:.2f} s of communication exposed, step {result.step_seconds:.2f} s")
+
+
+def _hybrid_reasons(p: Plan) -> list[str]:
+    """Why the pick's form (flat, MiCS, hpZ) beat the others on its rung (See [Note: hybrid sharding in the
+    tree]), or what kept a hybrid form off it."""
+    pick = p.pick
+    rung = [a for a in p.attempts if a.stage == pick.stage and a.offload == pick.offload
+            and a.training.checkpointing == pick.training.checkpointing and a is not pick]
+    if not rung:
+        return []
+    out = [f"fastest of the forms of ZeRO-{pick.stage} that fit: {_crossing(pick)}"]
+    out += [f"beside it {_crossing(r)}" for r in p.rivals]
+    out += [f"{r.label.split(',')[0]} does not fit: {gb(r.memory.total)} per GPU over {gb(r.usable)} usable"
+            for r in rung if not r.fits]
     return out
 
 

@@ -29,8 +29,8 @@ def _data_parallel_only(result: Estimate, target: str) -> None:
                          "(tensor and pipeline parallelism are set up in model code: Megatron, torch pipelining)")
 
 
-def _notes(result: Estimate) -> tuple[str, ...]:
-    notes = []
+def _notes(result: Estimate, target: str) -> tuple[str, ...]:
+    notes = list(_hybrid_notes(result, target))
     if result.training.checkpointing == "full":
         notes.append("activation checkpointing is not a config key: wrap each transformer block, e.g. "
                      "model.gradient_checkpointing_enable() (Hugging Face) or torch.utils.checkpoint "
@@ -38,6 +38,37 @@ def _notes(result: Estimate) -> tuple[str, ...]:
     if result.offload.optimizer == "nvme" or result.offload.params == "nvme":
         notes.append(f"nvme_path is set to {NVME_PATH}: point it at a local NVMe mount")
     return tuple(notes)
+
+
+def _hybrid_notes(result: Estimate, target: str) -> tuple[str, ...]:
+    layout, shard = result.scenario.layout, result.scenario.shard
+    if layout.hybrid == "mics" and target == "deepspeed":
+        return (f"DeepSpeed 0.19.8 removed MiCS: its config check (_reject_removed_config_keys in "
+                f"deepspeed/runtime/config.py) raises DeepSpeedConfigError on zero_optimization.mics_shard_size, so "
+                f"this config starts only under zerokit's drop-in (`import zerokit.deepspeed as deepspeed`), which "
+                f"trains MiCS with DeepSpeed's meaning at stages 1-3; DeepSpeed's own MiCS (before 0.19.8) was "
+                f"stage 3 only",)
+    if layout.hybrid and target == "zerokit":
+        return (f"ranks_per_node={result.scenario.cluster.gpus_per_node} names the nodes for launchers that do not "
+                "set LOCAL_WORLD_SIZE (torchrun does; all ranks must agree)",)
+    if layout.hybrid == "hpz" and target == "fsdp":
+        return (f"FSDP2's reshard_after_forward={layout.secondary} keeps a {layout.secondary}-rank copy from each "
+                "forward to its backward only: every micro-step's forward gathers over all ranks again, where hpZ "
+                "gathers over all ranks once per optimizer step",)
+    if layout.hybrid == "mics" and target == "fsdp":
+        return (f"HSDP all-reduces gradients across the {layout.replicas} replicas every micro-step unless "
+                "set_requires_gradient_sync(False) holds them until the last (written below); MiCS does so once "
+                "per step",) if result.training.grad_accum > 1 else ()
+    return ()
+
+
+def _hybrid_keys(result: Estimate, ranks_per_node: bool) -> tuple[dict, dict]:
+    """(zero_optimization keys, top-level keys) of MiCS (`mics_shard_size`) or hpZ (`zero_hpz_partition_size`)."""
+    layout, scenario = result.scenario.layout, result.scenario
+    zero = ({"mics_shard_size": scenario.shard} if layout.hybrid == "mics"
+            else {"zero_hpz_partition_size": layout.secondary} if layout.hybrid == "hpz" else {})
+    top = {"ranks_per_node": scenario.cluster.gpus_per_node} if zero and ranks_per_node else {}
+    return zero, top
 
 
 def _precision(result: Estimate) -> dict:
@@ -66,17 +97,16 @@ def _common(result: Estimate, clipping: float) -> dict:
 def emit_zerokit(result: Estimate, clipping: float = DEFAULT_CLIPPING) -> dict:
     """The keys zerokit's engine reads (zerokit/config.py), DeepSpeed-style: sizes in elements."""
     _data_parallel_only(result, "zerokit")
-    if result.scenario.layout.replicas > 1:
-        raise ValueError("zerokit's engine shards over one flat group; HSDP (replicas > 1) is on paper only: "
-                         "use --emit fsdp (2-D device mesh)")
     t = result.training
     zero = {"stage": result.stage, "reduce_bucket_size": bucket_numel(t.bucket_bytes, t.reduce_bytes),
             "overlap_comm": t.overlap_comm}
     if result.stage == 2 and not t.reduce_every_micro_step:
         zero["reduce_every_micro_step"] = False
+    hybrid, top = _hybrid_keys(result, ranks_per_node=True)
+    zero.update(hybrid)
     zero.update(_stage3_limits(result))
     zero.update(_offload_blocks(result, {"pin_memory": True}))
-    return {**_common(result, clipping), "zero_optimization": zero}
+    return {**_common(result, clipping), **top, "zero_optimization": zero}
 
 
 def _stage3_limits(result: Estimate) -> dict:
@@ -93,14 +123,12 @@ def _stage3_limits(result: Estimate) -> dict:
 
 
 def emit_deepspeed(result: Estimate, clipping: float = DEFAULT_CLIPPING) -> dict:
+    """DeepSpeed's keys; MiCS's `mics_shard_size` as well, which only zerokit's drop-in still reads (a note)."""
     _data_parallel_only(result, "deepspeed")
-    if result.scenario.layout.replicas > 1:
-        raise ValueError("DeepSpeed has no HSDP: ZeRO++ hpZ (zero_hpz_partition_size) keeps a secondary parameter "
-                         "shard per node but still shards optimizer state and gradients over all ranks, and MiCS "
-                         "was removed in 0.19.8; use --emit fsdp")
     t = result.training
     zero = {"stage": result.stage, "overlap_comm": t.overlap_comm, "contiguous_gradients": True,
             "reduce_bucket_size": bucket_numel(t.bucket_bytes, t.reduce_bytes)}
+    zero.update(_hybrid_keys(result, ranks_per_node=False)[0])
     zero.update(_stage3_limits(result))
     zero.update(_offload_blocks(result, {"pin_memory": True}))
     return {**_common(result, clipping), "zero_optimization": zero}
@@ -110,7 +138,11 @@ _TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torc
 
 
 def _fsdp_stage_line(result: Estimate) -> tuple[str, str]:
-    """(reshard_after_forward, comment) for stages 2 and 3."""
+    """(reshard_after_forward, comment) for stages 2 and 3; hpZ's k is FSDP2's int form."""
+    k = result.scenario.layout.secondary
+    if result.stage == 3 and k > 1:
+        return str(k), (f"ZeRO-3 + hpZ: after forward each block is resharded to groups of {k} ranks, so the "
+                        "backward gathers inside the node")
     if result.stage == 3:
         return "True", "ZeRO-3: parameters freed after forward, gathered again for backward"
     return "False", "ZeRO-2: parameters stay gathered from forward to backward; gradients are sharded"
@@ -125,8 +157,15 @@ def emit_fsdp(result: Estimate, clipping: float = DEFAULT_CLIPPING) -> str:
     if offload.optimizer != "none" and offload.params == "none":
         raise ValueError("FSDP2 cannot offload only the optimizer: CPUOffloadPolicy moves parameters, gradients "
                          "and optimizer state together (pytorch PR #120256); use --emit deepspeed or zerokit")
+    if result.stage in (0, 1) and layout.replicas > 1:
+        raise ValueError("torch has no hybrid ZeRO-1: ZeroRedundancyOptimizer shards over every rank; use --emit "
+                         "zerokit (mics_shard_size at stage 1)")
     if result.stage in (0, 1):
         return _ddp_code(result, clipping)
+    if layout.secondary >= result.scenario.shard:
+        raise ValueError(f"FSDP2's reshard_after_forward={layout.secondary} must be a divisor of the "
+                         f"{result.scenario.shard} sharding ranks other than 1 and {result.scenario.shard}; "
+                         "use a smaller secondary group, or --emit zerokit")
     shard = result.scenario.shard
     mesh = (f'init_device_mesh("cuda", ({layout.replicas}, {shard}), mesh_dim_names=("replicate", "shard"))'
             if layout.replicas > 1 else f'init_device_mesh("cuda", ({shard},))')
@@ -186,4 +225,4 @@ def emit(result: Estimate, target: str, clipping: float = DEFAULT_CLIPPING) -> E
     if isinstance(clipping, bool) or not isinstance(clipping, (int, float)) or not clipping >= 0:
         raise ValueError(f"gradient clipping={clipping!r} must be >= 0 (0 disables clipping, as in zerokit/config.py)")
     writer = {"zerokit": emit_zerokit, "deepspeed": emit_deepspeed, "fsdp": emit_fsdp}[target]
-    return Emitted(target, writer(result, clipping), _notes(result))
+    return Emitted(target, writer(result, clipping), _notes(result, target))

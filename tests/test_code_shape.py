@@ -1,6 +1,6 @@
 """The shape the code keeps (issue 24): no import circle among zerokit's files, whether an import is at module level,
 inside a function or only for type checking (a circle is how one concern starts to need another's internals),
-and no function over 60 lines. Read from the source with ast; nothing is imported."""
+no function over 60 lines and no class over 200 (counted from the `class` line to its last, docstrings included). Read from the source with ast; nothing is imported."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "zerokit"
 MAX_FUNCTION_LINES = 60
+MAX_CLASS_LINES = 200
 
 
 def _modules() -> dict[str, Path]:
@@ -102,4 +103,11 @@ def test_no_function_over_60_lines(path: Path) -> None:
     long = [f"{node.name}: {node.end_lineno - node.lineno + 1} lines" for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert long == []
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_class_over_200_lines(path: Path) -> None:
+    long = [f"{node.name}: {node.end_lineno - node.lineno + 1} lines" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
     assert long == []

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from zerokit.config import DEFAULT_BUCKET_BYTES, LossScaling, MixedPrecision, ZeroConfig, load_config
+from zerokit.config import DEFAULT_BUCKET_BYTES, LossScaling, MixedPrecision, ZeroConfig, load_config, replace
 
 
 def test_deepspeed_dict_is_read() -> None:
@@ -277,3 +277,30 @@ def test_tensorboard_needs_its_package(monkeypatch):
     with pytest.raises(ValueError, match="tensorboard.enabled=true needs the tensorboard package"):
         load_config({"tensorboard": {"enabled": True}})
     assert not load_config({"tensorboard": {"enabled": False, "output_path": "tb"}}).tensorboard.enabled
+
+
+def test_resolve_keeps_fields_replaced_after_reading():
+    """resolve() builds the typed fields from the dict resolved again, by the same projection as from_dict; a field
+    changed with replace() since reading stays, and what the dict derives from it agrees (before one projection, an
+    accumulation the dict did not name went back to 1 and the batch size was derived from that)."""
+    config = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
+                          "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}})
+    edited = replace(config, gradient_accumulation_steps=4, stage3=replace(config.stage3, min_unit_params=7))
+    resolved = edited.resolve(world_size=2, hidden_size=10)
+    assert (resolved.gradient_accumulation_steps, resolved.train_batch_size) == (4, 16)
+    assert (resolved.stage3.min_unit_params, resolved.stage3.prefetch_numel) == (7, 90)
+    assert resolved.resolve(world_size=2, hidden_size=10) == resolved  # idempotent
+
+
+def test_typed_defaults_are_the_schemas():
+    """Every field a DeepSpeed key holds as it is defaults to that key's schema default (an absent key and a typed
+    config mean the same), except the accumulation steps, which the schema leaves to be derived."""
+    from zerokit.config import FIELDS
+    from zerokit.dsconfig.schema import default
+
+    typed, read = ZeroConfig(), load_config({})
+    for path, name in FIELDS.items():
+        value = typed.stage3 if name.startswith("stage3.") else typed
+        value = getattr(value, name.removeprefix("stage3."))
+        assert value == (1 if path == "gradient_accumulation_steps" else default(path)), path
+    assert read == typed

@@ -8,15 +8,19 @@ refused in one line naming the key, what it asks for and why zerokit does not of
 refused with the closest accepted one, because a silently ignored knob is how a run trains wrong without
 anyone noticing.
 
-"auto" values (Hugging Face templates) that need the world size or the model stay pending until
-`ZeroConfig.resolve(world_size=, hidden_size=)`; `startup_log_lines()` then says what zerokit chose.
+"auto" values (Hugging Face templates) are resolved at the dict level (zerokit/dsconfig/auto.py), before the typed
+config is built: at once where they need nothing more, and those that need the world size or the model in
+`ZeroConfig.resolve(world_size=, hidden_size=)`, which resolves the dict again and builds the typed fields from it by
+the same projection (`typed_fields`, one table from keys to fields: FIELDS); `startup_log_lines()` then says what
+zerokit chose. A field's default is the schema's default for its key (dsconfig/schema*.py), except where a comment
+says why zerokit's differs.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -30,6 +34,7 @@ from zerokit.dsconfig.auto import resolve as resolve_auto
 from zerokit.dsconfig.blocks import (ActivationCheckpointing, CommsLogger, FlopsProfiler, Monitor, Offload,
                                      OptimizerSpec, SchedulerSpec, Wandb, block_fields, tensorboard_available)
 from zerokit.dsconfig.precision import compute_dtype
+from zerokit.dsconfig.schema import default
 from zerokit.jsonfile import read_json_object
 from zerokit.settings import ELEMENT_BYTES, EngineSettings
 
@@ -65,13 +70,13 @@ class LossScaling:
 
     static_scale: float | None = None
     """A fixed scale (DeepSpeed `loss_scale` > 0); None means dynamic scaling."""
-    initial_scale_power: int = 16
+    initial_scale_power: int = default("fp16.initial_scale_power")
     """Dynamic scaling starts at 2**initial_scale_power."""
-    window: int = 1000
+    window: int = default("fp16.loss_scale_window")
     """Steps without overflow before the scale doubles (DeepSpeed `loss_scale_window`)."""
-    hysteresis: int = 2
+    hysteresis: int = default("fp16.hysteresis")
     """Overflows tolerated before the scale is halved (the step is skipped either way)."""
-    min_scale: float = 1.0
+    min_scale: float = default("fp16.min_loss_scale")
     """The scale never goes below this (DeepSpeed `min_loss_scale`)."""
 
     def __post_init__(self) -> None:
@@ -100,14 +105,14 @@ class Stage3Policy:
     """Module classes (every instance, subclasses included) and module instances that become units,
     besides those named in unit_classes; a single class or module is one entry. Typed config only:
     JSON carries names, in stage3_unit_classes. Each must match a module of the model, or it raises."""
-    min_unit_params: int = 100_000
+    min_unit_params: int = default(Z + "stage3_min_unit_params")
     """Auto-wrap only: the fewest parameters a ModuleList/Sequential member needs to become a unit."""
-    max_live_parameters: int = 1_000_000_000
+    max_live_parameters: int = default(Z + "stage3_max_live_parameters")
     """Never hold more than this many unsharded parameter elements at once (DeepSpeed
     stage3_max_live_parameters); prefetches that would exceed it wait."""
-    prefetch_numel: int = 50_000_000
+    prefetch_numel: int = default(Z + "stage3_prefetch_bucket_size")
     """Gather the next units ahead of use while their total stays under this (stage3_prefetch_bucket_size)."""
-    persistence_threshold: int = 100_000
+    persistence_threshold: int = default(Z + "stage3_param_persistence_threshold")
     """Parameters with fewer elements join the root unit and stay gathered for the whole step; a unit
     smaller than this in all stays gathered between steps too, which, since every small parameter is the
     root's, only the root can be (stage3_param_persistence_threshold; See [Note: small parameters stay
@@ -149,51 +154,52 @@ class Stage3Policy:
 class ZeroConfig:
     """Everything `zerokit.initialize` needs to know about how to train."""
 
-    stage: int = 0
+    stage: int = default(Z + "stage")
     """0: plain data parallel; 1: shard optimizer state; 2: also gradients; 3: also parameters."""
     precision: MixedPrecision = field(default_factory=MixedPrecision)
     loss_scaling: LossScaling | None = None
     """Set (and only set) when param_dtype is fp16."""
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = 1  # the schema's None means "derive it": a typed config derives nothing
     """Micro-steps per optimizer step; the loss is divided by this in `engine.backward`."""
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = default("gradient_clipping")  # DeepSpeed 0.19.8 clips at 1.0: See default_differences
     """Clip the global gradient norm (across all shards) to this value; 0 disables clipping."""
+    # torch DDP's 25 MiB, not DeepSpeed's 5e8 elements (2 GB of fp32, one bucket for most models, reduced after backward)
     reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Gradients are reduced in buckets of about this many bytes (in reduce_dtype)."""
-    sub_group_size: int | None = None
+    sub_group_size: int | None = default(Z + "sub_group_size")
     """The optimizer steps each fp32 master in pieces of at most this many elements (DeepSpeed's
     sub_group_size). None: 65536 on the CPU, whole parameters on a GPU; 0: whole parameters everywhere, as
     DeepSpeed's 0 makes every parameter its own sub-group. See [Note: optimizer pieces]."""
-    reduce_scatter: bool | None = None
+    reduce_scatter: bool | None = default(Z + "reduce_scatter")
     """Stages 1-3: True reduce-scatters each gradient bucket; False all-reduces it and keeps this rank's
     shard (DeepSpeed's reduce_scatter key). None: reduce-scatter, except on gloo, whose reduce-scatter
     is slower than its all-reduce. See [Note: reducing a bucket to a shard]."""
-    overlap_comm: bool = True
+    overlap_comm: bool = default(Z + "overlap_comm")  # DeepSpeed's only at stage 3: See default_differences
     """Stages 0-2: launch each bucket's reduction during backward as soon as it is full (false: after backward).
     Stage 3 always reduces each unit during backward, as it frees the unit's gradients; false is accepted and
     logged there, as it changes only when a reduction starts, never what it sums."""
-    reduce_every_micro_step: bool = True
+    reduce_every_micro_step: bool = default(Z + "reduce_every_micro_step")
     """Stage 2 only. True: reduce-scatter on every micro-step, so a rank never holds more than its
     gradient shard plus in-flight buckets (the ZeRO-2 memory promise; costs one reduce-scatter per
     micro-step). False: accumulate full gradients locally and reduce once per optimizer step (stage-1
     gradient memory during accumulation; one reduce-scatter per step)."""
     stage3: Stage3Policy = field(default_factory=Stage3Policy)
-    max_consecutive_skipped_steps: int = 20
+    max_consecutive_skipped_steps: int = default("max_consecutive_skipped_steps")
     """Training raises after this many optimizer steps in a row were skipped for inf/nan gradients."""
-    train_batch_size: int | None = None
+    train_batch_size: int | None = default(TBS)
     """Optional check: must equal micro batch x accumulation steps x world size."""
-    train_micro_batch_size_per_gpu: int | None = None
+    train_micro_batch_size_per_gpu: int | None = default(MICRO)
     offload_optimizer: Offload = field(default_factory=Offload)
     """Where fp32 masters, their gradients and optimizer state live (stages 1-3)."""
     offload_param: Offload = field(default_factory=lambda: Offload(buffer_count=5))
     """Where sharded parameters live between uses (stage 3 only)."""
-    allgather_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = default(Z + "allgather_bucket_size")
     """DeepSpeed's all-gather staging size, read and checked only: zerokit gathers each bucket's updated
     parameters in place into the flat buffer, so there is no staging buffer for it to bound."""
-    allgather_partitions: bool = True
+    allgather_partitions: bool = default(Z + "allgather_partitions")
     """DeepSpeed's choice of all-gather (true) or broadcasts (false) for updated parameters, read and logged
     only: zerokit picks the gather per back-end, and either way every rank ends with the same values."""
-    allow_untested_optimizer: bool = False
+    allow_untested_optimizer: bool = default("zero_allow_untested_optimizer")
     """Accept a passed optimizer zerokit's tests do not cover (DeepSpeed's zero_allow_untested_optimizer)."""
     optimizer_kinds: Mapping[Any, str] = field(default_factory=dict)
     """Typed config only: optimizer classes (or class names) zerokit does not know, declared "elementwise"
@@ -204,35 +210,35 @@ class ZeroConfig:
     scheduler: SchedulerSpec | None = None
     """The `scheduler` block: the LR schedule to build and step at each optimizer step."""
     activation_checkpointing: ActivationCheckpointing = field(default_factory=ActivationCheckpointing)
-    steps_per_print: int | None = None
+    steps_per_print: int | None = default("steps_per_print")
     """Log loss, LR, grad norm, loss scale, skips and step time every this many optimizer steps."""
-    wall_clock_breakdown: bool = False
+    wall_clock_breakdown: bool = default("wall_clock_breakdown")
     """Time forward, backward, reduction and optimizer step."""
     comms_logger: CommsLogger = field(default_factory=CommsLogger)
     flops_profiler: FlopsProfiler = field(default_factory=FlopsProfiler)
     csv_monitor: Monitor = field(default_factory=Monitor)
     tensorboard: Monitor = field(default_factory=Monitor)
     wandb: Wandb = field(default_factory=Wandb)
-    prescale_gradients: bool = False
+    prescale_gradients: bool = default("prescale_gradients")
     """Divide gradients by the world size before the reduction instead of after (DeepSpeed's meaning)."""
-    gradient_predivide_factor: float = 1.0
+    gradient_predivide_factor: float = default("gradient_predivide_factor")
     """With prescale_gradients False: divide by this before the reduction and by world size / this after."""
     grad_accum_dtype: torch.dtype | None = None
     """dtype gradients accumulate in across micro-steps (data_types.grad_accum_dtype); None: as today."""
-    dataloader_drop_last: bool = False
+    dataloader_drop_last: bool = default("dataloader_drop_last")
     """Drop the last incomplete batch of a loader built from training_data."""
-    comm_timeout_seconds: float = 300.0
+    comm_timeout_seconds: float = default("comm_timeout_seconds")
     """Every collective's deadline; a collective still waiting after this raises."""
-    broadcast_buffers: bool = True
+    broadcast_buffers: bool = default("broadcast_buffers")
     """Broadcast rank 0's module buffers to every rank, as torch DDP does."""
-    mics_shard_size: int = -1
+    mics_shard_size: int = default(Z + "mics_shard_size")
     """Stages 1-3: shard over groups of this many consecutive ranks, replicated across the groups (DeepSpeed's MiCS,
     FSDP's HSDP; See [Note: hybrid sharding] in comm/groups.py); -1: one group over every rank."""
-    hpz_partition_size: int = 1
+    hpz_partition_size: int = default(Z + "zero_hpz_partition_size")
     """Stage 3: ZeRO++ hpZ, a secondary copy of the parameter shards split over groups of this many consecutive
     ranks, which every gather after the first of a step reads (See [Note: hpZ's secondary copy] in
     flat/sharded.py); 1: none."""
-    ranks_per_node: int | None = None
+    ranks_per_node: int | None = default("ranks_per_node")
     """Ranks on each node, numbered consecutively. None: torchrun's LOCAL_WORLD_SIZE, else one node (the start-up
     fingerprint checks that every rank agrees on the outcome)."""
     notes: tuple[str, ...] = field(default=(), compare=False)
@@ -247,65 +253,9 @@ class ZeroConfig:
     """The DeepSpeed config this was read from (None for a typed config)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
-            raise ValueError(f"zero_optimization.stage={self.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
-        if self.gradient_accumulation_steps < 1:
-            raise ValueError(f"gradient_accumulation_steps={self.gradient_accumulation_steps} must be >= 1")
-        if self.gradient_clipping < 0:
-            raise ValueError(f"gradient_clipping={self.gradient_clipping} must be >= 0 (0 disables clipping)")
-        if self.reduce_bucket_bytes < 1:
-            raise ValueError(f"reduce_bucket_bytes={self.reduce_bucket_bytes} must be a positive byte count")
-        if self.sub_group_size is not None and self.sub_group_size < 0:
-            raise ValueError(f"zero_optimization.sub_group_size={self.sub_group_size} must be an element count >= 0 "
-                             "(0: one optimizer piece per parameter)")
-        if self.max_consecutive_skipped_steps < 1:
-            raise ValueError("max_consecutive_skipped_steps must be >= 1")
-        is_fp16 = self.precision.param_dtype == torch.float16
-        if is_fp16 and self.loss_scaling is None:
+        if self.precision.param_dtype == torch.float16 and self.loss_scaling is None:
             object.__setattr__(self, "loss_scaling", LossScaling())
-        if not is_fp16 and self.loss_scaling is not None:
-            raise ValueError("loss scaling is only for fp16; bf16 and fp32 gradients do not underflow that way")
-        if not self.reduce_every_micro_step and self.stage != 2:
-            raise ValueError("reduce_every_micro_step=False is a stage-2 choice; stages 0-1 never reduce "
-                             "before the accumulation boundary and stage 3 always reduces every micro-step")
-        self._check_offload()
-        self._check_new_fields()
-
-    def _check_offload(self) -> None:
-        if self.offload_param.enabled and self.stage != 3:
-            raise ValueError(f"zero_optimization.offload_param.device={self.offload_param.device} needs stage 3 "
-                             f"(only stage 3 shards parameters); zero_optimization.stage={self.stage}")
-        optimizer = self.offload_optimizer
-        # DeepSpeed offers NVMe and Twin-Flow (ratio) at stage 3 only; zerokit's tiers serve stages 1-3 alike
-        if optimizer.enabled and self.stage == 0:
-            raise ValueError(f"zero_optimization.offload_optimizer.device={optimizer.device} needs stage 1, 2 or 3, "
-                             "which shard the optimizer state it moves")
-
-    def _check_new_fields(self) -> None:
-        if self.allgather_bucket_size < 1:
-            raise ValueError(f"zero_optimization.allgather_bucket_size={self.allgather_bucket_size} must be > 0")
-        if self.steps_per_print is not None and self.steps_per_print < 1:
-            raise ValueError(f"steps_per_print={self.steps_per_print} must be >= 1")
-        if not self.gradient_predivide_factor > 0:
-            raise ValueError(f"gradient_predivide_factor={self.gradient_predivide_factor} must be > 0")
-        if not (math.isfinite(self.comm_timeout_seconds) and self.comm_timeout_seconds > 0):
-            raise ValueError(f"comm_timeout_seconds={self.comm_timeout_seconds} must be a positive number of seconds")
-        if isinstance(self.mics_shard_size, bool) or not (self.mics_shard_size == -1 or self.mics_shard_size >= 1):
-            raise ValueError(f"zero_optimization.mics_shard_size={self.mics_shard_size!r} is not a shard group size; "
-                             "use a positive divisor of the world size, or -1 for one group over every rank")
-        if self.mics_shard_size != -1 and self.stage == 0:
-            raise ValueError(f"zero_optimization.mics_shard_size={self.mics_shard_size} needs stage 1, 2 or 3 (stage 0 "
-                             "shards nothing); zero_optimization.stage=0")
-        if isinstance(self.hpz_partition_size, bool) or self.hpz_partition_size < 1:
-            raise ValueError(f"zero_optimization.zero_hpz_partition_size={self.hpz_partition_size!r} is not a group "
-                             "size; use a positive divisor of the world size, or 1 for no secondary copy")
-        if self.ranks_per_node is not None and (isinstance(self.ranks_per_node, bool) or self.ranks_per_node < 1):
-            raise ValueError(f"ranks_per_node={self.ranks_per_node!r} must be a positive rank count")
-        if self.grad_accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"data_types.grad_accum_dtype={self.grad_accum_dtype} is not supported; use fp32, bf16 "
-                             "or fp16")
-        if self.tensorboard.enabled:
-            tensorboard_available()
+        check_config(self)
 
     @property
     def overlaps_reduction(self) -> bool:
@@ -330,70 +280,128 @@ class ZeroConfig:
     def resolve(self, world_size: int, hidden_size: int | None = None) -> ZeroConfig:
         """This config with every "auto" filled in for this world size and model (hidden_size: see
         hidden_size_of), batch sizes derived, and the batch identity checked; auto_choices says what was
-        chosen. It fills in what the DeepSpeed dict left "auto" or absent (replace() such fields after
-        resolving). A typed config has nothing to fill in and is only checked."""
+        chosen. The DeepSpeed dict is resolved again, now with the world size and the model, and the typed fields
+        are built from it as from_dict builds them; fields changed with replace() since the dict was read keep
+        their value (and, where a key holds them, are written into the dict first, so that what is derived from
+        them agrees). A typed config has nothing to fill in and is only checked."""
         if self.source is None:
             self.check_batch_sizes(world_size)
             return self
-        # Batch sizes the dict gave are taken from the typed fields, which replace() may have changed since.
-        given = {path: getattr(self, name) for path, name in RESOLVED_FIELDS.items()
-                 if self.source.given(path) and self.source.get(path) is not AUTO}
-        resolution = resolve_auto(self.source.with_values(given), world_size=world_size, hidden_size=hidden_size)
-        # The batch sizes are always filled in (all unknown: micro-batch 1, accumulation 1), for the engine's
-        # train_batch_size() and train_micro_batch_size_per_gpu().
-        updates: dict[str, Any] = {name: resolution.config.get(path) for path, name in RESOLVED_FIELDS.items()}
-        stage3: dict[str, int] = {}
-        for choice in resolution.choices:
-            if choice.path == Z + "reduce_bucket_size":
-                updates["reduce_bucket_bytes"] = choice.value * _element_size(self.precision.reduce_dtype)
-            elif choice.path in STAGE3_FIELDS:
-                stage3[STAGE3_FIELDS[choice.path]] = choice.value
-        resolved = replace(self, **updates, stage3=replace(self.stage3, **stage3), pending_auto=(),
-                           auto_choices=self.auto_choices + resolution.choices, source=resolution.config)
+        as_read = ZeroConfig(**typed_fields(self.source))
+        edited = {path: _field(self, name) for path, name in FIELDS.items()
+                  if _field(self, name) != _field(as_read, name)}
+        resolution = resolve_auto(self.source.with_values(edited), world_size=world_size, hidden_size=hidden_size)
+        fresh = ZeroConfig(**typed_fields(resolution.config), notes=self.notes, warnings=self.warnings,
+                           auto_choices=self.auto_choices + resolution.choices)
+        resolved = _keep_edits(fresh, as_read, self)
         resolved.check_batch_sizes(world_size)
         return resolved
 
     def startup_log_lines(self) -> list[str]:
         """What the start-up log should say about the config: keys accepted because zerokit always does that,
         aliases read as their key, what "auto" resolved to, and zerokit defaults that differ from DeepSpeed's."""
-        lines = [*self.notes, *(choice.line() for choice in self.auto_choices), *self._meaning_lines()]
-        if self.pending_auto:
-            lines.append(f"still to resolve with the world size and the model: {', '.join(self.pending_auto)}")
-        if self.source is not None:
-            lines += default_differences(self.source, _dtype_name(self.precision.param_dtype),
-                                         _dtype_name(self.precision.reduce_dtype), self.stage)
-        return lines
-
-    def _meaning_lines(self) -> list[str]:
-        """Settings accepted with a meaning of zerokit's own, said once at start-up."""
-        lines = []
-        if self.stage == 3 and not self.overlap_comm:
-            lines.append("zero_optimization.overlap_comm=false: stage 3 still reduces each unit during backward, "
-                         "as it frees the unit's gradients (only when a reduction starts changes, never its sum)")
-        if self.sub_group_size == 0:
-            lines.append("zero_optimization.sub_group_size=0: one optimizer piece per parameter, as DeepSpeed makes "
-                         "every parameter its own sub-group")
-        return lines
+        return startup_log_lines(self)
 
 
-RESOLVED_FIELDS = {TBS: "train_batch_size", MICRO: "train_micro_batch_size_per_gpu",
-                   GAS: "gradient_accumulation_steps"}
-STAGE3_FIELDS = {Z + "stage3_max_live_parameters": "max_live_parameters",
-                 Z + "stage3_prefetch_bucket_size": "prefetch_numel",
-                 Z + "stage3_param_persistence_threshold": "persistence_threshold",
-                 Z + "stage3_unit_classes": "unit_classes", Z + "stage3_min_unit_params": "min_unit_params"}
-SCALAR_FIELDS = {
-    **RESOLVED_FIELDS, "gradient_clipping": "gradient_clipping", Z + "sub_group_size": "sub_group_size",
-    Z + "reduce_scatter": "reduce_scatter", Z + "overlap_comm": "overlap_comm",
-    Z + "reduce_every_micro_step": "reduce_every_micro_step", "max_consecutive_skipped_steps":
-    "max_consecutive_skipped_steps", Z + "allgather_bucket_size": "allgather_bucket_size",
-    Z + "allgather_partitions": "allgather_partitions", "zero_allow_untested_optimizer": "allow_untested_optimizer",
-    "steps_per_print": "steps_per_print", "wall_clock_breakdown": "wall_clock_breakdown",
-    "prescale_gradients": "prescale_gradients", "gradient_predivide_factor": "gradient_predivide_factor",
-    "dataloader_drop_last": "dataloader_drop_last", "comm_timeout_seconds": "comm_timeout_seconds",
-    "broadcast_buffers": "broadcast_buffers", Z + "mics_shard_size": "mics_shard_size",
-    "ranks_per_node": "ranks_per_node", Z + "zero_hpz_partition_size": "hpz_partition_size",
-}
+# ---------------------------------------------------------------------------------------------
+# Checks, run where the config is built (ZeroConfig.__post_init__)
+# ---------------------------------------------------------------------------------------------
+
+def check_config(config: ZeroConfig) -> None:
+    """Every rule a ZeroConfig keeps, each broken one a one-line ValueError naming the value and what is accepted."""
+    _check_step(config)
+    _check_offload(config)
+    _check_sizes(config)
+    if config.tensorboard.enabled:
+        tensorboard_available()
+
+
+def _check_step(config: ZeroConfig) -> None:
+    """The training loop's settings: stage, accumulation, clipping, skips, loss scaling, when to reduce, logging, deadline."""
+    if isinstance(config.stage, bool) or config.stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_optimization.stage={config.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+    if config.gradient_accumulation_steps < 1:
+        raise ValueError(f"gradient_accumulation_steps={config.gradient_accumulation_steps} must be >= 1")
+    if config.gradient_clipping < 0:
+        raise ValueError(f"gradient_clipping={config.gradient_clipping} must be >= 0 (0 disables clipping)")
+    if config.max_consecutive_skipped_steps < 1:
+        raise ValueError("max_consecutive_skipped_steps must be >= 1")
+    if config.precision.param_dtype != torch.float16 and config.loss_scaling is not None:
+        raise ValueError("loss scaling is only for fp16; bf16 and fp32 gradients do not underflow that way")
+    if not config.reduce_every_micro_step and config.stage != 2:
+        raise ValueError("reduce_every_micro_step=False is a stage-2 choice; stages 0-1 never reduce "
+                         "before the accumulation boundary and stage 3 always reduces every micro-step")
+    if config.steps_per_print is not None and config.steps_per_print < 1:
+        raise ValueError(f"steps_per_print={config.steps_per_print} must be >= 1")
+    if not config.gradient_predivide_factor > 0:
+        raise ValueError(f"gradient_predivide_factor={config.gradient_predivide_factor} must be > 0")
+    if not (math.isfinite(config.comm_timeout_seconds) and config.comm_timeout_seconds > 0):
+        raise ValueError(f"comm_timeout_seconds={config.comm_timeout_seconds} must be a positive number of seconds")
+    if config.grad_accum_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"data_types.grad_accum_dtype={config.grad_accum_dtype} is not supported; use fp32, bf16 "
+                         "or fp16")
+
+
+def _check_offload(config: ZeroConfig) -> None:
+    if config.offload_param.enabled and config.stage != 3:
+        raise ValueError(f"zero_optimization.offload_param.device={config.offload_param.device} needs stage 3 "
+                         f"(only stage 3 shards parameters); zero_optimization.stage={config.stage}")
+    optimizer = config.offload_optimizer
+    # DeepSpeed offers NVMe and Twin-Flow (ratio) at stage 3 only; zerokit's tiers serve stages 1-3 alike
+    if optimizer.enabled and config.stage == 0:
+        raise ValueError(f"zero_optimization.offload_optimizer.device={optimizer.device} needs stage 1, 2 or 3, "
+                         "which shard the optimizer state it moves")
+
+
+def _check_sizes(config: ZeroConfig) -> None:
+    """Buckets, optimizer pieces and the group sizes of MiCS, hpZ and the nodes."""
+    if config.reduce_bucket_bytes < 1:
+        raise ValueError(f"reduce_bucket_bytes={config.reduce_bucket_bytes} must be a positive byte count")
+    if config.sub_group_size is not None and config.sub_group_size < 0:
+        raise ValueError(f"zero_optimization.sub_group_size={config.sub_group_size} must be an element count >= 0 "
+                         "(0: one optimizer piece per parameter)")
+    if config.allgather_bucket_size < 1:
+        raise ValueError(f"zero_optimization.allgather_bucket_size={config.allgather_bucket_size} must be > 0")
+    mics = config.mics_shard_size
+    if isinstance(mics, bool) or not (mics == -1 or mics >= 1):
+        raise ValueError(f"zero_optimization.mics_shard_size={mics!r} is not a shard group size; "
+                         "use a positive divisor of the world size, or -1 for one group over every rank")
+    if mics != -1 and config.stage == 0:
+        raise ValueError(f"zero_optimization.mics_shard_size={mics} needs stage 1, 2 or 3 (stage 0 "
+                         "shards nothing); zero_optimization.stage=0")
+    if isinstance(config.hpz_partition_size, bool) or config.hpz_partition_size < 1:
+        raise ValueError(f"zero_optimization.zero_hpz_partition_size={config.hpz_partition_size!r} is not a group "
+                         "size; use a positive divisor of the world size, or 1 for no secondary copy")
+    per_node = config.ranks_per_node
+    if per_node is not None and (isinstance(per_node, bool) or per_node < 1):
+        raise ValueError(f"ranks_per_node={per_node!r} must be a positive rank count")
+
+
+# ---------------------------------------------------------------------------------------------
+# The start-up log's lines about the config
+# ---------------------------------------------------------------------------------------------
+
+def startup_log_lines(config: ZeroConfig) -> list[str]:
+    """See ZeroConfig.startup_log_lines."""
+    lines = [*config.notes, *(choice.line() for choice in config.auto_choices), *_meaning_lines(config)]
+    if config.pending_auto:
+        lines.append(f"still to resolve with the world size and the model: {', '.join(config.pending_auto)}")
+    if config.source is not None:
+        lines += default_differences(config.source, DTYPE_NAMES[config.precision.param_dtype],
+                                     DTYPE_NAMES[config.precision.reduce_dtype], config.stage)
+    return lines
+
+
+def _meaning_lines(config: ZeroConfig) -> list[str]:
+    """Settings accepted with a meaning of zerokit's own, said once at start-up."""
+    lines = []
+    if config.stage == 3 and not config.overlap_comm:
+        lines.append("zero_optimization.overlap_comm=false: stage 3 still reduces each unit during backward, "
+                     "as it frees the unit's gradients (only when a reduction starts changes, never its sum)")
+    if config.sub_group_size == 0:
+        lines.append("zero_optimization.sub_group_size=0: one optimizer piece per parameter, as DeepSpeed makes "
+                     "every parameter its own sub-group")
+    return lines
 
 
 def engine_settings(config: ZeroConfig, world_size: int, backend: str) -> EngineSettings:
@@ -418,10 +426,6 @@ def ranks_per_node_from_launcher(world_size: int) -> int:
 
 def _element_size(dtype: torch.dtype) -> int:
     return ELEMENT_BYTES[DTYPE_NAMES[dtype]]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return DTYPE_NAMES[dtype]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,28 +456,71 @@ def _bucket_bytes(config: DeepSpeedConfig, reduce_dtype: torch.dtype) -> int:
     return DEFAULT_BUCKET_BYTES if nbytes is None else nbytes
 
 
-def _given(config: DeepSpeedConfig, table: Mapping[str, str]) -> dict[str, Any]:
-    """The typed fields a table maps from the keys given (AUTO ones wait for resolve())."""
-    return {name: config.get(path) for path, name in table.items()
-            if config.given(path) and config.get(path) is not AUTO}
+FIELDS: dict[str, str] = {
+    Z + "stage": "stage", TBS: "train_batch_size", MICRO: "train_micro_batch_size_per_gpu",
+    GAS: "gradient_accumulation_steps", "gradient_clipping": "gradient_clipping", Z + "sub_group_size": "sub_group_size",
+    Z + "reduce_scatter": "reduce_scatter", Z + "overlap_comm": "overlap_comm",
+    Z + "reduce_every_micro_step": "reduce_every_micro_step", "max_consecutive_skipped_steps":
+    "max_consecutive_skipped_steps", Z + "allgather_bucket_size": "allgather_bucket_size",
+    Z + "allgather_partitions": "allgather_partitions", "zero_allow_untested_optimizer": "allow_untested_optimizer",
+    "steps_per_print": "steps_per_print", "wall_clock_breakdown": "wall_clock_breakdown",
+    "prescale_gradients": "prescale_gradients", "gradient_predivide_factor": "gradient_predivide_factor",
+    "dataloader_drop_last": "dataloader_drop_last", "comm_timeout_seconds": "comm_timeout_seconds",
+    "broadcast_buffers": "broadcast_buffers", Z + "mics_shard_size": "mics_shard_size",
+    "ranks_per_node": "ranks_per_node", Z + "zero_hpz_partition_size": "hpz_partition_size",
+    Z + "stage3_max_live_parameters": "stage3.max_live_parameters",
+    Z + "stage3_prefetch_bucket_size": "stage3.prefetch_numel",
+    Z + "stage3_param_persistence_threshold": "stage3.persistence_threshold",
+    Z + "stage3_unit_classes": "stage3.unit_classes", Z + "stage3_min_unit_params": "stage3.min_unit_params",
+}
+"""The one table from DeepSpeed keys to the typed fields that hold their value as it is ("stage3.x": the Stage3Policy
+field x). An absent key, or one still "auto", leaves the field's default, which is the key's default. Keys read into a
+field of another shape are typed_fields' own: the precision blocks, reduce_bucket_size (elements, to bytes), the
+accumulation dtype and the torch-free blocks (dsconfig/blocks.py)."""
+
+
+def typed_fields(config: DeepSpeedConfig) -> dict[str, Any]:
+    """ZeroConfig's fields from a DeepSpeed config at the dict level, every "auto" in it resolved that can be (See
+    [Note: resolving "auto"] in dsconfig/auto.py): from_dict builds the typed config with them, and resolve() again
+    from the same dict resolved with the world size and the model."""
+    given = {name: config.get(path) for path, name in FIELDS.items()
+             if config.given(path) and config.get(path) is not AUTO}
+    stage3 = {name.removeprefix("stage3."): given.pop(name) for name in list(given) if name.startswith("stage3.")}
+    precision, scaling = _precision(config)
+    data_types = config.get("data_types.grad_accum_dtype")
+    return dict(**given, precision=precision, loss_scaling=scaling, stage3=Stage3Policy(**stage3),
+                reduce_bucket_bytes=_bucket_bytes(config, precision.reduce_dtype),
+                grad_accum_dtype=None if data_types is None else DTYPES_BY_NAME[data_types], **block_fields(config),
+                pending_auto=pending(config), source=config)
+
+
+def _field(config: Any, name: str) -> Any:
+    """A typed field by its FIELDS name ("stage3.x" reaches into the Stage3Policy)."""
+    for part in name.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def _keep_edits(fresh: Any, as_read: Any, current: Any) -> Any:
+    """`fresh`, but with every field of `current` that differs from `as_read` (changed with replace() since the dict
+    was read) kept as `current` has it; inside a policy (a dataclass field such as stage3 or precision), field by
+    field. Fields that are not compared (notes, choices, the source) are `fresh`'s."""
+    kept = {}
+    for item in fields(current):
+        now, then = getattr(current, item.name), getattr(as_read, item.name)
+        if not item.compare or now == then:
+            continue
+        both_policies = is_dataclass(now) and type(now) is type(then)
+        kept[item.name] = _keep_edits(getattr(fresh, item.name), then, now) if both_policies else now
+    return replace(fresh, **kept) if kept else fresh
 
 
 def from_dict(raw: Mapping[str, Any]) -> ZeroConfig:
     """Build a ZeroConfig from DeepSpeed-style keys (see zerokit.dsconfig and docs/deepspeed_config.md)."""
     read_config = read(raw)
     resolution = resolve_auto(read_config)  # everything that needs neither the world size nor the model
-    config = resolution.config
-    precision, scaling = _precision(config)
-    data_types = config.get("data_types.grad_accum_dtype")
-    return ZeroConfig(
-        stage=config.get(Z + "stage"), precision=precision, loss_scaling=scaling,
-        reduce_bucket_bytes=_bucket_bytes(config, precision.reduce_dtype),
-        stage3=Stage3Policy(**_given(config, STAGE3_FIELDS)),
-        grad_accum_dtype=None if data_types is None else DTYPES_BY_NAME[data_types],
-        **_given(config, SCALAR_FIELDS), **block_fields(config),
-        notes=read_config.notes, warnings=read_config.warnings, auto_choices=resolution.choices,
-        pending_auto=pending(config), source=config,
-    )
+    return ZeroConfig(**typed_fields(resolution.config), notes=read_config.notes, warnings=read_config.warnings,
+                      auto_choices=resolution.choices)
 
 
 def load_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None) -> ZeroConfig:

@@ -179,7 +179,7 @@ def three_per_node():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("hybrid"))
-    return spawn(four_ranks, 4, root, timeout=600), spawn(two_ranks, 2, root, timeout=300)
+    return spawn(four_ranks, 4, root, timeout=600), spawn(two_ranks, 2, root, timeout=300), Path(root)
 
 
 # --- numerics ----------------------------------------------------------------------------------------
@@ -401,6 +401,24 @@ def test_flat_checkpoint_resumes_hybrid(runs) -> None:
             assert torch.equal(rank["loaded"][name], value), name
     check_against_reference(FLAT_SAVE, [o["losses"] for o in out], out[0]["params"], [4] * STEPS,
                             first_step=SAVED_AFTER)
+
+
+def test_a_hybrid_checkpoint_converts_to_deepspeeds_universal_layout(runs, tmp_path) -> None:
+    """`zerokit convert --to deepspeed-universal` of the MiCS save (replica 0 alone wrote its shards) writes every
+    parameter whole, as every rank held it, with its step count. (Real DeepSpeed resuming such a conversion, at
+    stages 2 and 3 on 4 ranks, is tests/test_deepspeed_export.py's path: not repeated here.)"""
+    from zerokit.checkpoint.deepspeed_export import convert_to_universal
+
+    converted = convert_to_universal(runs[2] / HYBRID_SAVE.name, tmp_path / "universal")
+    saved = runs[0][0]["saved"][HYBRID_SAVE.name]
+    trainable = [name for name, param in make_model(HYBRID_SAVE).named_parameters() if param.requires_grad]
+    assert converted.params == len(trainable) < len(saved)  # and the frozen ones, without optimizer state
+    for name, value in saved.items():
+        folder = converted.out / converted.tag / "zero" / name
+        assert torch.equal(torch.load(folder / "fp32.pt")["param"], value), name
+    for name in trainable:
+        assert torch.equal(torch.load(converted.out / converted.tag / "zero" / name / "step.pt"),
+                           torch.tensor(float(SAVED_AFTER))), name
 
 
 # --- bad input -------------------------------------------------------------------------------------------

@@ -196,3 +196,42 @@ def test_fsdp_refuses_what_it_cannot_express():
         emit(picked({"replicas": 2}, 1), "fsdp")
     with pytest.raises(ValueError, match="other than 1 and 16"):
         emit(picked({"secondary": 16}, 3), "fsdp")
+
+
+# --- the memo and the command line ------------------------------------------------------------------
+
+def test_memo_compares_flat_mics_and_hpz_on_infiniband_and_ethernet():
+    from zerokit.planner.memo import render_memo
+
+    p = plan(model="llama2-13b", gpu="a100-80gb", nodes=2, nics_per_node=4, inter_link="ib-hdr")
+    memo = render_memo(p)
+    section = memo[memo.index("## Across nodes"):memo.index("## Hybrid layouts on paper")]
+    flat = estimate(make_scenario("llama2-13b", nodes=2, nics_per_node=4, inter_link="eth-100g"), 3)
+    row = next(line for line in section.splitlines() if line.startswith("| Ethernet 100 Gb/s | ZeRO-3 |"))
+    assert f"| {flat.comm.cross_node_bytes / 1e9:.2f} |" in row and f"| {flat.exposed_comm_seconds:.3f} |" in row
+    assert section.count("| InfiniBand HDR 200 Gb/s |") == 3 and "hpZ k=8" in section and "MiCS s=8" in section
+    assert "the tree's pick on Ethernet 100 Gb/s" in section
+    single = render_memo(plan(model="llama2-13b", gpu="a100-80gb"))
+    assert "## Across nodes" not in single
+
+
+def test_cli_takes_hpz_and_prints_the_comparison(capsys):
+    import zerokit.cli
+
+    argv = ["plan", "--model", "llama2-13b", "--nodes", "2", "--nics-per-node", "4", "--inter-link", "eth-100g"]
+    assert zerokit.cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "across nodes" in out and "pick on InfiniBand HDR 200 Gb/s" in out
+    assert zerokit.cli.main([*argv, "--hpz", "8", "--checkpointing", "full", "--emit", "zerokit"]) == 0
+    config = capsys.readouterr().out
+    assert '"zero_hpz_partition_size": 8' in config and '"ranks_per_node": 8' in config
+
+
+def test_stage_0_with_replicas_emits_plain_data_parallel():
+    """Stage 0 shards nothing, so replicas change nothing there: no mics_shard_size (which zerokit refuses at
+    stage 0); an hpZ layout asked for is planned at stage 3 only."""
+    from zerokit.config import load_config
+
+    assert load_config(emit(picked({"replicas": 2}, 0), "zerokit").config).mics_shard_size == -1
+    p = plan(model="llama2-13b", nodes=2, secondary=8)
+    assert {a.stage for a in p.attempts} == {3} and {e.stage for e in p.stages} == {3}

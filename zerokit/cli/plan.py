@@ -15,7 +15,7 @@ import sys
 from typing import NoReturn
 
 from zerokit.planner import GPUS, HOSTS, LINKS, PRESETS, Architecture, Policy, emit, make_scenario, plan, plan_dict
-from zerokit.planner.advice import Plan, micro_batch_limit
+from zerokit.planner.advice import Plan, hybrid_comparison, micro_batch_limit
 from zerokit.planner.catalogue import GiB
 from zerokit.planner.emit import DEFAULT_CLIPPING, TARGETS
 from zerokit.planner.memo import render_memo
@@ -140,7 +140,10 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
     lay = p.add_argument_group("layout (default: flat data parallel over all GPUs)")
     lay.add_argument("--tp", type=int, default=1, help="tensor parallel degree (inside a node)")
     lay.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    lay.add_argument("--replicas", type=int, default=1, help="HSDP: copies of the shard group")
+    lay.add_argument("--replicas", type=int, default=1, help="HSDP/MiCS: copies of the shard group")
+    lay.add_argument("--hpz", type=int, default=1, metavar="K",
+                     help="ZeRO++ hpZ at stage 3: a secondary parameter copy over K ranks (zero_hpz_partition_size); "
+                          "on several nodes the tree also tries MiCS and hpZ by itself")
     pol = p.add_argument_group("policy and assumptions")
     pol.add_argument("--headroom", type=finite_float, default=0.10, help="fraction of GPU memory left free")
     pol.add_argument("--offload", default="auto", choices=("auto", "none"))
@@ -239,6 +242,7 @@ def scenario_from_args(args: argparse.Namespace):
         reduce_dtype=args.reduce_dtype, bucket_bytes=int(args.bucket_mib * 2**20), overlap_comm=not args.no_overlap,
         reduce_every_micro_step=not args.reduce_once_per_step, trainable_fraction=args.trainable_fraction,
         lora_rank=args.lora_rank, lora_targets=targets, tp=args.tp, pp=args.pp, replicas=args.replicas,
+        secondary=args.hpz,
         mfu=args.mfu, bandwidth_efficiency=args.bandwidth_efficiency, overhead_bytes=int(args.overhead_gb * GB),
         intra_link=args.intra_link, inter_link=args.inter_link, host_key=args.host, nics_per_node=args.nics_per_node,
         gpu_memory=None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GiB),
@@ -287,8 +291,28 @@ def summary(p: Plan) -> list[str]:
         lines.append(f"pick: {p.pick.label}, micro-batch {p.pick.training.micro_batch} "
                      f"(largest that fits: {micro_batch_limit(p)})")
     lines += ["why:"] + [f"  - {r}" for r in p.reasons]
+    lines += across_nodes(p)
     lines += (["notes:"] + [f"  - {n}" for n in p.notes]) if p.notes else []
     return lines
+
+
+def across_nodes(p: Plan) -> list[str]:
+    """Several nodes: flat ZeRO-3, MiCS and hpZ on this inter-node link and the other kind (the memo's table)."""
+    compared = hybrid_comparison(p)
+    if not compared:
+        return []
+    rows = [("inter-node link", "ZeRO-3 form", "fits", "across GB", "comm s", "exposed s", "step s")]
+    for link, _, forms in compared:
+        rows += [(link, f.mode, "yes" if f.fits else "no", f"{f.comm.cross_node_bytes / GB:.2f}", f"{f.comm.seconds:.3f}",
+                  f"{f.exposed_comm_seconds:.3f}", f"{f.step_seconds:.3f}") for f in forms]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    table = ["  " + "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    picks = [f"  pick on {link}: " + (f"{planned.pick.label}, {planned.pick.comm.cross_node_bytes / GB:.2f} GB across, "
+                                      f"step {planned.pick.step_seconds:.3f} s" if planned.pick else "nothing fits")
+             for link, planned, _ in compared]
+    return ["across nodes (GB a GPU sends to other nodes per step; exposed: comm the compute does not hide):",
+            *table, *picks]
 
 
 def run(args: argparse.Namespace) -> int:

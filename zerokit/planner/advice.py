@@ -66,7 +66,8 @@ def gb(n: float) -> str:
 
 
 def allowed_stages(layout: Layout) -> tuple[int, ...]:
-    return (0, 1) if layout.pp > 1 else STAGES
+    """Stages above 1 are skipped under pipeline parallelism; hpZ asked for is stage 3 only."""
+    return (0, 1) if layout.pp > 1 else (3,) if layout.secondary > 1 else STAGES
 
 
 def hybrid_layouts(scenario: Scenario, stage: int) -> tuple[Layout, ...]:

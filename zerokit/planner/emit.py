@@ -65,7 +65,8 @@ def _hybrid_notes(result: Estimate, target: str) -> tuple[str, ...]:
 def _hybrid_keys(result: Estimate, ranks_per_node: bool) -> tuple[dict, dict]:
     """(zero_optimization keys, top-level keys) of MiCS (`mics_shard_size`) or hpZ (`zero_hpz_partition_size`)."""
     layout, scenario = result.scenario.layout, result.scenario
-    zero = ({"mics_shard_size": scenario.shard} if layout.hybrid == "mics"
+    mics = layout.hybrid == "mics" and result.stage >= 1  # stage 0 shards nothing: plain data parallel over all
+    zero = ({"mics_shard_size": scenario.shard} if mics
             else {"zero_hpz_partition_size": layout.secondary} if layout.hybrid == "hpz" else {})
     top = {"ranks_per_node": scenario.cluster.gpus_per_node} if zero and ranks_per_node else {}
     return zero, top

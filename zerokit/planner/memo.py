@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from zerokit.planner.advice import Plan, gb, micro_batch_limit
+from zerokit.planner.advice import Plan, gb, hybrid_comparison, micro_batch_limit
 from zerokit.planner.emit import emit_zerokit
 from zerokit.planner.estimate import Estimate
 from zerokit.planner.memory import (
@@ -16,6 +16,7 @@ from zerokit.planner.memory import (
     gradients_sharded,
     optimizer_state_bytes,
     output_activation_bytes,
+    secondary_bytes,
     whole_tensor_fraction,
 )
 from zerokit.planner.peers import deepspeed_largest_layer, peer_estimates
@@ -59,7 +60,7 @@ def answer(p: Plan) -> str:
         return "Nothing fits. " + p.reasons[0][0].upper() + p.reasons[0][1:] + "."
     pick = p.pick
     ckpt = "full activation checkpointing" if pick.training.checkpointing == "full" else "no activation checkpointing"
-    return (f"**ZeRO-{pick.stage}, {pick.offload.name}, {ckpt}, micro-batch {pick.training.micro_batch}** "
+    return (f"**{pick.mode}, {pick.offload.name}, {ckpt}, micro-batch {pick.training.micro_batch}** "
             f"(largest that fits: {micro_batch_limit(p)}): {gb(pick.memory.total)} of the {gb(pick.usable)} usable "
             f"per GPU; communication {pick.comm.seconds:.2f} s per step against {pick.compute.seconds:.2f} s of "
             f"compute ({pick.exposed_comm_seconds:.2f} s exposed); predicted step {pick.step_seconds:.2f} s, "
@@ -83,6 +84,8 @@ def category_rows(result: Estimate) -> list[list[str]]:
     by = f" / {n} ranks"
     params = ("0 (on the host)" if result.offload.params != "none"
               else f"{t.param_bytes} B x {rank.total:,}" + (by if stage == 3 else ""))
+    if secondary_bytes(rank, t, s.layout, stage):
+        params += f" + hpZ's secondary shard {_g(secondary_bytes(rank, t, s.layout, stage))} (/ {s.layout.secondary} ranks)"
     sharded = gradients_sharded(stage, t)
     grads = ("0 (each reduced shard goes to the host)" if gradients_on_host(stage, t, result.offload)
              else f"{t.reduce_bytes} B ({t.reduce_dtype}) x {rank.trainable:,}{by}" if sharded
@@ -166,6 +169,31 @@ def _alternative_rows(p: Plan) -> list[list[str]]:
              f"{a.comm.seconds:.3f}", f"{a.step_seconds:.3f}", f"{a.tokens_per_second:,.0f}"] for a in p.alternatives]
 
 
+def hybrid_section(p: Plan) -> list[str]:
+    """Multi-node: flat ZeRO-3, MiCS and hpZ side by side on this inter-node link and the other kind, with the
+    bytes each sends across nodes and how much of its communication the compute cannot hide."""
+    compared = hybrid_comparison(p)
+    if not compared:
+        return []
+    pick = p.pick
+    ckpt = "full" if pick.training.checkpointing == "full" else "no"
+    rows, picks = [], []
+    for link, planned, forms in compared:
+        rows += [[link, f.mode, "yes" if f.fits else "no", _g(f.memory.total), _g(f.comm.cross_node_bytes),
+                  f"{f.comm.seconds:.3f}", f"{f.exposed_comm_seconds:.3f}", f"{f.step_seconds:.3f}"] for f in forms]
+        chosen = planned.pick
+        picks.append(f"- the tree's pick on {link}: " + (f"{chosen.label}, micro-batch {chosen.training.micro_batch}, "
+                                                        f"{gb(chosen.comm.cross_node_bytes)} across nodes, step "
+                                                        f"{chosen.step_seconds:.3f} s" if chosen else "nothing fits"))
+    out = ["", "## Across nodes: flat ZeRO-3, MiCS and hpZ", "",
+           f"ZeRO-3 at micro-batch {pick.training.micro_batch}, {ckpt} activation checkpointing. \"across\": GB a GPU "
+           "sends to other nodes per optimizer step (the average over ranks; See [Note: cross-node bytes per step] "
+           "in planner/comms.py); \"exposed\": communication seconds the compute does not hide.", ""]
+    out += _table(("inter-node link", "configuration", "fits", "GPU GB", "across GB", "comm s", "exposed s",
+                   "step s"), rows)
+    return out + [""] + picks
+
+
 def _peer_rows(p: Plan) -> list[list[str]]:
     s = p.scenario
     arch = s.model.architecture
@@ -208,6 +236,7 @@ def render_memo(p: Plan) -> str:
         out += _pick_sections(p)
     out += ["", "## Decision path", "", "See the tree in docs/planner.md; every configuration tried, in order:", ""]
     out += _table(("#", "configuration", "batch", "GPU GB", "usable GB", "host RAM GB", "fits"), _attempt_rows(p))
+    out += hybrid_section(p)
     if p.alternatives:
         out += ["", "## Hybrid layouts on paper", ""]
         out += _table(("layout", "configuration", "fits", "GPU GB", "GB sent per GPU", "comm s", "step s", "tokens/s"),

@@ -235,3 +235,30 @@ def test_stage_0_with_replicas_emits_plain_data_parallel():
     assert load_config(emit(picked({"replicas": 2}, 0), "zerokit").config).mics_shard_size == -1
     p = plan(model="llama2-13b", nodes=2, secondary=8)
     assert {a.stage for a in p.attempts} == {3} and {e.stage for e in p.stages} == {3}
+
+
+# --- the documented figures -------------------------------------------------------------------------
+
+def documented_rows(grad_accum):
+    """The rows `zerokit plan` prints for 13B on 2 x 8 A100 with 4 HDR ports, in the docs' table form."""
+    from zerokit.planner.advice import hybrid_comparison
+
+    p = plan(model="llama2-13b", gpu="a100-80gb", gpus_per_node=8, nodes=2, nics_per_node=4, grad_accum=grad_accum)
+    compared = hybrid_comparison(p)
+    rows = []
+    for i, form in enumerate(compared[0][2]):
+        cells = [f"{by[2][i].step_seconds:.3f} ({by[2][i].exposed_comm_seconds:.3f})" for by in compared]
+        rows.append(f"| {form.mode} | {form.comm.cross_node_bytes / 1e9:.2f} | " + " | ".join(cells) + " |")
+    return rows
+
+
+def test_readme_and_hybrid_doc_quote_what_the_planner_predicts():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    readme, doc = (root / "README.md").read_text(), (root / "docs" / "hybrid.md").read_text()
+    assert "--nodes 2 --nics-per-node 4 --grad-accum 4" in readme
+    for row in documented_rows(4):
+        assert row in readme and row in doc
+    for row in documented_rows(1):
+        assert row in doc

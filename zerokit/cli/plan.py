@@ -303,8 +303,8 @@ def across_nodes(p: Plan) -> list[str]:
         return []
     rows = [("inter-node link", "ZeRO-3 form", "fits", "across GB", "comm s", "exposed s", "step s")]
     for link, _, forms in compared:
-        rows += [(link, f.mode, "yes" if f.fits else "no", f"{f.comm.cross_node_bytes / GB:.2f}", f"{f.comm.seconds:.3f}",
-                  f"{f.exposed_comm_seconds:.3f}", f"{f.step_seconds:.3f}") for f in forms]
+        rows += [(link, f.mode, "yes" if f.fits else "no", f"{f.comm.cross_node_bytes / GB:.2f}",
+                  f"{f.comm.seconds:.3f}", f"{f.exposed_comm_seconds:.3f}", f"{f.step_seconds:.3f}") for f in forms]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     table = ["  " + "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
              for row in rows]

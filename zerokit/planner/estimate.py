@@ -186,5 +186,6 @@ def make_scenario(model: ModelSpec | str | int | float = "llama2-13b", *, gpu: s
                               overhead_bytes=defaults.overhead_bytes if overhead_bytes is None else overhead_bytes,
                               optimizer_seconds_per_element=optimizer_seconds_per_element)
     cluster = make_cluster(gpu, gpus_per_node=gpus_per_node, nodes=nodes, **cluster_overrides)
-    return Scenario(model=spec, cluster=cluster, training=training, layout=Layout(tp=tp, pp=pp, replicas=replicas, secondary=secondary),
+    layout = Layout(tp=tp, pp=pp, replicas=replicas, secondary=secondary)
+    return Scenario(model=spec, cluster=cluster, training=training, layout=layout,
                     assumptions=assumptions, calibration=calibration)

@@ -84,8 +84,9 @@ def category_rows(result: Estimate) -> list[list[str]]:
     by = f" / {n} ranks"
     params = ("0 (on the host)" if result.offload.params != "none"
               else f"{t.param_bytes} B x {rank.total:,}" + (by if stage == 3 else ""))
-    if secondary_bytes(rank, t, s.layout, stage):
-        params += f" + hpZ's secondary shard {_g(secondary_bytes(rank, t, s.layout, stage))} (/ {s.layout.secondary} ranks)"
+    secondary = secondary_bytes(rank, t, s.layout, stage)
+    if secondary:
+        params += f" + hpZ's secondary shard {_g(secondary)} (/ {s.layout.secondary} ranks)"
     sharded = gradients_sharded(stage, t)
     grads = ("0 (each reduced shard goes to the host)" if gradients_on_host(stage, t, result.offload)
              else f"{t.reduce_bytes} B ({t.reduce_dtype}) x {rank.trainable:,}{by}" if sharded

@@ -57,6 +57,9 @@ PARITY = [
 # parameter gets a gradient on the first step, so the optimizer's state is whole by the second)
 MODEL_CASES = [replace(case, steps=2, usage="rotating")
                for case in PARITY if case.name in ("mics-s1", "mics-s2", "mics-s3", "flat-s3", "hpz-s3")]
+# every parameter is under the threshold, so the root holds them all and stays gathered (17,688 elements): the
+# publish's gather of its trainable buckets keeps hpZ's secondary part of them after the step
+MODEL_CASES.append(replace(MODEL_CASES[-1], name="hpz-s3-persistent-root", persistence_threshold=20_000))
 RECORDED = [case for case in MODEL_CASES if case.name in ("mics-s3", "hpz-s3")]
 THREE_PER_NODE = [Case("mics-s2-2x3", stage=2, steps=2, accumulation=2, mics_shard_size=3, ranks_per_node=3),
                   Case("hpz-s3-2x3", stage=3, steps=2, accumulation=2, hpz_partition_size=3, ranks_per_node=3)]
@@ -489,3 +492,30 @@ def test_two_torchrun_nodes(tmp_path) -> None:
     params = {name: torch.tensor(value) for name, value in out[0]["params"].items()}
     check_against_reference(TORCHRUN_CASE, [o["losses"] for o in out], params, [4] * TORCHRUN_CASE.steps)
     assert all(o["cross_node"] == o["replica_bytes"] > 0 for o in out)
+
+
+def model_ranks(rank: int, world_size: int, names: list[str]) -> dict:
+    return {case.name: states_and_step(rank, case) for case in MODEL_CASES if case.name in names}
+
+
+def print_prediction_table(names: list[str]) -> None:
+    """Each rank's measured comm_stats() growth over a step and memory_stats(), beside the planner's prediction:
+    `python tests/test_hybrid.py mics-s3 hpz-s3` (any of MODEL_CASES' names)."""
+    measured = spawn(model_ranks, 4, names, timeout=600)
+    for case in (case for case in MODEL_CASES if case.name in names):
+        setup, parts = model_setup(case, 4), inventory(case)
+        print(f"\n{case.name}: {'rank':>4}  {'entry':<38} {'predicted':>26} {'measured':>26}")
+        for rank in range(4):
+            out, states = measured[rank][case.name], engine_states(parts, setup, rank)
+            rows = [(kind, engine_comm(parts, setup, rank).get(kind), out["comm"].get(kind))
+                    for kind in sorted(moved(out["comm"]) | {"cross_node": {}})]
+            rows += [(f"memory.{when}.{name}", getattr(states, when)[name], out[when][name])
+                     for when in ("after_backward", "after_step") for name in out[when]]
+            for entry, predicted, seen in rows:
+                show = [str(tuple(v.values()) if isinstance(v, dict) else v) for v in (predicted, seen)]
+                print(f"{'':{len(case.name) + 1}} {rank:>4}  {entry:<38} {show[0]:>26} {show[1]:>26}"
+                      f"{'' if predicted == seen else '  <- differs'}")
+
+
+if __name__ == "__main__":
+    print_prediction_table(sys.argv[1:] or ["mics-s3"])

@@ -85,7 +85,7 @@ def test_hpz_gathers_after_the_first_forward_stay_in_the_node():
     e = two_by_two(secondary=2, grad_accum=3)
     gathers = [c for c in e.comm.per_step() if c.kind == "all_gather"]
     over_all = [c for c in gathers if c.group == "dp_shard"]
-    assert len(over_all) == 1 and over_all[0].phase == "forward"
+    assert len(over_all) == 1 and over_all[0].phase == "first_forward"
     blocks = e.scenario.model.architecture.n_layers
     assert over_all[0].calls == 1 + blocks  # the root and every block, once: the first micro-step's forward
     later = [c for c in gathers if c.group == "hpz"]
@@ -95,6 +95,23 @@ def test_hpz_gathers_after_the_first_forward_stay_in_the_node():
     # every gather of the step still happens: the same elements as flat stage 3
     flat = two_by_two(grad_accum=3)
     assert sum(c.elements for c in gathers) == flat.comm.by_kind()["all_gather"]["elements"]
+
+
+def test_hpz_exposes_the_first_forward_apart():
+    """The first micro-step's gathers cross nodes; the others stay on NVLink: each forward is hidden or exposed on
+    its own (an average over the micro-steps would hide the slow first one behind the fast later ones)."""
+    from zerokit.planner.comms import CommEstimate, exposed_seconds
+
+    e = estimate(make_scenario("llama2-13b", nodes=2, nics_per_node=4, inter_link="eth-100g", secondary=8,
+                               grad_accum=4), 3)
+    comm, forward = e.comm, e.compute.forward_seconds
+    first, later = comm.phase_seconds("first_forward"), comm.phase_seconds("forward") / 3
+    later_calls = comm.phase_calls("forward") // 3
+    assert first > forward > later and (first + 3 * later) / 4 < forward  # an average would look hidden
+    gathers = CommEstimate(tuple(c for c in comm.collectives if c.phase in ("first_forward", "forward")))
+    # the first forward leaves its excess exposed; each later one only its first call (max(comm - compute, one call))
+    assert exposed_seconds(gathers, forward, e.compute.backward_seconds, 4) == pytest.approx(
+        first - forward + 3 * later / later_calls)
 
 
 def test_hpz_memory_holds_the_secondary_shard():
@@ -233,6 +250,7 @@ def test_stage_0_with_replicas_emits_plain_data_parallel():
     from zerokit.config import load_config
 
     assert load_config(emit(picked({"replicas": 2}, 0), "zerokit").config).mics_shard_size == -1
+    assert picked({"replicas": 2}, 0).mode == "ZeRO-0"
     p = plan(model="llama2-13b", nodes=2, secondary=8)
     assert {a.stage for a in p.attempts} == {3} and {e.stage for e in p.stages} == {3}
 

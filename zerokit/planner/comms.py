@@ -64,8 +64,9 @@ from zerokit.planner.spec import Layout, Training
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send_recv",
          "host_to_device", "device_to_host", "nvme_read", "nvme_write")  # the last four: offload transfers
-PHASES = ("forward", "backward", "boundary", "after_step", "critical", "init")
-"""forward/backward: overlaps that pass of every micro-step; boundary: overlaps the last backward;
+PHASES = ("first_forward", "forward", "backward", "boundary", "after_step", "critical", "init")
+"""first_forward: overlaps the first micro-step's forward (hpZ's gathers over every rank; then "forward" holds
+the other micro-steps'); forward/backward: overlaps that pass of every micro-step; boundary: overlaps the last backward;
 after_step: after the optimizer step, exposed; critical: on the compute path (tensor/pipeline
 parallel), exposed; init: once before training."""
 
@@ -249,7 +250,7 @@ def _stage3(rank: RankParams, training: Training, group: Group, blocks: int,
                         m * forward_whole, p),
                 *_split("all_gather", "broadcast", group, "backward", m * blocks, m * in_blocks, m * backward_whole, p),
                 *scatter]
-    first = _split("all_gather", "broadcast", group, "forward", root + blocks, rank.total, forward_whole, p)
+    first = _split("all_gather", "broadcast", group, "first_forward", root + blocks, rank.total, forward_whole, p)
     later = _secondary_gathers(group, secondary, "forward", (m - 1) * (root + blocks), (m - 1) * rank.total,
                                (m - 1) * forward_whole, p)
     backward = _secondary_gathers(group, secondary, "backward", m * blocks, m * in_blocks, m * backward_whole, p)
@@ -358,10 +359,13 @@ def exposed_seconds(comm: CommEstimate, forward: float, backward: float, micro_s
     """Communication time not hidden behind compute, per optimizer step. `forward`/`backward` are
     one micro-step's compute seconds."""
     m = micro_steps
-    fwd, bwd = comm.phase_seconds("forward") / m, comm.phase_seconds("backward") / m
-    fwd_calls, bwd_calls = comm.phase_calls("forward") // m, comm.phase_calls("backward") // m
+    first, first_calls = comm.phase_seconds("first_forward"), comm.phase_calls("first_forward")
+    rest = m - 1 if first_calls else m  # micro-steps whose forward gathers are in "forward"
+    fwd = comm.phase_seconds("forward") / rest if rest else 0.0
+    fwd_calls = comm.phase_calls("forward") // rest if rest else 0
+    bwd, bwd_calls = comm.phase_seconds("backward") / m, comm.phase_calls("backward") // m
     boundary, boundary_calls = comm.phase_seconds("boundary"), comm.phase_calls("boundary")
-    exposed = m * _overlapped(fwd, forward, fwd_calls)
+    exposed = _overlapped(first, forward, first_calls) + rest * _overlapped(fwd, forward, fwd_calls)
     exposed += (m - 1) * _overlapped(bwd, backward, bwd_calls)
     exposed += _overlapped(bwd + boundary, backward, bwd_calls + boundary_calls)
     return exposed + comm.phase_seconds("after_step") + comm.phase_seconds("critical")

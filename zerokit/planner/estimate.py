@@ -105,7 +105,8 @@ class Estimate:
     def mode(self) -> str:
         """ZeRO-s, and the hybrid sharding it runs with: MiCS over s ranks, or hpZ's k."""
         layout, shard = self.scenario.layout, self.scenario.shard
-        hybrid = {"mics": f" + MiCS s={shard}", "hpz": f" + hpZ k={layout.secondary}", "": ""}[layout.hybrid]
+        mics = f" + MiCS s={shard}" if self.stage >= 1 else ""  # stage 0 shards nothing: replicas change nothing
+        hybrid = {"mics": mics, "hpz": f" + hpZ k={layout.secondary}", "": ""}[layout.hybrid]
         return f"ZeRO-{self.stage}{hybrid}"
 
     @property

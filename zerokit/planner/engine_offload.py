@@ -36,7 +36,8 @@ bytes, r = reduce-dtype bytes:
       reading the chunk that was read after it the time before (See [Note: parameter shards on NVMe]);
       such a read-ahead that the step's write of the chunk overtakes is read for nothing: the last fetch
       of a step reads ahead the step's first chunk, which the publish rewrites. `_ReadAhead` replays this,
-      so the count is the engine's, waste included.
+      so the count is the engine's, waste included. With hpZ only each bucket's first gather of a step
+      fetches its shard: every later one reads the secondary copy (See [Note: hpZ's secondary copy]).
 The host cache (max_in_cpu elements) takes shards in bucket order, trainable first, each one that still
 fits, then the frozen buffers with what is left.
 """
@@ -175,6 +176,8 @@ def _stage3_events(inventory: ParamInventory, setup: EngineSetup, buckets: tuple
     sharded = [unit for unit in units if unit.index not in kept]
     micro = sharded + [unit for unit in reversed(sharded) if unit.index != 0]
     step = [("fetch", key) for _ in range(setup.grad_accum) for unit in micro for key in parts(unit)]
+    if setup.settings.secondary_size > 1:  # hpZ: only a bucket's first gather of a step reads its (primary) shard
+        step = list(dict.fromkeys(step))
     step += [("write", ("trainable", b.index)) for b in buckets]
     step += [("fetch", ("trainable", b.index)) for b in buckets if b.unit in kept]
     return _StepEvents(start, step)

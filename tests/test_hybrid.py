@@ -348,7 +348,7 @@ def test_the_planner_predicts_mics_with_optimizer_offload(runs) -> None:
         assert moved(engine_comm(parts, setup, rank)) == {kind: step[kind] for kind in step if kind not in transfers}
 
 
-def test_the_model_splits_as_the_engine_does(runs) -> None:
+def test_the_model_splits_as_the_engine_does() -> None:
     """The model's own reading of the cases: MiCS's replica all-reduce crosses nodes from every rank, flat stage 3
     only from ranks 1 and 3, hpZ's secondary copy is in the parameters after backward and not after the step."""
     cross = {case.name: [engine_comm(inventory(case), model_setup(case, 4), rank)["cross_node"]["bytes"]

@@ -42,6 +42,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from fractions import Fraction
+from functools import cached_property
 
 from zerokit.defaults import DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
 from zerokit.flat.layout import build_layout, round_up
@@ -161,7 +162,7 @@ class EngineSetup:
             raise ValueError(f"buffer_size={self.buffer_size!r} must be an integer >= 0")
         self.settings  # the engine's own one-line errors for shard, hpZ and node sizes that do not divide the world
 
-    @property
+    @cached_property
     def settings(self) -> EngineSettings:
         """The engine's own decisions for this setup (zerokit/settings.py), not a copy of them."""
         return EngineSettings.resolve(stage=self.stage, world_size=self.world, backend=self.backend,

@@ -370,6 +370,13 @@ def test_a_profile_record_of_a_hybrid_run_is_checked_to_the_byte(runs, case: Cas
     exact = [name for name in rows if not name.startswith(("activations", "peak_", "time.", "cpu_time."))]
     assert "cross_node.bytes" in exact and any(name.startswith(("mics_", "hpz_")) for name in exact)
     assert {name: rows[name].error for name in exact} == dict.fromkeys(exact, 0.0)
+    # copies of the run (zerokit plan --check --calibrate) are built from the record's config: hybrid as it was
+    from zerokit.profiling.record import engine_config as recorded_config
+
+    copy = engine_settings(load_config(recorded_config(record["setup"])), 4, "gloo")
+    assert copy == EngineSetup(**record["setup"]).settings
+    shard_size = 4 if case.mics_shard_size == -1 else case.mics_shard_size  # -1: one group over every rank
+    assert (copy.shard_size, copy.secondary_size, copy.ranks_per_node) == (shard_size, case.hpz_partition_size, 2)
 
 
 @pytest.mark.parametrize("case", THREE_PER_NODE, ids=lambda c: c.name)

@@ -25,6 +25,7 @@ from test_parity import allowed_update_error, update_error
 from zerokit.comm.collectives import RING_FACTOR, Collective
 from zerokit.config import engine_settings, load_config
 from zerokit.planner.check import check_rows
+from zerokit.planner.device import DeviceProfile
 from zerokit.planner.engine_model import EngineSetup, engine_comm, engine_states
 from zerokit.planner.engine_offload import engine_transfers
 from zerokit.profiling.inventory import param_inventory
@@ -370,6 +371,11 @@ def test_a_profile_record_of_a_hybrid_run_is_checked_to_the_byte(runs, case: Cas
     exact = [name for name in rows if not name.startswith(("activations", "peak_", "time.", "cpu_time."))]
     assert "cross_node.bytes" in exact and any(name.startswith(("mics_", "hpz_")) for name in exact)
     assert {name: rows[name].error for name in exact} == dict.fromkeys(exact, 0.0)
+    # with a device, the times too: the collectives priced per kind ("cross_node" and the groups' entries apart)
+    device = DeviceProfile(name="test", peak_flops={"fp32": 1e11}, memory_bandwidth=1e10, link_bandwidth=1e9,
+                           link_latency=1e-5, optimizer_seconds_per_element={"adamw": 1e-9})
+    timed = {row.category: row.predicted for row in check_rows(record, device=device)}
+    assert timed["time.communication"] > 0 and timed["time.step"] > 0
     # copies of the run (zerokit plan --check --calibrate) are built from the record's config: hybrid as it was
     from zerokit.profiling.record import engine_config as recorded_config
 

@@ -1,4 +1,5 @@
-from zerokit.comm.collectives import Collective, CommStats, Communicator, Pending, Transfer, wait
+from zerokit.comm.collectives import Communicator, Pending, wait
+from zerokit.comm.counting import Collective, CommStats, Transfer
 from zerokit.comm.deadline import CollectiveError
 from zerokit.comm.groups import ProcessGroups
 from zerokit.comm.reduction import Reduction

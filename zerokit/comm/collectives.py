@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from zerokit.comm.counting import RING_FACTOR, Collective, CommStats, GroupCount, Transfer
+from zerokit.comm.counting import Collective, CommStats, GroupCount
 from zerokit.comm.deadline import TrackedWork, Watcher
 from zerokit.comm.flight import FlightRecorder
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from zerokit.comm.collectives import Collective, CommStats, Transfer
+from zerokit.comm.counting import Collective, CommStats, Transfer
 from zerokit.dsconfig.blocks import CommsLogger
 
 logger = logging.getLogger("zerokit")

@@ -41,13 +41,13 @@ def _notes(result: Estimate, target: str) -> tuple[str, ...]:
 
 
 def _hybrid_notes(result: Estimate, target: str) -> tuple[str, ...]:
-    layout, shard = result.scenario.layout, result.scenario.shard
+    layout = result.scenario.layout
     if layout.hybrid == "mics" and target == "deepspeed":
-        return (f"DeepSpeed 0.19.8 removed MiCS: its config check (_reject_removed_config_keys in "
-                f"deepspeed/runtime/config.py) raises DeepSpeedConfigError on zero_optimization.mics_shard_size, so "
-                f"this config starts only under zerokit's drop-in (`import zerokit.deepspeed as deepspeed`), which "
-                f"trains MiCS with DeepSpeed's meaning at stages 1-3; DeepSpeed's own MiCS (before 0.19.8) was "
-                f"stage 3 only",)
+        return ("DeepSpeed 0.19.8 removed MiCS: its config check (_reject_removed_config_keys in "
+                "deepspeed/runtime/config.py) raises DeepSpeedConfigError on zero_optimization.mics_shard_size, so "
+                "this config starts only under zerokit's drop-in (`import zerokit.deepspeed as deepspeed`), which "
+                "trains MiCS with DeepSpeed's meaning at stages 1-3; DeepSpeed's own MiCS (before 0.19.8) was "
+                "stage 3 only",)
     if layout.hybrid and target == "zerokit":
         return (f"ranks_per_node={result.scenario.cluster.gpus_per_node} names the nodes for launchers that do not "
                 "set LOCAL_WORLD_SIZE (torchrun does; all ranks must agree)",)

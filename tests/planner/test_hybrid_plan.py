@@ -249,7 +249,9 @@ def test_stage_0_with_replicas_emits_plain_data_parallel():
     stage 0); an hpZ layout asked for is planned at stage 3 only."""
     from zerokit.config import load_config
 
-    assert load_config(emit(picked({"replicas": 2}, 0), "zerokit").config).mics_shard_size == -1
+    emitted = emit(picked({"replicas": 2}, 0), "zerokit")
+    assert load_config(emitted.config).mics_shard_size == -1
+    assert "ranks_per_node" not in emitted.config and not any("ranks_per_node" in n for n in emitted.notes)
     assert picked({"replicas": 2}, 0).mode == "ZeRO-0"
     p = plan(model="llama2-13b", nodes=2, secondary=8)
     assert {a.stage for a in p.attempts} == {3} and {e.stage for e in p.stages} == {3}

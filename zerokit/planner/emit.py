@@ -40,22 +40,29 @@ def _notes(result: Estimate, target: str) -> tuple[str, ...]:
     return tuple(notes)
 
 
+def _hybrid_mode(result: Estimate) -> str:
+    """The layout's hybrid mode as the config carries it: "" for MiCS at stage 0, which shards nothing (plain data
+    parallel over every rank)."""
+    hybrid = result.scenario.layout.hybrid
+    return "" if hybrid == "mics" and result.stage == 0 else hybrid
+
+
 def _hybrid_notes(result: Estimate, target: str) -> tuple[str, ...]:
-    layout = result.scenario.layout
-    if layout.hybrid == "mics" and target == "deepspeed":
+    layout, hybrid = result.scenario.layout, _hybrid_mode(result)
+    if hybrid == "mics" and target == "deepspeed":
         return ("DeepSpeed 0.19.8 removed MiCS: its config check (_reject_removed_config_keys in "
                 "deepspeed/runtime/config.py) raises DeepSpeedConfigError on zero_optimization.mics_shard_size, so "
                 "this config starts only under zerokit's drop-in (`import zerokit.deepspeed as deepspeed`), which "
                 "trains MiCS with DeepSpeed's meaning at stages 1-3; DeepSpeed's own MiCS (before 0.19.8) was "
                 "stage 3 only",)
-    if layout.hybrid and target == "zerokit":
+    if hybrid and target == "zerokit":
         return (f"ranks_per_node={result.scenario.cluster.gpus_per_node} names the nodes for launchers that do not "
                 "set LOCAL_WORLD_SIZE (torchrun does; all ranks must agree)",)
-    if layout.hybrid == "hpz" and target == "fsdp":
+    if hybrid == "hpz" and target == "fsdp":
         return (f"FSDP2's reshard_after_forward={layout.secondary} keeps a {layout.secondary}-rank copy from each "
                 "forward to its backward only: every micro-step's forward gathers over all ranks again, where hpZ "
                 "gathers over all ranks once per optimizer step",)
-    if layout.hybrid == "mics" and target == "fsdp":
+    if hybrid == "mics" and target == "fsdp":
         return (f"HSDP all-reduces gradients across the {layout.replicas} replicas every micro-step unless "
                 "set_requires_gradient_sync(False) holds them until the last (written below); MiCS does so once "
                 "per step",) if result.training.grad_accum > 1 else ()
@@ -64,10 +71,9 @@ def _hybrid_notes(result: Estimate, target: str) -> tuple[str, ...]:
 
 def _hybrid_keys(result: Estimate, ranks_per_node: bool) -> tuple[dict, dict]:
     """(zero_optimization keys, top-level keys) of MiCS (`mics_shard_size`) or hpZ (`zero_hpz_partition_size`)."""
-    layout, scenario = result.scenario.layout, result.scenario
-    mics = layout.hybrid == "mics" and result.stage >= 1  # stage 0 shards nothing: plain data parallel over all
-    zero = ({"mics_shard_size": scenario.shard} if mics
-            else {"zero_hpz_partition_size": layout.secondary} if layout.hybrid == "hpz" else {})
+    layout, scenario, hybrid = result.scenario.layout, result.scenario, _hybrid_mode(result)
+    zero = ({"mics_shard_size": scenario.shard} if hybrid == "mics"
+            else {"zero_hpz_partition_size": layout.secondary} if hybrid == "hpz" else {})
     top = {"ranks_per_node": scenario.cluster.gpus_per_node} if zero and ranks_per_node else {}
     return zero, top
 

@@ -71,7 +71,7 @@ class Communicator:
         # where this group's tensors must be: NCCL reduces device tensors only
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         self.stats = stats or CommStats(self.world_size)
-        self.count = GroupCount(self.stats, name, group, self.rank, self.world_size)
+        self.count = GroupCount(self.stats, name, self.rank, self.world_size)
         self.name, self.timeout_seconds = name, timeout_seconds
         self.blocking_waits = self.backend == "gloo"  # a gloo wait blocks the CPU anyway: give it the deadline
         self.incident = incident or _group_name(group)  # where this job's failure reports meet in the store
@@ -230,7 +230,7 @@ class Communicator:
         if self.closed:
             raise RuntimeError(f"rank {self.rank}: a {kind.value} on zerokit's {self.name!r} group after its engine was "
                                "closed (engine.close() or destroy()); build a new engine to train again")
-        self.count.record(kind, tensor)
+        self.count.record(kind, tensor, self.group)
         with record_function(f"zerokit::{kind.value}"):
             works = issue()
         self.sequence += 1

@@ -100,24 +100,25 @@ def _add(count: CollectiveCount, tensor: torch.Tensor) -> None:
 
 class GroupCount:
     """One process group's counting into the CommStats it shares: under the group's name, with the share of its ring
-    traffic that crosses nodes (See [Note: bytes that cross nodes])."""
+    traffic that crosses nodes (See [Note: bytes that cross nodes]). It is handed the group at each count rather than
+    keeping it: a reference held here would outlive Communicator.close() and keep gloo's threads for the group alive
+    until the interpreter finalizes (See [Note: leaving at exit] in zerokit/runtime.py)."""
 
-    def __init__(self, stats: CommStats, name: str, group: dist.ProcessGroup | None, rank: int,
-                 world_size: int) -> None:
-        self.stats, self.name, self.group, self.rank, self.world_size = stats, name, group, rank, world_size
+    def __init__(self, stats: CommStats, name: str, rank: int, world_size: int) -> None:
+        self.stats, self.name, self.rank, self.world_size = stats, name, rank, world_size
         self._crosses: bool | None = None  # whether the next rank of this group's ring is on another node
         stats.add_group(name)
 
-    def record(self, kind: Collective, tensor: torch.Tensor) -> None:
-        share = RING_FACTOR[kind](self.world_size) if self.stats.spans_nodes and self.crosses_nodes() else 0.0
+    def record(self, kind: Collective, tensor: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        share = RING_FACTOR[kind](self.world_size) if self.stats.spans_nodes and self.crosses_nodes(group) else 0.0
         self.stats.record(kind, tensor, self.name, share)
 
-    def crosses_nodes(self) -> bool:
-        """Whether this rank's ring traffic on this group goes to another node; decided on first use, once the stats
-        know the nodes."""
-        if self._crosses is None and self.stats.ranks_per_node is not None and self.group is not None:
-            ranks = sorted(dist.get_process_group_ranks(self.group))
-            me = dist.get_global_rank(self.group, self.rank)
+    def crosses_nodes(self, group: dist.ProcessGroup | None) -> bool:
+        """Whether this rank's ring traffic on `group` (this count's) goes to another node; decided on first use, once
+        the stats know the nodes."""
+        if self._crosses is None and self.stats.ranks_per_node is not None and group is not None:
+            ranks = sorted(dist.get_process_group_ranks(group))
+            me = dist.get_global_rank(group, self.rank)
             following = ranks[(ranks.index(me) + 1) % len(ranks)]
             self._crosses = me // self.stats.ranks_per_node != following // self.stats.ranks_per_node
         return bool(self._crosses)

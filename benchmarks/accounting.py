@@ -28,6 +28,8 @@ from typing import Iterable, NamedTuple
 
 import torch
 
+from zerokit.profiling.measure import status_bytes
+
 CATEGORIES = ("parameters", "gradients", "optimizer_state")
 
 # Bytes per trainable parameter (parameters, gradients, optimizer state) of Adam training, and which
@@ -106,24 +108,17 @@ class PeakMemory(NamedTuple):
     method: str  # "VmHWM (reset via clear_refs)" or "ru_maxrss (not reset)"
 
 
-def _status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024  # reported in kB
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def start_peak_memory() -> PeakMemory:
     """Reset the high-water mark and take the baseline. See [Note: peak RSS growth]."""
     gc.collect()
     try:
         Path("/proc/self/clear_refs").write_text("5")
-        return PeakMemory(_status_bytes("VmRSS"), "VmHWM (reset via clear_refs)")
+        return PeakMemory(status_bytes("VmRSS"), "VmHWM (reset via clear_refs)")
     except OSError:
         return PeakMemory(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "ru_maxrss (not reset)")
 
 
 def peak_growth(start: PeakMemory) -> int:
     if start.method.startswith("VmHWM"):
-        return _status_bytes("VmHWM") - start.baseline
+        return status_bytes("VmHWM") - start.baseline
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start.baseline

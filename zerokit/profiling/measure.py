@@ -168,7 +168,9 @@ class AllocationTimeline:
         self.phase_peaks, self.peak, self.end = peaks, max(peaks.values()), running
 
 
-def _status_bytes(field: str) -> int:
+def status_bytes(field: str) -> int:
+    """A byte count of this process's /proc/self/status (Linux): VmRSS, VmHWM and the like, read from the kernel rather
+    than from our own counters."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024  # reported in kB
@@ -178,7 +180,7 @@ def _status_bytes(field: str) -> int:
 def resident_bytes() -> int:
     """This process's resident set now (Linux), or its high-water mark where /proc is missing."""
     try:
-        return _status_bytes("VmRSS")
+        return status_bytes("VmRSS")
     except (OSError, RuntimeError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -197,7 +199,7 @@ def resident_peak() -> Iterator[dict[str, int]]:
         yield result
     finally:
         try:
-            result["peak"] = _status_bytes("VmHWM")
+            result["peak"] = status_bytes("VmHWM")
         except (OSError, RuntimeError):
             result["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 

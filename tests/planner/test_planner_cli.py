@@ -114,6 +114,16 @@ def test_json_output(capsys):
     assert document["pick"]["comm_stats_per_step"]["all_gather"]["elements"] == 2 * 13_015_864_320 - 328_094_720
 
 
+def test_json_output_on_two_nodes_carries_the_rivals_and_their_cross_node_bytes(capsys):
+    assert cli("plan", "--model", "llama2-13b", "--nodes", "2", "--nics-per-node", "4", "--json") == 0
+    document = json.loads(capsys.readouterr().out)
+    pick = document["pick"]
+    assert pick["cross_node_bytes_per_step"] == sum(c["cross_node_bytes"] for c in pick["collectives"]
+                                                    if c["phase"] != "init") > 0
+    assert document["rivals"] and all(r["stage"] == pick["stage"] for r in document["rivals"])
+    assert {r["label"] for r in document["rivals"]}.isdisjoint({pick["label"]})
+
+
 @pytest.mark.parametrize("target, marker", [("zerokit", '"stage": 3'), ("deepspeed", "stage3_prefetch_bucket_size"),
                                             ("fsdp", "reshard_after_forward=True")])
 def test_emit_prints_only_the_config_on_stdout(target, marker, capsys):

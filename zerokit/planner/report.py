@@ -18,7 +18,7 @@ def estimate_dict(result: Estimate) -> dict:
         "usable_bytes": result.usable, "memory_bytes": result.memory.as_dict(), "total_bytes": result.memory.total,
         "host": {"ram_bytes": result.host.ram, "nvme_bytes": result.host.nvme, "ram_capacity": result.host.ram_capacity,
                  "nvme_capacity": result.host.nvme_capacity, "fits": result.host.fits},
-        "comm_stats_per_step": result.comm.by_kind(),
+        "comm_stats_per_step": result.comm.by_kind(), "cross_node_bytes_per_step": result.comm.cross_node_bytes,
         "collectives": [asdict(c) for c in result.comm.collectives],
         "seconds": {"compute": result.compute.seconds, "communication": result.comm.seconds,
                     "exposed_communication": result.exposed_comm_seconds,
@@ -45,5 +45,6 @@ def plan_dict(plan: Plan) -> dict:
         "attempts": [{"label": a.label, "micro_batch": a.training.micro_batch, "total_bytes": a.memory.total,
                       "fits": a.fits} for a in plan.attempts],
         "runner_up": estimate_dict(plan.runner_up) if plan.runner_up else None,
+        "rivals": [estimate_dict(r) for r in plan.rivals],
         "alternatives": [estimate_dict(a) for a in plan.alternatives],
     }

@@ -85,6 +85,25 @@ def optimizer_piece_numel(sub_group_size: int | None, master_on_host: bool) -> i
     return CPU_OPTIMIZER_PIECE_NUMEL if master_on_host else ONE_PIECE_PER_PARAMETER
 
 
+def consecutive_groups(world_size: int, size: int) -> list[list[int]]:
+    """The ranks cut into groups of `size` consecutive ranks (MiCS's shard groups, hpZ's node groups)."""
+    return [list(range(start, start + size)) for start in range(0, world_size, size)]
+
+
+def strided_groups(world_size: int, size: int) -> list[list[int]]:
+    """The ranks with the same index in each group of `size` consecutive ranks (MiCS's replica groups)."""
+    return [list(range(index, world_size, size)) for index in range(size)]
+
+
+def ring_crosses_nodes(ranks: list[int], rank: int, ranks_per_node: int) -> bool:
+    """Whether `rank`'s ring traffic on a group of global `ranks` goes to another node: the next rank of the ring
+    (ascending global ranks, the last to the first) is on another node (See [Note: bytes that cross nodes] in
+    comm/collectives.py)."""
+    ring = sorted(ranks)
+    following = ring[(ring.index(rank) + 1) % len(ring)]
+    return rank // ranks_per_node != following // ranks_per_node
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """The decisions of one engine on one back-end (See [Note: one place for each engine decision])."""
@@ -147,4 +166,5 @@ class EngineSettings:
 
 
 __all__ = ["ELEMENT_BYTES", "EngineSettings", "bucket_numel", "optimizer_piece_numel", "reduces_by_scatter",
-           "reduces_every_micro_step", "secondary_group_size", "shard_group_size"]
+           "reduces_every_micro_step", "secondary_group_size", "shard_group_size", "consecutive_groups", "strided_groups",
+           "ring_crosses_nodes"]

@@ -13,6 +13,8 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
+from zerokit.settings import ring_crosses_nodes
+
 
 class Collective(str, Enum):
     ALL_REDUCE = "all_reduce"
@@ -117,8 +119,6 @@ class GroupCount:
         """Whether this rank's ring traffic on `group` (this count's) goes to another node; decided on first use, once
         the stats know the nodes."""
         if self._crosses is None and self.stats.ranks_per_node is not None and group is not None:
-            ranks = sorted(dist.get_process_group_ranks(group))
-            me = dist.get_global_rank(group, self.rank)
-            following = ranks[(ranks.index(me) + 1) % len(ranks)]
-            self._crosses = me // self.stats.ranks_per_node != following // self.stats.ranks_per_node
+            self._crosses = ring_crosses_nodes(dist.get_process_group_ranks(group), dist.get_global_rank(group, self.rank),
+                                               self.stats.ranks_per_node)
         return bool(self._crosses)

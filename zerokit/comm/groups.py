@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerokit.comm.collectives import Communicator
-from zerokit.settings import EngineSettings
+from zerokit.settings import EngineSettings, consecutive_groups, strided_groups
 
 
 @dataclass(frozen=True)
@@ -64,12 +64,10 @@ class ProcessGroups:
         size, twin = settings.shard_size, settings.stage == 3
         if settings.replicas == 1 or size == comm.world_size:
             k = settings.secondary_size
-            node = comm.split([list(range(start, start + k)) for start in range(0, comm.world_size, k)], "hpz_gather") \
-                if k > 1 else None
+            node = comm.split(consecutive_groups(comm.world_size, k), "hpz_gather") if k > 1 else None
             return cls(shard=comm, gather=comm.twin() if twin else comm, node=node)
-        ranks = range(comm.world_size)
-        shard_groups = [list(ranks[start:start + size]) for start in range(0, comm.world_size, size)]
+        shard_groups = consecutive_groups(comm.world_size, size)
         shard = comm.split(shard_groups, "mics_shard")
         gather = comm.split(shard_groups, "mics_gather", twin_of=shard) if twin else shard  # See Communicator.twin
-        replica = comm.split([list(ranks[index::size]) for index in range(size)], "mics_replica")
+        replica = comm.split(strided_groups(comm.world_size, size), "mics_replica")
         return cls(shard=shard, gather=gather, replica=replica, replica_index=comm.rank // size, world=comm)

@@ -46,7 +46,8 @@ from functools import cached_property
 
 from zerokit.defaults import DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
 from zerokit.flat.layout import build_layout, round_up
-from zerokit.settings import EngineSettings, optimizer_piece_numel
+from zerokit.settings import (EngineSettings, consecutive_groups, optimizer_piece_numel, ring_crosses_nodes,
+                              strided_groups)
 from zerokit.planner.spec import BYTES_PER_ELEMENT, OFFLOAD_DEVICES, PRECISIONS, _choice, _positive_int
 
 BACKENDS = ("gloo", "nccl")
@@ -356,13 +357,9 @@ def group_ranks(group: str, setup: EngineSetup, rank: int) -> list[int]:
     sharding] in zerokit/comm/groups.py: shard groups of s consecutive ranks, replica groups of the ranks with the
     same index in theirs, hpZ's node groups of k consecutive ranks; "shard" and "gather" span every rank."""
     world, s, k = setup.world, setup.settings.shard_size, setup.settings.secondary_size
-    if group in ("mics_shard", "mics_gather"):
-        return list(range(rank - rank % s, rank - rank % s + s))
-    if group == "mics_replica":
-        return list(range(rank % s, world, s))
-    if group == "hpz_gather":
-        return list(range(rank - rank % k, rank - rank % k + k))
-    return list(range(world))
+    parts = {"mics_shard": consecutive_groups(world, s), "mics_gather": consecutive_groups(world, s),
+             "mics_replica": strided_groups(world, s), "hpz_gather": consecutive_groups(world, k)}.get(group)
+    return list(range(world)) if parts is None else next(part for part in parts if rank in part)
 
 
 @dataclass
@@ -386,9 +383,8 @@ class StepCounts:
         if not self.spans_nodes:
             return
         add_count(self.stats, f"{group}.{kind}", calls, elements, element_bytes)
-        ranks, per_node = group_ranks(group, self.setup, self.rank), self.setup.settings.ranks_per_node
-        following = ranks[(ranks.index(self.rank) + 1) % len(ranks)]
-        if following // per_node != self.rank // per_node:  # its ring successor is on another node
+        ranks = group_ranks(group, self.setup, self.rank)
+        if ring_crosses_nodes(ranks, self.rank, self.setup.settings.ranks_per_node):
             self.cross_node += ring_factor(kind, len(ranks)) * elements * element_bytes
 
     def result(self) -> dict[str, dict[str, int]]:

@@ -19,8 +19,9 @@ The split by group ("<group>.<kind>" entries: "shard" and "gather" are the group
 one node; collectives before the stage made its groups (the start-up checks, placing the model) are not counted
 across.
 
-
-The counting itself is counting.py's (CommStats for an engine, GroupCount for each of its groups).
+The counting itself is counting.py's (CommStats for an engine, GroupCount for each of its groups); the groups'
+ranks and whether a ring crosses nodes are settings.py's (consecutive_groups, strided_groups, ring_crosses_nodes),
+which the planner calls too.
 
 [Note: all-gather on gloo]
 gloo's all-gather copies its result through a temporary as large as the output: with 25 MiB buckets

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from fractions import Fraction
 
 from zerokit.defaults import CPU_OPTIMIZER_PIECE_NUMEL
 
@@ -83,6 +84,13 @@ def optimizer_piece_numel(sub_group_size: int | None, master_on_host: bool) -> i
     if sub_group_size:
         return sub_group_size
     return CPU_OPTIMIZER_PIECE_NUMEL if master_on_host else ONE_PIECE_PER_PARAMETER
+
+
+def ring_share(kind: str, n: int) -> Fraction:
+    """The share of a collective's logical bytes that one rank of a ring of n sends, as the engine counts it (See
+    [Note: bytes that cross nodes] in comm/collectives.py): all-reduce 2(n-1)/n; all-gather, reduce-scatter,
+    broadcast and reduce (n-1)/n."""
+    return Fraction(2 * (n - 1), n) if kind == "all_reduce" else Fraction(n - 1, n)
 
 
 def consecutive_groups(world_size: int, size: int) -> list[list[int]]:
@@ -167,4 +175,4 @@ class EngineSettings:
 
 __all__ = ["ELEMENT_BYTES", "EngineSettings", "bucket_numel", "optimizer_piece_numel", "reduces_by_scatter",
            "reduces_every_micro_step", "secondary_group_size", "shard_group_size", "consecutive_groups", "strided_groups",
-           "ring_crosses_nodes"]
+           "ring_crosses_nodes", "ring_share"]

@@ -13,7 +13,7 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from zerokit.settings import ring_crosses_nodes
+from zerokit.settings import ring_crosses_nodes, ring_share
 
 
 class Collective(str, Enum):
@@ -33,14 +33,9 @@ class Transfer(str, Enum):
     NVME_WRITE = "nvme_write"
 
 
-# Ring traffic per rank as a multiple of the logical bytes, for N ranks.
-RING_FACTOR = {
-    Collective.ALL_REDUCE: lambda n: 2 * (n - 1) / n,
-    Collective.REDUCE_SCATTER: lambda n: (n - 1) / n,
-    Collective.ALL_GATHER: lambda n: (n - 1) / n,
-    Collective.BROADCAST: lambda n: (n - 1) / n,
-    Collective.REDUCE: lambda n: (n - 1) / n,
-}
+RING_FACTOR = {kind: (lambda n, name=kind.value: float(ring_share(name, n))) for kind in Collective}
+"""Ring traffic per rank as a multiple of the logical bytes, for N ranks (settings.py's ring_share, which the planner
+reads too)."""
 
 
 @dataclass

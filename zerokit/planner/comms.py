@@ -61,6 +61,7 @@ from zerokit.planner.catalogue import Cluster, Link
 from zerokit.planner.memory import RankParams, broadcast_gathered, whole_tensor_fraction
 from zerokit.planner.models import ModelSpec
 from zerokit.planner.spec import Layout, Training
+from zerokit.settings import ring_share
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send_recv",
          "host_to_device", "device_to_host", "nvme_read", "nvme_write")  # the last four: offload transfers
@@ -77,9 +78,9 @@ def wire_factor(kind: str, n: int) -> float:
 
 
 def engine_ring_factor(kind: str, n: int) -> float:
-    """The share of a collective's logical bytes the engine counts a rank as sending (RING_FACTOR in
-    zerokit/comm/collectives.py): broadcast and reduce (n-1)/n there, not the chain's 1 x bytes of their time."""
-    return {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(kind, (n - 1) / n)
+    """The share of a collective's logical bytes the engine counts a rank as sending (settings.py's ring_share):
+    broadcast and reduce (n-1)/n there, not the chain's 1 x bytes of their time; a pipeline send all of it."""
+    return 1.0 if kind == "send_recv" else float(ring_share(kind, n))
 
 
 def ring_steps(kind: str, n: int) -> int:

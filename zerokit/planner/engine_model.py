@@ -47,7 +47,7 @@ from functools import cached_property
 from zerokit.defaults import DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
 from zerokit.flat.layout import build_layout, round_up
 from zerokit.settings import (EngineSettings, consecutive_groups, optimizer_piece_numel, ring_crosses_nodes,
-                              strided_groups)
+                              ring_share, strided_groups)
 from zerokit.planner.spec import BYTES_PER_ELEMENT, OFFLOAD_DEVICES, PRECISIONS, _choice, _positive_int
 
 BACKENDS = ("gloo", "nccl")
@@ -343,15 +343,6 @@ def add_count(stats: dict[str, dict[str, int]], kind: str, calls: int, elements:
     entry["bytes"] += elements * element_bytes
 
 
-RING_FACTOR = {"all_reduce": lambda n: Fraction(2 * (n - 1), n)}
-"""Bytes one rank sends on a ring of n ranks per logical byte (all-reduce; every other kind (n - 1)/n), as
-zerokit/comm/collectives.py's RING_FACTOR."""
-
-
-def ring_factor(kind: str, n: int) -> Fraction:
-    return RING_FACTOR.get(kind, lambda m: Fraction(m - 1, m))(n)
-
-
 def group_ranks(group: str, setup: EngineSetup, rank: int) -> list[int]:
     """The global ranks of `rank`'s group named `group` (as comm_stats() names it), in ring order. See [Note: hybrid
     sharding] in zerokit/comm/groups.py: shard groups of s consecutive ranks, replica groups of the ranks with the
@@ -385,7 +376,7 @@ class StepCounts:
         add_count(self.stats, f"{group}.{kind}", calls, elements, element_bytes)
         ranks = group_ranks(group, self.setup, self.rank)
         if ring_crosses_nodes(ranks, self.rank, self.setup.settings.ranks_per_node):
-            self.cross_node += ring_factor(kind, len(ranks)) * elements * element_bytes
+            self.cross_node += ring_share(kind, len(ranks)) * elements * element_bytes
 
     def result(self) -> dict[str, dict[str, int]]:
         return self.stats | ({"cross_node": {"bytes": round(self.cross_node)}} if self.spans_nodes else {})
@@ -457,9 +448,9 @@ def per_kind(stats: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
 def wire_bytes(stats: dict[str, dict[str, int]], setup: EngineSetup) -> dict[str, float]:
     """Bytes each rank sends per kind on a ring (all-reduce 2(n-1)/n, the others (n-1)/n of the logical size), n
     the ranks of the group each collective went over where `stats` splits them by group, else every rank."""
-    wire = {kind: float(ring_factor(kind, setup.world) * entry["bytes"]) for kind, entry in per_kind(stats).items()}
+    wire = {kind: float(ring_share(kind, setup.world) * entry["bytes"]) for kind, entry in per_kind(stats).items()}
     by_group = [(*key.split("."), entry["bytes"]) for key, entry in stats.items() if "." in key]
     for kind in {kind for _, kind, _ in by_group}:
-        wire[kind] = float(sum(ring_factor(kind, len(group_ranks(group, setup, 0))) * sent
+        wire[kind] = float(sum(ring_share(kind, len(group_ranks(group, setup, 0))) * sent
                                for group, other, sent in by_group if other == kind))
     return wire

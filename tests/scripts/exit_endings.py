@@ -54,15 +54,22 @@ def parse() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def gloo_threads() -> int:
-    """gloo's threads alive in this process now."""
-    count = 0
-    for task in os.listdir("/proc/self/task"):
-        try:
-            count += Path(f"/proc/self/task/{task}/comm").read_text().strip() in GLOO_THREADS
-        except OSError:  # a thread that ended while we looked
-            pass
-    return count
+def gloo_threads(settle: float = 0.0) -> int:
+    """gloo's threads alive in this process now. A thread just joined (its group destroyed) can stay listed for a
+    moment while the kernel takes it down, after pthread_join has returned: on a loaded machine CI once saw one
+    (1 rank in 200) at exit. It runs no code any more, and is gone within microseconds; a thread of a group still
+    alive stays. So a count above 0 is looked at again, for up to `settle` seconds."""
+    give_up = time.monotonic() + settle
+    while True:
+        count = 0
+        for task in os.listdir("/proc/self/task"):
+            try:
+                count += Path(f"/proc/self/task/{task}/comm").read_text().strip() in GLOO_THREADS
+            except OSError:  # a thread that ended while we looked
+                pass
+        if count == 0 or time.monotonic() > give_up:
+            return count
+        time.sleep(0.01)
 
 
 def train(rank: int, rundir: Path, stage: int, ending: str, api: str) -> None:
@@ -71,7 +78,7 @@ def train(rank: int, rundir: Path, stage: int, ending: str, api: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")  # as torchrun sets
     # registered before zerokit's exit hook, so it runs after it, just before the interpreter finalizes
-    atexit.register(lambda: (rundir / f"threads{rank}").write_text(str(gloo_threads())))
+    atexit.register(lambda: (rundir / f"threads{rank}").write_text(str(gloo_threads(settle=0.5))))
     dist.init_process_group("gloo", init_method=f"file://{rundir}/rendezvous", rank=rank, world_size=2)
     zero = {"stage": stage, **(STAGE3_UNITS if stage == 3 else {})}
     config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero}

@@ -27,6 +27,7 @@ from torch import nn
 from benchmarks.accounting import optimizer_state_tensors, storage_bytes
 from benchmarks.workload import (DTYPES, OPTIMIZERS, BenchSettings, adamw_hyperparameters, make_optimizer,
                                  muon_hyperparameters, optimizer_groups)
+from zerokit.runtime import default_device
 
 
 class Trainer(NamedTuple):
@@ -124,7 +125,7 @@ def _torch_trainer(ddp: nn.Module, optimizer: Any, local_optimizer: Any, setting
     optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
 
     def forward(tokens: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.dtype == "bf16"):
+        with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=settings.dtype == "bf16"):
             return ddp(tokens)
 
     def step() -> None:
@@ -172,7 +173,7 @@ def fsdp2(model: nn.Module, settings: BenchSettings) -> Trainer:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(default_device().type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=settings.compute_dtype, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy)

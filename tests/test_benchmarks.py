@@ -97,3 +97,20 @@ def test_the_frameworks_benchmarks_torch_fsdp2_row_must_be_sharded(tmp_path) -> 
             assert refused and "a rank held 100% of the parameters" in str(error)
         else:
             assert not refused
+
+
+def test_the_gpu_benchmark_runs_where_there_is_none(one_process, tmp_path) -> None:
+    """benchmarks/bench_gpu.py is for a GPU (its figures: docs/benchmarks.md); on the CPU it must still run, so that
+    it works when a GPU is at hand. zerokit's stages train the same steps, and as FSDP2 does with bf16 parameters."""
+    from benchmarks import bench_gpu
+
+    out = tmp_path / "gpu.json"
+    bench_gpu.main(["--steps", "2", "--warmup", "1", "--n-layer", "2", "--n-embd", "32", "--n-head", "2",
+                    "--block-size", "8", "--vocab-size", "16", "--batch-size", "2", "--out", str(out)])
+    results = {row["name"]: row for row in json.loads(out.read_text())["results"]}
+    assert list(results) == list(bench_gpu.DEFAULT_CONTENDERS)
+    losses = {name: row["losses"] for name, row in results.items()}
+    for stage in (1, 2, 3):
+        assert losses[f"zerokit-{stage}"] == losses["zerokit-0"]
+    torch.testing.assert_close(losses["zerokit-0"], losses["fsdp2"], rtol=1e-3, atol=0)
+    assert all(row["peak_bytes"] is None and len(row["step_seconds"]) == 2 for row in results.values())

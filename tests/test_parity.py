@@ -57,7 +57,12 @@ def initial_params(case: Case) -> dict:
 
 @pytest.mark.parametrize("world_size,case", MATRIX, ids=[f"N{n}-{c.name}" for n, c in MATRIX])
 def test_matches_single_process(parity_runs, world_size: int, case: Case) -> None:
-    ranks = [out[case.name] for out in parity_runs(world_size)]
+    assert_matches_reference([out[case.name] for out in parity_runs(world_size)], case, world_size)
+
+
+def assert_matches_reference(ranks: list[dict], case: Case, world_size: int) -> None:
+    """Every rank's run of `case` (parity.run_engine's results) against one process, under the tolerances of
+    the module docstring."""
     expected = reference(case, world_size)
     order_sensitive = "muon" in case.optimizer and case.dtype == "fp32" and world_size >= 3
     loss_rtol = 1e-5 if case.dtype == "fp32" and not order_sensitive else 5e-4

@@ -105,6 +105,17 @@ def test_model_states_and_collectives_are_exact_on_gloo(stage, dtype, reduce_sca
         assert ("reduce_scatter" in kinds) == bool(reduce_scatter)
 
 
+@pytest.mark.parametrize("stage", (0, 1, 2, 3))
+def test_one_process_calls_the_collectives_the_plan_counts(one_process, stage):
+    """One rank (a plain `python train.py`, or one GPU) still calls its collectives, each a local copy, but
+    broadcasts no buffer: the plan counted none at all before."""
+    run = _exact_case(0, stage, "bf16", None, "tiny")
+    setup = EngineSetup(stage=stage, world=1, backend="gloo", **run["setup"])
+    assert engine_comm(run["inventory"], setup) == run["comm"]
+    assert "broadcast" not in run["comm"] and run["comm"]["all_reduce"]["calls"] >= 1
+    assert engine_states(run["inventory"], setup).after_step == run["after_step"]
+
+
 def test_small_parameters_join_the_root_unit_at_stage_3():
     run = runs()[(3, "bf16", None, "hf")]
     setup = _setup(run, 3)

@@ -44,6 +44,10 @@ from zerokit.comm.counting import Collective, CommStats, GroupCount
 from zerokit.comm.deadline import TrackedWork, Watcher
 from zerokit.comm.flight import FlightRecorder
 
+# torch 2.13 renamed the one-tensor collectives (its old names warn); torch before 2.13 has only the old ones
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class Pending(NamedTuple):
     """An asynchronous collective: wait on `work`, then `output` holds the result."""
@@ -189,7 +193,7 @@ class Communicator:
         """
         self._check_sizes("reduce_scatter", big=input, small=output)
         return self._launch(Collective.REDUCE_SCATTER, input, purpose, async_op,
-                            lambda: [dist.reduce_scatter_single(output, input, op=op, group=self.group, async_op=True)],
+                            lambda: [reduce_scatter_single(output, input, op=op, group=self.group, async_op=True)],
                             output)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False,
@@ -202,7 +206,7 @@ class Communicator:
         self._check_sizes("all_gather", big=output, small=input)
         if self.backend != "gloo":
             return self._launch(Collective.ALL_GATHER, output, purpose, async_op,
-                                lambda: [dist.all_gather_single(output, input, group=self.group, async_op=True)])
+                                lambda: [all_gather_single(output, input, group=self.group, async_op=True)])
         slots = output.chunk(self.world_size)
 
         def broadcast_slots() -> list[dist.Work]:

@@ -16,6 +16,19 @@ each optimizer step, after a checkpoint load, after edits written back (See `dro
 stale. Whether a bucket has one is decided when a gather is issued (not when it completes) and follows only
 from the gathers issued, which every rank issues alike: so every rank picks the same group for each gather.
 Buckets owned by one rank (broadcast, not gathered) keep no secondary copy.
+
+[Note: one buffer per bucket, freed in place]
+Each bucket is gathered into the same tensor every time, and freed by shrinking that tensor's storage to nothing
+(`free`), not by letting go of the tensor. Letting go freed nothing while something else still held the tensor:
+autograd keeps the views of a parameter that a forward saved (a transposed weight, a LoRA base layer's `weight.T`)
+until the backward, and so the whole bucket gathered for the forward; and zerokit's deadline watcher kept the torch
+work of each gather, and with it the bucket, for up to a second (See [Note: a waited collective lets go of its
+tensors] in comm/deadline.py). On an H200, after a stage-3 step of 33.6M fp32 parameters on one rank, 537 MB of
+gathered buckets were still allocated beside the 537 MB of model states (tests/test_cuda.py); with shrinking, 268 MB
+were (the size of the step's gradient buckets, which the watcher held too). Shrinking frees the memory
+whoever holds the tensor, and growing the same storage back at the next gather means that a view saved in the
+forward reads what was gathered again for the backward (FSDP2 treats its unsharded parameters alike). Shrinking
+waits for the bucket's gather first, and the device reuses the memory only after it.
 """
 
 from __future__ import annotations
@@ -55,6 +68,7 @@ class ShardedFlat:
         self.shards = home.allocate(self.local, flat.dtype)
         self.placeholder = torch.full((1,), float("nan"), dtype=flat.dtype, device=flat.device)
         self.full: dict[int, torch.Tensor] = {}  # bucket index -> the gathered bucket (1-D), while gathered
+        self.buffers: dict[int, torch.Tensor] = {}  # bucket index -> what it is gathered into, each time (See Note)
         self.in_flight: dict[int, Pending] = {}  # bucket index -> its gather, until waited on
 
     def shard(self, bucket: Bucket) -> torch.Tensor:
@@ -73,10 +87,20 @@ class ShardedFlat:
         was gathered or on its way already). `wait` before pointing parameters at it."""
         if bucket.index in self.full:
             return 0
-        full = torch.empty(bucket.numel, dtype=self.flat.dtype, device=self.flat.device)
+        full = self._grown(bucket)
         self.in_flight[bucket.index] = self._gather_into(full, bucket, comm, purpose, async_op=True)
         self.full[bucket.index] = full
         return bucket.numel
+
+    def _grown(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's own buffer with its memory back (See [Note: one buffer per bucket, freed in place])."""
+        buffer = self.buffers.get(bucket.index)
+        if buffer is None:
+            buffer = self.buffers[bucket.index] = torch.empty(bucket.numel, dtype=self.flat.dtype,
+                                                              device=self.flat.device)
+        else:
+            buffer.untyped_storage().resize_(bucket.numel * buffer.element_size())
+        return buffer
 
     def _gather_into(self, full: torch.Tensor, bucket: Bucket, comm: Communicator, purpose: str,
                      async_op: bool) -> Pending:
@@ -122,10 +146,14 @@ class ShardedFlat:
         self.flat.point(bucket, self.full[bucket.index])
 
     def free(self, bucket: Bucket) -> int:
-        """Drop the gathered bucket (once its gather is done); returns the elements freed. The parameters
-        still view it until `release`."""
+        """Free the gathered bucket's memory (once its gather is done); returns the elements freed. The parameters
+        still view it, empty, until `release`. See [Note: one buffer per bucket, freed in place]."""
         self.wait(bucket)
-        return bucket.numel if self.full.pop(bucket.index, None) is not None else 0
+        full = self.full.pop(bucket.index, None)
+        if full is None:
+            return 0
+        full.untyped_storage().resize_(0)
+        return bucket.numel
 
     def release(self, bucket: Bucket) -> None:
         self.flat.release(bucket, self.placeholder)

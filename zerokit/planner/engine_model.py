@@ -384,9 +384,8 @@ class StepCounts:
 
 def engine_comm(inventory: ParamInventory, setup: EngineSetup, rank: int = 0) -> dict[str, dict[str, int]]:
     """The growth of `engine.comm_stats()` of `rank` over one optimizer step of `setup.grad_accum` micro-steps: per
-    kind, and when the job spans nodes per "<group>.<kind>" and the "cross_node" bytes, which differ by rank."""
-    if setup.world == 1:
-        return {}
+    kind, and when the job spans nodes per "<group>.<kind>" and the "cross_node" bytes, which differ by rank. One rank
+    calls the same collectives (each a local copy, none on a wire) but broadcasts no buffer."""
     counts = StepCounts(setup, rank)
     buckets = engine_buckets(inventory, setup)
     p, r = BYTES_PER_ELEMENT[setup.precision], BYTES_PER_ELEMENT[setup.reduce_dtype]
@@ -411,7 +410,8 @@ def engine_comm(inventory: ParamInventory, setup: EngineSetup, rank: int = 0) ->
         counts.add(shard, "all_reduce", 1, 1 + flags, 8)
     if mics:  # the usage flags again, summed across the replicas
         counts.add("mics_replica", "all_reduce", 1, flags, 8)
-    if setup.broadcast_buffers:  # rank 0's buffers, per dtype, before each forward after the first and at the step
+    # rank 0's buffers, per dtype, before each forward after the first and at the step (one rank sends none)
+    if setup.broadcast_buffers and setup.world > 1:
         for numel, element_bytes in inventory.buffers:  # over the engine's group of every rank
             counts.add("shard", "broadcast", setup.grad_accum, setup.grad_accum * numel, element_bytes)
     return counts.result()

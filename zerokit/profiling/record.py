@@ -36,6 +36,7 @@ from zerokit.planner.engine_model import EngineSetup, per_kind
 from zerokit.profiling.inventory import blocks_of, param_inventory
 from zerokit.profiling.measure import AllocationTimeline, SavedTensorCounter, backward_phases, resident_peak
 from zerokit.jsonfile import JsonRecord
+from zerokit.runtime import default_device
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _LAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its latest RunRecord
@@ -270,7 +271,7 @@ def _replay_one(kind: str, tensor: torch.Tensor, world: int) -> None:
 
 
 def _max_over_ranks(values: list[float]) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64)
+    tensor = torch.tensor(values, dtype=torch.float64, device=default_device())  # NCCL reduces GPU tensors only
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.tolist()
 

@@ -73,6 +73,7 @@ class Case:
     mics_shard_size: int = -1  # stages 1-3: MiCS shard groups of this many ranks (-1: one group over all)
     ranks_per_node: int | None = None  # None: torchrun's LOCAL_WORLD_SIZE, else one node
     hpz_partition_size: int = 1  # stage 3: ZeRO++ hpZ's secondary copy over groups of this many ranks (1: none)
+    device: str = "cpu"  # where the batches and the reference live (the engine computes on default_device())
 
 
 def make_model(case: Case) -> torch.nn.Module:
@@ -234,7 +235,7 @@ def offload_dir() -> str:
 
 
 def fp32_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    return {name: p.detach().float().cpu().clone() for name, p in model.named_parameters()}
 
 
 def run_engine(rank: int, world_size: int, case: Case) -> dict:
@@ -257,7 +258,7 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
     for step in range(case.steps):
         before = engine.comm_stats()
         for micro in range(case.accumulation):
-            tokens = make_batch(case, step, micro, rank)
+            tokens = make_batch(case, step, micro, rank).to(case.device)
             loss = forward_loss(engine, tokens)
             engine.backward(loss)
             overlapped.append(engine.reducer.launched_in_backward)
@@ -341,7 +342,7 @@ def run_reference(case: Case, world_size: int, ranks_per_step: list[int] | None 
 
 def _run_reference(case: Case, ranks_per_step: list[int]) -> dict:
     dtype = DTYPES_BY_NAME[case.dtype]
-    master = make_model(case)
+    master = make_model(case).to(case.device)
     optimizers = optimizer_list(make_optimizer(case, master))
     compute = master if dtype == torch.float32 else copy.deepcopy(master).to(dtype)
     pairs = [(m, c) for m, c in zip(master.parameters(), compute.parameters()) if m.requires_grad]
@@ -353,7 +354,7 @@ def _run_reference(case: Case, ranks_per_step: list[int]) -> dict:
         used = [False] * len(pairs)
         for micro in range(case.accumulation):
             for rank in range(ranks):
-                tokens = make_batch(case, step, micro, rank)
+                tokens = make_batch(case, step, micro, rank).to(case.device)
                 loss = forward_loss(compute, tokens)
                 (loss * scaler.scale / case.accumulation).backward()
                 losses.append((step, rank, loss.item()))

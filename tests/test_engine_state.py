@@ -102,3 +102,23 @@ def test_plan_report_asks_for_a_recorded_run_first(one_process) -> None:
     engine, _ = make_engine(1, "fp32")
     with pytest.raises(ValueError, match=r"no run recorded for this engine; call zerokit.profiling.record_run"):
         engine.plan_report()
+
+
+def test_a_waited_collective_holds_none_of_its_tensors(one_process) -> None:
+    """What the deadline watcher keeps of a collective (its TrackedWork) must not keep the collective's tensors
+    once it was waited on: they are freed as soon as zerokit lets go of them (See [Note: a waited collective lets
+    go of its tensors] in zerokit/comm/deadline.py)."""
+    import gc
+    import weakref
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    comm = Communicator.create(timeout_seconds=60.0)
+    tensor = torch.ones(1024)
+    gone = weakref.ref(tensor)
+    pending = comm.all_reduce(tensor, async_op=True)
+    kept = pending.work  # as the watcher keeps it
+    pending.work.wait()
+    del tensor, pending
+    gc.collect()
+    assert gone() is None and kept.is_completed()
+    comm.close()

@@ -18,6 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from zerokit.settings import ring_share
+
 c10d = torch.ops.c10d
 # operator -> (the collective it is, which argument holds the logical tensor(s))
 COLLECTIVES: dict[Any, tuple[str, int]] = {
@@ -33,10 +35,9 @@ COLLECTIVES: dict[Any, tuple[str, int]] = {
     c10d.allgather_into_tensor_coalesced_.default: ("all_gather", 0),
 }
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
-# Bytes one rank sends per logical byte on a ring of N ranks (a reduce to one rank: as a reduce-scatter).
-RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-               "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: (n - 1) / n,
-               "reduce": lambda n: (n - 1) / n}
+# Bytes one rank sends per logical byte on a ring of N ranks (a reduce to one rank: as a reduce-scatter): the
+# engine's own rule, zerokit/settings.py's ring_share.
+RING_FACTOR = {kind: (lambda n, kind=kind: float(ring_share(kind, n))) for kind in KINDS}
 
 
 class CollectiveCounter(TorchDispatchMode):

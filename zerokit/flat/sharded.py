@@ -67,8 +67,8 @@ class ShardedFlat:
         # 1-D, param dtype: this rank's shard of every bucket, back to back (See FlatLayout.shards_of).
         self.shards = home.allocate(self.local, flat.dtype)
         self.placeholder = torch.full((1,), float("nan"), dtype=flat.dtype, device=flat.device)
-        self.full: dict[int, torch.Tensor] = {}  # bucket index -> the gathered bucket (1-D), while gathered
         self.buffers: dict[int, torch.Tensor] = {}  # bucket index -> what it is gathered into, each time (See Note)
+        self.gathered: set[int] = set()  # buckets whose buffer holds them (or is being gathered into)
         self.in_flight: dict[int, Pending] = {}  # bucket index -> its gather, until waited on
 
     def shard(self, bucket: Bucket) -> torch.Tensor:
@@ -85,11 +85,11 @@ class ShardedFlat:
     def gather(self, bucket: Bucket, comm: Communicator, purpose: str = "") -> int:
         """Start gathering the bucket (asynchronously); returns the elements that became live (0 if it
         was gathered or on its way already). `wait` before pointing parameters at it."""
-        if bucket.index in self.full:
+        if bucket.index in self.gathered:
             return 0
         full = self._grown(bucket)
         self.in_flight[bucket.index] = self._gather_into(full, bucket, comm, purpose, async_op=True)
-        self.full[bucket.index] = full
+        self.gathered.add(bucket.index)
         return bucket.numel
 
     def _grown(self, bucket: Bucket) -> torch.Tensor:
@@ -137,22 +137,22 @@ class ShardedFlat:
 
     def has(self, bucket: Bucket) -> bool:
         """Gathered, or being gathered."""
-        return bucket.index in self.full
+        return bucket.index in self.gathered
 
     def ready(self, bucket: Bucket) -> bool:
-        return bucket.index in self.full and bucket.index not in self.in_flight
+        return bucket.index in self.gathered and bucket.index not in self.in_flight
 
     def point(self, bucket: Bucket) -> None:
-        self.flat.point(bucket, self.full[bucket.index])
+        self.flat.point(bucket, self.buffers[bucket.index])
 
     def free(self, bucket: Bucket) -> int:
         """Free the gathered bucket's memory (once its gather is done); returns the elements freed. The parameters
         still view it, empty, until `release`. See [Note: one buffer per bucket, freed in place]."""
         self.wait(bucket)
-        full = self.full.pop(bucket.index, None)
-        if full is None:
+        if bucket.index not in self.gathered:
             return 0
-        full.untyped_storage().resize_(0)
+        self.gathered.discard(bucket.index)
+        self.buffers[bucket.index].untyped_storage().resize_(0)
         return bucket.numel
 
     def release(self, bucket: Bucket) -> None:
@@ -160,20 +160,23 @@ class ShardedFlat:
 
     def regather(self, bucket: Bucket, comm: Communicator, purpose: str = "") -> None:
         """Refresh a gathered bucket from the shards (after the shards changed), in place."""
-        if bucket.index in self.full:
+        if bucket.index in self.gathered:
             self.wait(bucket)
-            wait(self._gather_into(self.full[bucket.index], bucket, comm, purpose, async_op=False))
+            wait(self._gather_into(self.buffers[bucket.index], bucket, comm, purpose, async_op=False))
 
     def write_back(self, bucket: Bucket) -> torch.Tensor | None:
         """Keep in-place edits of a gathered bucket: this rank's part goes back to its shard, and is
         returned (None when the bucket is not gathered)."""
         if not self.ready(bucket):
             return None
-        return self.keep_shard(bucket, self.full[bucket.index])
+        return self.keep_shard(bucket, self.buffers[bucket.index])
 
     def tensors(self) -> list[torch.Tensor]:
         """What this holds in memory: the shards, the gathered buckets, hpZ's secondary parts."""
-        return [self.shards, *self.full.values(), *self._secondary_copies()]
+        return [self.shards, *self._gathered_buffers(), *self._secondary_copies()]
+
+    def _gathered_buffers(self) -> list[torch.Tensor]:
+        return [self.buffers[index] for index in self.gathered]
 
     def _secondary_copies(self) -> list[torch.Tensor]:
         """The secondary parts held apart (one still being gathered is a view of its gathered bucket)."""
@@ -182,7 +185,7 @@ class ShardedFlat:
     def held_by_tier(self) -> dict[str, int]:
         """Bytes by tier: the shards where their home keeps them, the gathered buckets and hpZ's secondary parts on
         the device."""
-        held = {"device": tensor_bytes(self.full.values()) + tensor_bytes(self._secondary_copies())}
+        held = {"device": tensor_bytes(self._gathered_buffers()) + tensor_bytes(self._secondary_copies())}
         for tier, count in self.home.held(self.shards).items():
             held[tier] = held.get(tier, 0) + count
         return held

@@ -40,15 +40,8 @@ def _notes(result: Estimate, target: str) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _hybrid_mode(result: Estimate) -> str:
-    """The layout's hybrid mode as the config carries it: "" for MiCS at stage 0, which shards nothing (plain data
-    parallel over every rank)."""
-    hybrid = result.scenario.layout.hybrid
-    return "" if hybrid == "mics" and result.stage == 0 else hybrid
-
-
 def _hybrid_notes(result: Estimate, target: str) -> tuple[str, ...]:
-    layout, hybrid = result.scenario.layout, _hybrid_mode(result)
+    layout, hybrid = result.scenario.layout, result.hybrid
     if hybrid == "mics" and target == "deepspeed":
         return ("DeepSpeed 0.19.8 removed MiCS: its config check (_reject_removed_config_keys in "
                 "deepspeed/runtime/config.py) raises DeepSpeedConfigError on zero_optimization.mics_shard_size, so "
@@ -71,7 +64,7 @@ def _hybrid_notes(result: Estimate, target: str) -> tuple[str, ...]:
 
 def _hybrid_keys(result: Estimate, ranks_per_node: bool) -> tuple[dict, dict]:
     """(zero_optimization keys, top-level keys) of MiCS (`mics_shard_size`) or hpZ (`zero_hpz_partition_size`)."""
-    layout, scenario, hybrid = result.scenario.layout, result.scenario, _hybrid_mode(result)
+    layout, scenario, hybrid = result.scenario.layout, result.scenario, result.hybrid
     zero = ({"mics_shard_size": scenario.shard} if hybrid == "mics"
             else {"zero_hpz_partition_size": layout.secondary} if hybrid == "hpz" else {})
     top = {"ranks_per_node": scenario.cluster.gpus_per_node} if zero and ranks_per_node else {}

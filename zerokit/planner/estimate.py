@@ -102,11 +102,17 @@ class Estimate:
         return self.training.tokens_per_micro_batch * self.training.grad_accum * replicas / self.step_seconds
 
     @property
+    def hybrid(self) -> str:
+        """The hybrid sharding this stage runs with ("mics", "hpz" or ""): MiCS at stage 0 shards nothing, so it is
+        plain data parallel over every rank there."""
+        hybrid = self.scenario.layout.hybrid
+        return "" if hybrid == "mics" and self.stage == 0 else hybrid
+
+    @property
     def mode(self) -> str:
         """ZeRO-s, and the hybrid sharding it runs with: MiCS over s ranks, or hpZ's k."""
         layout, shard = self.scenario.layout, self.scenario.shard
-        mics = f" + MiCS s={shard}" if self.stage >= 1 else ""  # stage 0 shards nothing: replicas change nothing
-        hybrid = {"mics": mics, "hpz": f" + hpZ k={layout.secondary}", "": ""}[layout.hybrid]
+        hybrid = {"mics": f" + MiCS s={shard}", "hpz": f" + hpZ k={layout.secondary}", "": ""}[self.hybrid]
         return f"ZeRO-{self.stage}{hybrid}"
 
     @property

@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test bench gpu-check
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -25,3 +25,7 @@ test: setup
 bench: setup
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) benchmarks/bench_stages.py
+
+# On a machine with one GPU (issue 34): the GPU check, one results file under benchmarks/results/ (see its docstring).
+gpu-check: setup
+	$(PY) benchmarks/gpu_check.py

@@ -4,8 +4,8 @@ stages 2 and 3, accelerate's FSDP2 (TrainingArguments(fsdp=...), fsdp_version 2)
 built from its config (8.3M parameters), fp32, AdamW, the Trainer's default clipping at 1.0, 2 ranks on CPU
 (gloo), one micro-batch of 4 sequences of 128 tokens per step.
 
-    python benchmarks/bench_frameworks.py                       # every contender, 20 steps each
-    python benchmarks/bench_frameworks.py --only ddp,zerokit-3 --steps 10
+    python benchmarks/bench_frameworks.py                       # every contender, 20 steps each, 2 rounds
+    python benchmarks/bench_frameworks.py --only ddp,zerokit-3 --steps 10 --rounds 4
 
 FSDP2 on a CPU: accelerate 1.15 (state.py) makes a job FSDP only when its distributed type is a GPU-like one
 (MULTI_GPU, MULTI_XPU, ...); on CPU ranks it is MULTI_CPU and the Trainer's fsdp= job trains with DDP, so the
@@ -21,8 +21,11 @@ Measured per contender, in a fresh torchrun launch each:
   it includes the interpreter and the imported libraries (DeepSpeed's and transformers' modules alike).
 - **growth MiB**: VmHWM at the end less the resident size just before the model is built (the peak is reset
   there through /proc/self/clear_refs): what the model, its training states and the steps added.
-Ratios are against DDP. The first and last losses are shown so that a contender that did not train is seen.
-A contender that fails prints its last error line instead of a row.
+Each contender runs once per round, the rounds in alternating orders (A B C, C B A, ...) as in
+benchmarks/bench_stages.py, so that a drift in the machine's load weighs on all alike; a row shows the median of
+its rounds and their range (min-max), and the 1-minute load average at each launch is printed and kept in --json.
+Ratios are against DDP's medians. The first and last losses are shown so that a contender that did not train is
+seen. A contender that fails prints its last error line instead of a row.
 """
 
 from __future__ import annotations
@@ -221,18 +224,56 @@ def summarise(contender: str, out: Path, warmup: int) -> dict:
             "parameters": ranks[0]["parameters"]}
 
 
+MEASURES = ("seconds_per_step", "vmhwm_mib", "growth_mib")
+
+
+def pooled(rounds: list[dict]) -> dict:
+    """One contender's rounds: the median of each measure and its range; losses and engine from the first (every
+    round trains the same job from the same seed)."""
+    row = dict(rounds[0])
+    for key in MEASURES:
+        values = [summary[key] for summary in rounds]
+        row[key], row[key + "_range"] = statistics.median(values), (min(values), max(values))
+    row["load_averages"] = [summary["load_average"] for summary in rounds]
+    return row
+
+
 def table(rows: dict[str, dict], failed: dict[str, str]) -> str:
     base = rows.get("ddp")
-    lines = ["| contender | s/step | x DDP | VmHWM MiB | x DDP | growth MiB | x DDP | loss first -> last | engine |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| contender | s/step (range) | x DDP | VmHWM MiB (range) | x DDP | growth MiB | x DDP | loss first -> last "
+             "| engine |", "|---|---|---|---|---|---|---|---|---|"]
     for name, row in rows.items():
         def ratio(key: str) -> str:
             return f"{row[key] / base[key]:.2f}" if base else "-"
-        lines.append(f"| {LABELS.get(name, name)} | {row['seconds_per_step']:.3f} | {ratio('seconds_per_step')} | {row['vmhwm_mib']:.0f} "
-                     f"| {ratio('vmhwm_mib')} | {row['growth_mib']:.0f} | {ratio('growth_mib')} | "
-                     f"{row['first_loss']:.3f} -> {row['last_loss']:.3f} | {row['engine'].rsplit('.', 1)[-1]} |")
+        (fast, slow), (low, high) = row["seconds_per_step_range"], row["vmhwm_mib_range"]
+        lines.append(f"| {LABELS.get(name, name)} | {row['seconds_per_step']:.3f} ({fast:.3f}-{slow:.3f}) | "
+                     f"{ratio('seconds_per_step')} | {row['vmhwm_mib']:.0f} ({low:.0f}-{high:.0f}) | {ratio('vmhwm_mib')} "
+                     f"| {row['growth_mib']:.0f} | {ratio('growth_mib')} | {row['first_loss']:.3f} -> "
+                     f"{row['last_loss']:.3f} | {row['engine'].rsplit('.', 1)[-1]} |")
     lines += [f"| {name} | did not run: {error} ||||||||" for name, error in failed.items()]
     return "\n".join(lines)
+
+
+def run_rounds(chosen: list[str], steps: int, warmup: int, rounds: int) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """Every contender once per round, in a fresh launch, alternating the order; a contender that fails once is
+    left out of the later rounds."""
+    summaries: dict[str, list[dict]] = {name: [] for name in chosen}
+    failed: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for round_index in range(rounds):
+            order = chosen if round_index % 2 == 0 else chosen[::-1]
+            for name in (name for name in order if name not in failed):
+                out, load = Path(scratch, f"{name}-{round_index}"), os.getloadavg()[0]
+                error = launch(name, steps, out)
+                try:
+                    if error is not None:
+                        raise RuntimeError(error)
+                    summaries[name].append({**summarise(name, out, warmup), "load_average": load})
+                except RuntimeError as failure:
+                    error = failed[name] = str(failure)
+                print(f"round {round_index + 1}/{rounds}: {name}: {'done' if error is None else error} (1-minute "
+                      f"load average {load:.1f} at launch)", file=sys.stderr, flush=True)
+    return summaries, failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=",".join(CONTENDERS), help=f"comma-separated, of {', '.join(CONTENDERS)}")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
+    parser.add_argument("--rounds", type=int, default=2, help="launches per contender, in alternating orders")
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--contender", default=None, help=argparse.SUPPRESS)
@@ -254,21 +296,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
-    rows, failed = {}, {}
-    with tempfile.TemporaryDirectory() as scratch:
-        for name in chosen:
-            out = Path(scratch, name)
-            error = launch(name, args.steps, out)
-            try:
-                if error is not None:
-                    raise RuntimeError(error)
-                rows[name] = summarise(name, out, args.warmup)
-            except RuntimeError as failure:
-                error = failed[name] = str(failure)
-            print(f"{name}: {'done' if error is None else error}", file=sys.stderr, flush=True)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds} must be >= 1")
+    rounds, failed = run_rounds(chosen, args.steps, args.warmup, args.rounds)
+    rows = {name: pooled(summaries) for name, summaries in rounds.items() if name not in failed}
     print(table(rows, failed))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "failed": failed}, indent=1))
+        Path(args.json).write_text(json.dumps({"rounds": args.rounds, "rows": rows, "each_round": rounds,
+                                               "failed": failed}, indent=1))
     return 0
 
 

@@ -8,13 +8,17 @@ and workload (benchmarks/contenders.py, benchmarks/workload.py) with the model a
 one contender after another in the same process. step s: the median wall time of a step (forward, loss,
 backward, optimizer step) between two device synchronizations. peak MiB: torch's CUDA high-water mark over what
 was allocated before the model was built (None on a CPU, where bench_stages.py reads the RSS instead). states
-MiB: the model-state bytes the contender holds after its last step (its own tensors). Without a GPU it runs on
-the CPU, which is only a check that the script works.
+MiB: the model-state bytes the contender holds after its last step (its own tensors). phases: one more step after
+the timed ones, with the bytes allocated after its forward, backward and optimizer step, and the peak within each
+(where the high-water mark is reached, and how far above the states it stands). zerokit-2-offload and zerokit-3-offload put the
+optimizer (and at stage 3 the parameters) in pinned host memory. Without a GPU it runs on the CPU, which is only a
+check that the script works.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -27,12 +31,14 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_gpu.py`: make `
 
 import torch
 
-from benchmarks.contenders import CONTENDERS, Contender
+from benchmarks.contenders import CONTENDERS, Contender, _zerokit
 from benchmarks.workload import BenchSettings, make_batch, make_model
 from zerokit.runtime import default_device, ensure_process_group
 from zerokit.testing.models import lm_loss
 
 DEFAULT_CONTENDERS = ("single-process", "torch-ddp", "fsdp2", "zerokit-0", "zerokit-1", "zerokit-2", "zerokit-3")
+OFFLOADED = [Contender(f"zerokit-{stage}-offload", stage, "zerokit", functools.partial(_zerokit, stage=stage, offload="cpu"))
+             for stage in (2, 3)]  # run when asked for by name (--only)
 DEFAULT_OUT = Path("bench_results/bench_gpu.json")
 
 
@@ -55,7 +61,7 @@ def parse_args(argv: list[str] | None) -> tuple[BenchSettings, argparse.Namespac
 
 
 def chosen(names: str) -> list[Contender]:
-    known = {contender.name: contender for contender in CONTENDERS}
+    known = {contender.name: contender for contender in [*CONTENDERS, *OFFLOADED]}
     unknown = [name for name in names.split(",") if name not in known]
     if unknown:
         raise SystemExit(f"unknown contender(s) {', '.join(unknown)}; known: {', '.join(known)}")
@@ -65,6 +71,22 @@ def chosen(names: str) -> list[Contender]:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class PhaseMemory:
+    """Bytes allocated on the device over a baseline at the end of each phase of a step, and the peak within it
+    (torch's high-water mark, reset at each mark); nothing on a CPU."""
+
+    def __init__(self, device: torch.device, baseline: int) -> None:
+        self.device, self.baseline, self.marks = device, baseline, {}
+
+    def mark(self, phase: str) -> None:
+        if self.device.type != "cuda":
+            return
+        synchronize(self.device)
+        self.marks[phase] = {"allocated": torch.cuda.memory_allocated(self.device) - self.baseline,
+                             "peak": torch.cuda.max_memory_allocated(self.device) - self.baseline}
+        torch.cuda.reset_peak_memory_stats(self.device)
 
 
 def run(contender: Contender, settings: BenchSettings, device: torch.device) -> dict:
@@ -91,13 +113,28 @@ def run(contender: Contender, settings: BenchSettings, device: torch.device) -> 
         if step >= settings.warmup:
             seconds.append(time.perf_counter() - started)
         losses.append(loss.item())
+    memory = PhaseMemory(device, before)  # one more step, untimed, in phases
+    _phased_step(trainer, make_batch(settings, 0, settings.warmup + settings.steps).to(device), losses, memory)
     result = {"name": contender.name, "stage": contender.stage, "family": contender.family,
               "median_step_seconds": statistics.median(seconds), "step_seconds": seconds, "losses": losses,
-              "peak_bytes": torch.cuda.max_memory_allocated(device) - before if on_gpu else None,
+              "peak_bytes": max(mark["peak"] for mark in memory.marks.values()) if on_gpu else None,
+              "phases": {phase: mark for phase, mark in memory.marks.items() if phase != "before"},
               "state_bytes": trainer.state_bytes()}
     if hasattr(trainer.forward, "close"):  # a zerokit engine: its groups and hooks go now, not at exit
         trainer.forward.close()
     return result
+
+
+def _phased_step(trainer, tokens: torch.Tensor, losses: list[float], memory: PhaseMemory) -> None:
+    """One step with the memory marked before it and after each phase."""
+    memory.mark("before")  # the high-water mark of every step so far
+    loss = lm_loss(trainer.forward(tokens[:, :-1]), tokens)
+    memory.mark("forward")
+    trainer.backward(loss)
+    memory.mark("backward")
+    trainer.step()
+    memory.mark("step")
+    losses.append(loss.item())
 
 
 def table(results: list[dict]) -> str:

@@ -92,11 +92,16 @@ def contender(name: str, *, stage: int, family: str, requires: str | None = None
 
 # --- zerokit ------------------------------------------------------------------------------------
 
-def _zerokit(model: nn.Module, settings: BenchSettings, stage: int) -> Trainer:
+def _zerokit(model: nn.Module, settings: BenchSettings, stage: int, offload: str = "none") -> Trainer:
+    """zerokit at `stage`; offload="cpu" puts the optimizer (and at stage 3 the parameters) in pinned host memory."""
     import zerokit
 
-    config = {"zero_optimization": {"stage": stage, "reduce_bucket_bytes": settings.bucket_bytes},
-              "bf16": {"enabled": settings.dtype == "bf16"}}
+    zero = {"stage": stage, "reduce_bucket_bytes": settings.bucket_bytes}
+    if offload != "none":
+        zero["offload_optimizer"] = {"device": offload, "pin_memory": True}
+        if stage == 3:
+            zero["offload_param"] = {"device": offload, "pin_memory": True}
+    config = {"zero_optimization": zero, "bf16": {"enabled": settings.dtype == "bf16"}}
     engine = zerokit.initialize(model, make_optimizer(model, settings), config)
     return Trainer(engine, engine.backward, engine.step, engine.memory_stats)
 

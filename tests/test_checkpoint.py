@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 import zerokit
 import zerokit.checkpoint as checkpoint
-from test_engine_state import train  # the same few steps on the same batches
+from test_engine_state import train, train_loss  # the same few steps on the same batches
 from zerokit.cli import main as cli_main
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, param_groups
 from zerokit.testing.spawn import spawn
@@ -214,6 +214,28 @@ def test_a_save_in_the_middle_of_an_accumulation_window_is_refused(one_process, 
     one_line_error(lambda: engine.save_checkpoint(tmp_path), str(tmp_path), "middle of an accumulation window",
                    "micro-step 1, 2 per optimizer step")
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_within_window_saves_without_the_windows_gradients(one_process, tmp_path, stage: int) -> None:
+    """As DDP saves (issue 31): the checkpoint holds the last step's states and no gradient of the open window. A
+    resumed engine holds none either and ends its window where the uninterrupted one does, on the micro-batches it
+    saw itself: to the bit the run whose micro-step before the save added nothing (a zero loss)."""
+    engine = make_engine(stage=stage, accumulation=2)
+    train(engine, range(3))  # one window, then one micro-step of the next
+    engine.save_checkpoint(tmp_path, tag="t", within_window=True)
+    resumed = make_engine(stage=stage, accumulation=2)
+    resumed.load_checkpoint(tmp_path, tag="t")
+    assert not resumed.progress.inside_window and resumed.progress.micro_step == 3
+    train(resumed, range(3, 4))
+    assert resumed.progress.optimizer_step == 2 and not resumed.progress.inside_window
+    reference = make_engine(stage=stage, accumulation=2)
+    train(reference, range(2))
+    reference.backward(train_loss(reference, 2) * 0.0)
+    reference.step()
+    train(reference, range(3, 4))
+    expected, got = reference.full_state_dict(), resumed.full_state_dict()
+    assert all(torch.equal(expected[name], got[name]) for name in expected)
 
 
 def test_an_interrupted_or_absent_checkpoint_is_named(one_process, tmp_path) -> None:

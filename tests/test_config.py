@@ -185,12 +185,8 @@ def test_deepspeed_spellings_are_read_as_deepspeed_reads_them() -> None:
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
-     "zero_optimization.offload_optimizer.device=cpu needs stage 1, 2 or 3"),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}},
      "zero_optimization.offload_optimizer.device=nvme needs zero_optimization.offload_optimizer.nvme_path"),
-    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}},
-     "zero_optimization.offload_optimizer.device=nvme needs stage 1, 2 or 3"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"ratio": 0.5}}},
      "unknown zero_optimization.offload_param key 'ratio'"),
     ({"zero_optimization": {"allgather_bucket_size": 0}}, "allgather_bucket_size=0 must be > 0"),
@@ -206,6 +202,22 @@ def test_new_fields_are_validated_in_one_line(raw, message):
     with pytest.raises(ValueError) as error:
         load_config(raw)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_offload_optimizer_at_stage_0_is_dropped_from_a_dict_and_refused_when_typed(device: str) -> None:
+    """A DeepSpeed dict at stage 0 with an offload_optimizer block trains as DeepSpeed trains it, which ignores the
+    block (issue 31: Megatron-DeepSpeed's ds_config-gpt.json); a typed ZeroConfig asks for the offload by name,
+    and is refused."""
+    from zerokit.config import Offload
+
+    block = {"device": device, "nvme_path": "/nvme"}
+    config = load_config({"zero_optimization": {"stage": 0, "offload_optimizer": block}}).resolve(world_size=2)
+    assert config.offload_optimizer.device == "none" and config.stage == 0
+    assert f"zero_optimization.offload_optimizer.device={device}: not used at stage 0" in \
+        "\n".join(config.startup_log_lines())
+    with pytest.raises(ValueError, match=f"offload_optimizer.device={device} needs stage 1, 2 or 3"):
+        ZeroConfig(stage=0, offload_optimizer=Offload(**block))
 
 
 def test_typed_fields_for_what_the_reader_honours():

@@ -87,6 +87,8 @@ def lines_of(raw: dict, world_size: int = 2, hidden_size: int | None = None) -> 
      "zero_optimization.sub_group_size=0: one optimizer piece per parameter"),
     ({"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}},
      "zero_optimization.offload_param.device=cpu: not used at stage 1, which keeps whole parameters on every rank"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "nvme", "nvme_path": "/raid"}}},
+     "zero_optimization.offload_optimizer.device=nvme: not used at stage 0, which keeps the whole optimizer state"),
     ({"zero_optimization": {"stage": 2, "stage3_max_live_parameters": 1e9}},
      "zero_optimization.stage3_max_live_parameters=1000000000: not used at stage 2 (DeepSpeed reads it only at "
      "stage 3)"),

@@ -25,11 +25,15 @@ def make_engine(stage: int, dtype: str) -> tuple[zerokit.Engine, TinyGPT]:
     return zerokit.initialize(model, torch.optim.AdamW(param_groups(model), lr=1e-2), config), model
 
 
+def train_loss(engine: zerokit.Engine, step: int) -> torch.Tensor:
+    tokens = torch.randint(0, 67, (2, 17), generator=torch.Generator().manual_seed(step))
+    return lm_loss(engine(tokens[:, :-1]), tokens)
+
+
 def train(engine: zerokit.Engine, steps: range) -> list[float]:
     losses = []
     for step in steps:
-        tokens = torch.randint(0, 67, (2, 17), generator=torch.Generator().manual_seed(step))
-        loss = lm_loss(engine(tokens[:, :-1]), tokens)
+        loss = train_loss(engine, step)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())

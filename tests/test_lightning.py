@@ -7,7 +7,8 @@ the strategy, the engine and its collectives, so that a silent fallback to DDP f
 ckpt_path from the first epoch's end reproduces the uninterrupted one exactly; trainer.save_checkpoint(...,
 weights_only=True) loads into the plain model, equal to DDP's weights. Each launch costs 10-15 s here; one launch
 serves several checks and runs once per module. The DDP launch and the stage-3 object's also run extra fits:
-configure_model() (stage 3 builds on the meta device), bf16 and fp16.
+configure_model() (stage 3 builds on the meta device), bf16 and fp16; those and the stage-2 object's run an epoch
+ended inside an accumulation window, saved there and resumed (issue 31).
 
 Tolerance: fp32; DDP all-reduces its gradient buckets, zerokit reduces flat buckets and steps AdamW on flat master
 pieces, so sums are added in another order (measured: losses near 4 within 1.2e-7 relative, grad norms within
@@ -48,7 +49,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 TOLERANCE, WEIGHTS_TOLERANCE = 2e-6, 2e-6
 HALF_TOLERANCE = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}  # one rounding, relative: See the module docstring
 HALF_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
-EXTRAS = {"ddp": "configured", "object3": "configured,bf16,fp16"}  # fits added to these launches
+EXTRAS = {"ddp": "configured,cut", "object2": "cut", "object3": "configured,bf16,fp16,cut"}  # fits added to these
 QUANTITIES = ("losses", "grad_norms", "lrs", "val_losses")
 ENGINE = "zerokit.integrations.lightning.LightningEngine"
 ZEROKIT_RUNS = {"object2": ("object:2", 2), "object3": ("object:3", 3), "name2": ("zerokit_stage_2", 2),
@@ -140,6 +141,25 @@ def test_16_bit_fits_follow_ddps_fp32_within_one_rounding(runs, extra: str) -> N
         assert half["lrs"] == ddp["lrs"]
         worst = {key: relative(ddp[key], half[key]) for key in QUANTITIES if key != "lrs"}
         assert TOLERANCE < max(worst.values()) <= HALF_TOLERANCE[extra], worst
+
+
+@pytest.mark.parametrize("name", ["object2", "object3"])
+def test_an_epoch_ended_inside_a_window_saves_and_resumes_as_ddp(runs, name: str) -> None:
+    """Issue 31: windows of 4 over epochs of 12 batches (a whole number of windows), the second epoch ended by
+    on_train_batch_start after 6, inside a window no step ends. Its epoch-end checkpoint is saved without that
+    window's gradients, and the next epoch starts without them, as DDP's zero_grad leaves it; the fit resumed from
+    that checkpoint equals the uninterrupted one to the bit, and both equal DDP's within the fp32 tolerance."""
+    _, results = runs
+    for rank in range(2):
+        ddp, cut, resumed = (results["ddp"][rank]["cut"], results[name][rank]["cut"],
+                             results[name][rank]["cut_resumed"])
+        assert len(ddp["losses"]) == 30 and len(ddp["grad_norms"]) == 7  # windows 4,4,4 | 4 (2 cut) | 4,4,4
+        assert_zerokit_trained(cut, ZEROKIT_RUNS[name][1])
+        worst = {key: relative(ddp[key], cut[key]) for key in QUANTITIES}
+        assert max(worst.values()) <= TOLERANCE, worst
+        assert_zerokit_trained(resumed, ZEROKIT_RUNS[name][1])
+        assert resumed["losses"] == cut["losses"][18:] and resumed["grad_norms"] == cut["grad_norms"][4:]
+        assert resumed["lrs"] == cut["lrs"][4:] and resumed["val_losses"] == cut["val_losses"][2:]
 
 
 @pytest.mark.parametrize("name", ["object2", "name3"])

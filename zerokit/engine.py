@@ -172,13 +172,15 @@ class Engine:
         self.progress = load_engine_state(state, self.stage, self.loss_scaler, self.lr_schedules)
 
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict[str, Any] | None = None,
-                        save_latest: bool = True, async_save: bool = False) -> bool:
+                        save_latest: bool = True, async_save: bool = False, within_window: bool = False) -> bool:
         """Save the whole training state under save_dir/tag (default global_step<N>), atomically, every rank its
         own shards; loadable at any world size and stage. async_save: return once a host copy is taken.
-        See zerokit/checkpoint and docs/checkpoints.md."""
+        within_window: save inside an accumulation window too, without its gradients, as DDP does (refused
+        otherwise). See zerokit/checkpoint and docs/checkpoints.md."""
         from zerokit.checkpoint import save_checkpoint
         self._refuse_if_closed("save_checkpoint")
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest, async_save=async_save)
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest, async_save=async_save,
+                               within_window=within_window)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True,
                         load_module_only: bool = False, load_lr_scheduler_states: bool = True

@@ -4,7 +4,7 @@ report. `Progress` is where training stands, which a checkpoint restores beside 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,16 @@ class Progress:
     total_skips: int = 0
     backward_since_step: bool = False  # a second step() after one backward() would step on stale gradients
     window_ended: bool = False  # the last backward ended an accumulation window, so the step() after it steps
+
+    @property
+    def inside_window(self) -> bool:
+        """Gradients of a window not yet stepped are held (a backward since the last step, or a window begun)."""
+        return self.backward_since_step or bool(self.micro_step and not self.window_ended)
+
+    def without_window(self) -> "Progress":
+        """This progress with the open window's gradients dropped: nothing held, and the next window ends where
+        it would have (See [Note: a save inside an accumulation window] in checkpoint/save.py)."""
+        return replace(self, backward_since_step=False, window_ended=True)
 
 
 class Stepper:

@@ -16,7 +16,10 @@ saves the final weights with trainer.save_checkpoint(DIR/weights.ckpt, weights_o
 --extra NAME[,NAME...] adds fits of their own after those, each a new Trainer: `configured` builds the model in
 configure_model() (under ZerokitStrategy at stage 3: on the meta device, initialised by the engine with the
 same name-seeded init the plain build applies), `bf16` and `fp16` train with precision="bf16-mixed" and
-"16-mixed". Each writes what it trained beside "run", under its own name.
+"16-mixed", and `cut` trains 3 epochs in windows of 4 (12 batches: a whole number of windows) whose second epoch
+on_train_batch_start ends after 6 batches, inside a window that no step ends; it saves each epoch's end and a
+second fit, "cut_resumed", resumes from the cut epoch's checkpoint (issue 31). Each writes what it trained beside
+"run", under its own name.
 """
 
 from __future__ import annotations
@@ -33,14 +36,21 @@ from lightning.pytorch.utilities import grad_norm
 from common import TokenModel, build_model, dataset, write_result
 
 ACCUMULATION, MICRO_BATCH, CLIP, LR, EPOCHS = 5, 2, 0.5, 3e-3, 2
+CUT = {"accumulation": 4, "epochs": 3, "epoch": 1, "after": 6}  # the `cut` fit: See the module docstring
 
 
 class TokenLM(LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, cut_epoch_after: int | None = None) -> None:
         super().__init__()
         self.net = build_model()
         self.losses: list[float] = []
         self.val_losses: list[float] = []
+        self.cut_epoch_after = cut_epoch_after  # the `cut` fit: its second epoch ends after this many batches
+
+    def on_train_batch_start(self, batch: list[torch.Tensor], index: int) -> int | None:
+        if self.cut_epoch_after is not None and self.current_epoch == CUT["epoch"] and index == self.cut_epoch_after:
+            return -1  # Lightning's way to end an epoch here
+        return None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.net(tokens)
@@ -94,6 +104,7 @@ class ConfiguredTokenLM(TokenLM):
         self.net: TokenModel | None = None
         self.losses, self.val_losses = [], []
         self.built_on_meta: bool | None = None
+        self.cut_epoch_after = None
 
     def configure_model(self) -> None:
         if self.net is not None:
@@ -149,13 +160,18 @@ def precision_arguments(precision: str) -> dict:
 
 def fit(args: argparse.Namespace, resume: str | None = None, extra: str | None = None) -> dict:
     torch.manual_seed(0)  # the shuffle's seed: every fit, extra or not, sees the batches in the same order
-    module, recorder = (ConfiguredTokenLM() if extra == "configured" else TokenLM()), StepRecorder()
-    checkpoints = ModelCheckpoint(dirpath=f"{args.out}/checkpoints", filename="epoch{epoch}", save_top_k=-1,
-                                  every_n_epochs=1, save_on_train_epoch_end=True, auto_insert_metric_name=False)
+    cut = extra == "cut"
+    module = ConfiguredTokenLM() if extra == "configured" else TokenLM(CUT["after"] if cut else None)
+    recorder = StepRecorder()
+    checkpoints = ModelCheckpoint(dirpath=f"{args.out}/checkpoints{'_cut' if cut else ''}", filename="epoch{epoch}",
+                                  save_top_k=-1, every_n_epochs=1, save_on_train_epoch_end=True,
+                                  auto_insert_metric_name=False)
     precision = {"bf16": "bf16-mixed", "fp16": "16-mixed"}.get(extra or "", "32-true")
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy_of(args.strategy), max_epochs=EPOCHS,
-                      accumulate_grad_batches=ACCUMULATION, gradient_clip_val=CLIP,
-                      callbacks=[recorder] + ([] if extra else [checkpoints]), **precision_arguments(precision),
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy_of(args.strategy),
+                      max_epochs=CUT["epochs"] if cut else EPOCHS,
+                      accumulate_grad_batches=CUT["accumulation"] if cut else ACCUMULATION, gradient_clip_val=CLIP,
+                      callbacks=[recorder] + ([checkpoints] if extra in (None, "cut") else []),
+                      **precision_arguments(precision),
                       logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       deterministic=True, default_root_dir=args.out)  # Lightning's own checkpoints go there too
     trainer.fit(module, ckpt_path=resume)
@@ -186,13 +202,16 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--strategy", required=True)
     parser.add_argument("--resume", action="store_true", help="then resume a second fit from the first epoch's end")
-    parser.add_argument("--extra", default="", help="then these fits: configured, bf16, fp16 (comma-separated)")
+    parser.add_argument("--extra", default="", help="then these fits: configured, bf16, fp16, cut (comma-separated)")
     args = parser.parse_args()
     result = {"run": fit(args)}
     if args.resume:
         result["resumed"] = fit(args, resume=f"{args.out}/checkpoints/epoch0.ckpt")
     for extra in filter(None, args.extra.split(",")):
         result[extra] = fit(args, extra=extra)
+        if extra == "cut":
+            result["cut_resumed"] = fit(args, resume=f"{args.out}/checkpoints_cut/epoch{CUT['epoch']}.ckpt",
+                                        extra="cut")
     write_result(args.out, torch.distributed.get_rank(), result)
 
 

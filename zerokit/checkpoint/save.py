@@ -10,6 +10,17 @@ replaces `<save_dir>/latest` (written and renamed too). A rank killed at any poi
 the previous checkpoint and `latest` as they were, and the partial directory is not a checkpoint (it has
 no manifest; loading it says so). An asynchronous save copies this rank's tensors into host buffers
 and returns; writing and committing go on in a background thread (See session.py).
+
+[Note: a save inside an accumulation window]
+A checkpoint holds the model states as the last optimizer step left them, never gradients in flight. A save
+in the middle of a window is refused by default: the resumed run would step on fewer micro-batches than the
+uninterrupted one, without a word. `within_window=True` saves there all the same, as DDP's checkpoints do:
+the window's gradients are left out and the recorded progress holds none (Progress.without_window), so a
+resumed run ends its next window where the uninterrupted run would, with only the micro-batches it sees
+itself. Lightning needs it: an epoch can end inside a window without a step (on_train_batch_start returning
+-1 ends it at once), its ModelCheckpoint then saves, and at the next window's first batch Lightning zeroes
+the gradients anyway (See [Note: Lightning ends the accumulation windows] in integrations/lightning.py), so
+the resumed run and the uninterrupted one train alike.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ from zerokit.checkpoint.session import CheckpointGroup, session_of
 from zerokit.masters.optimizer import optimizer_kind
 from zerokit.runtime import logger
 from zerokit.checkpoint.checkpointed import Checkpointed
+from zerokit.step import Progress
 
 
 LATEST = "latest"
@@ -40,19 +52,20 @@ LATEST = "latest"
 
 def save_checkpoint(engine: Checkpointed, save_dir: str | os.PathLike, tag: str | None = None,
                     client_state: dict[str, Any] | None = None, save_latest: bool = True,
-                    async_save: bool = False) -> bool:
+                    async_save: bool = False, within_window: bool = False) -> bool:
     """Save the engine's full training state under `save_dir/tag` (default tag: global_step<N>, N the
     accumulation boundaries so far). Every rank must call it. With async_save, returns once this rank's
     tensors are copied to host memory; `zerokit.checkpoint.wait(engine)`, the next save or load, or the
-    end of the script waits for the rest. See [Note: an atomic save]."""
+    end of the script waits for the rest. See [Note: an atomic save]. within_window: save inside an
+    accumulation window too, without its gradients (See [Note: a save inside an accumulation window])."""
     session = session_of(engine)
     session.writer.wait()
     save_dir = Path(save_dir)
-    _check_boundary(engine, save_dir)
+    progress = _progress_to_save(engine, save_dir, within_window)
     tag, nonce = _agree_on_tag(engine, session.group, tag)
     staging = save_dir / f".{tag}.partial-{nonce}"
     staging.mkdir(parents=True, exist_ok=True)
-    description = describe(engine, tag) if engine.rank == 0 else {}
+    description = describe(engine, tag, progress) if engine.rank == 0 else {}
     if engine.rank == 0 and client_state is not None:
         if not isinstance(client_state, dict):
             raise ValueError(f"client_state must be a dict, not {type(client_state).__name__}")
@@ -72,14 +85,24 @@ def save_checkpoint(engine: Checkpointed, save_dir: str | os.PathLike, tag: str 
     return True
 
 
-def _check_boundary(engine: Checkpointed, save_dir: Path) -> None:
-    # A window ends where its last backward said so, not at a multiple of gradient_accumulation_steps: the
-    # Trainer ends each epoch with a short window (set_gradient_accumulation_boundary).
+def _progress_to_save(engine: Checkpointed, save_dir: Path, within_window: bool) -> Progress:
+    """The progress the checkpoint records. A window ends where its last backward said so, not at a multiple of
+    gradient_accumulation_steps: the Trainer ends each epoch with a short window
+    (set_gradient_accumulation_boundary). See [Note: a save inside an accumulation window]."""
     progress, window = engine.progress, engine.config.gradient_accumulation_steps
-    if (progress.micro_step and not progress.window_ended) or progress.backward_since_step:
-        raise ValueError(f"{save_dir}: cannot save in the middle of an accumulation window (micro-step "
-                         f"{progress.micro_step}, {window} per optimizer step{', a backward not yet stepped' if progress.backward_since_step else ''}): "
-                         "gradients in flight are not saved; save right after the engine.step() that ends a window")
+    if not progress.inside_window:
+        return progress
+    where = f"micro-step {progress.micro_step}, {window} per optimizer step"
+    if progress.backward_since_step:
+        where += ", a backward not yet stepped"
+    if not within_window:
+        raise ValueError(f"{save_dir}: cannot save in the middle of an accumulation window ({where}): gradients in "
+                         "flight are not saved; save right after the engine.step() that ends a window, or pass "
+                         "within_window=True to save without them, as DDP does")
+    if engine.rank == 0:
+        logger.info(f"{save_dir}: saved inside an accumulation window ({where}) without its gradients, as DDP "
+                    "saves; a resumed run starts with none of them")
+    return progress.without_window()
 
 
 def _agree_on_tag(engine: Checkpointed, group: CheckpointGroup, tag: str | None) -> tuple[str, str]:
@@ -114,7 +137,7 @@ def _save_pickle(value: Any, staging: Path, name: str) -> None:
     os.replace(temporary, staging / name)
 
 
-def describe(engine: Checkpointed, tag: str) -> dict[str, Any]:
+def describe(engine: Checkpointed, tag: str, progress: Progress) -> dict[str, Any]:
     """What rank 0 alone puts in the manifest: the run and the model, not any rank's tensors."""
     config, module = engine.config, engine.module
     first_name = {id(p): name for name, p in module.named_parameters()}  # a tied parameter: its first name
@@ -131,7 +154,7 @@ def describe(engine: Checkpointed, tag: str) -> dict[str, Any]:
         "optimizers": [{"class": type(o).__name__, "param_groups": encode_groups(o),
                         "kind": optimizer_kind(o, config.optimizer_kinds, config.allow_untested_optimizer)}
                        for o in optimizers],
-        "progress": asdict(engine.progress), "loss_scaler": engine.loss_scaler.state_dict(),
+        "progress": asdict(progress), "loss_scaler": engine.loss_scaler.state_dict(),
         "config": _plain_fields(config),
         "layout": [{"index": b.index, "owner": b.owner, "numel": b.numel,
                     "slots": [[s.name, s.offset, s.numel] for s in b.slots]} for b in engine.view.layout.buckets],

@@ -33,6 +33,7 @@ DOCS = "docs/deepspeed_config.md"
 STAGE = "zero_optimization.stage"
 STEPS_PER_PRINT = "steps_per_print"
 OFFLOAD_PARAM = "zero_optimization.offload_param"
+OFFLOAD_OPTIMIZER = "zero_optimization.offload_optimizer"
 UNSET = object()
 
 
@@ -121,7 +122,7 @@ def read(raw: Mapping[str, Any], *, refuse: bool = True) -> DeepSpeedConfig:
     state = _State(refuse)
     read_block(raw, "", children(""), state)
     apply_legacy(state)
-    _drop_stage3_keys(state)
+    _drop_keys_unused_at_the_stage(state)
     return DeepSpeedConfig(MappingProxyType(state.values), MappingProxyType(state.spelled), tuple(state.notes),
                            tuple(state.refusals), tuple(state.warnings))
 
@@ -271,9 +272,10 @@ def _stage(raw: Any) -> int:
     return value
 
 
-def _drop_stage3_keys(state: _State) -> None:
-    """Below stage 3, DeepSpeed reads no stage-3 key and no offload_param block; neither does zerokit. Each is
-    dropped with a start-up line (See [Note: keys DeepSpeed reads at one stage only, and keys it ignores])."""
+def _drop_keys_unused_at_the_stage(state: _State) -> None:
+    """Below stage 3, DeepSpeed reads no stage-3 key and no offload_param block, and at stage 0 no offload_optimizer
+    block either; neither does zerokit. Each is dropped with a start-up line (See [Note: keys DeepSpeed reads at
+    one stage only, and keys it ignores])."""
     stage = state.values.get(STAGE, 0)
     if stage == 3:
         return
@@ -282,11 +284,17 @@ def _drop_stage3_keys(state: _State) -> None:
         state.notes[:] = [note for note in state.notes if not note.startswith(spelled + "=")]  # not "accepted"
         state.notes.append(f"{spelled}={v.show(state.values.pop(path))}: not used at stage {stage} (DeepSpeed reads "
                            "it only at stage 3)")
-    offload_param = [path for path in state.values if path.startswith(OFFLOAD_PARAM + ".")]
-    device = state.values.get(OFFLOAD_PARAM + ".device", "none")
+    _drop_offload_block(state, OFFLOAD_PARAM, f"not used at stage {stage}, which keeps whole parameters on every "
+                        "rank (DeepSpeed offloads parameters only at stage 3)")
+    if stage == 0:
+        _drop_offload_block(state, OFFLOAD_OPTIMIZER, "not used at stage 0, which keeps the whole optimizer state on "
+                            "every rank (DeepSpeed offloads it only at stages 1-3, and ignores the block at stage 0)")
+
+
+def _drop_offload_block(state: _State, block: str, why: str) -> None:
+    """An offload block the stage does not read: removed, with a start-up line if it offloads anything."""
+    device = state.values.get(block + ".device", "none")
     if device != "none":
-        state.notes.append(f"{state.spelled[OFFLOAD_PARAM + '.device']}={device}: not used at stage {stage}, "
-                           "which keeps whole parameters on every rank (DeepSpeed offloads parameters only at "
-                           "stage 3)")
-    for path in offload_param:
+        state.notes.append(f"{state.spelled[block + '.device']}={device}: {why}")
+    for path in [path for path in state.values if path.startswith(block + ".")]:
         del state.values[path]

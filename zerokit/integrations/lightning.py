@@ -25,6 +25,12 @@ end. So the strategy tells Lightning it does not handle accumulation, the engine
 (backward(average_window=False)), and a backward ends a window exactly when it runs inside the optimizer step's
 closure (ZerokitPrecision.optimizer_step sets `engine.ends_window` around it). The gradients a window reduces,
 clips and steps on are then those DDP would, micro-batch for micro-batch.
+An epoch can also end inside a window, with no step: on_train_batch_start returning -1 ends it at once. Its
+gradients stay, and Lightning saves its epoch-end checkpoint there; at the next window's first batch (batch_idx
+a multiple of accumulate_grad_batches, counted per epoch) Lightning calls optimizer.zero_grad(), which drops
+them under DDP. The optimizer Lightning holds is not the one that trains, so the strategy drops them itself at
+that batch (LightningEngine.begin_window), and saves inside a window as DDP does, without its gradients (See
+[Note: a save inside an accumulation window] in zerokit/checkpoint/save.py).
 
 [Note: the LightningModule's optimizer and the one that trains]
 zerokit rebuilds the optimizer configure_optimizers returns over this rank's master pieces; the one Lightning
@@ -118,6 +124,13 @@ class LightningEngine(Engine):
             self.mirror.sync()
         self.last_step = super().step()
         return self.last_step
+
+    def begin_window(self) -> None:
+        """A window's first batch, where Lightning zeroes the gradients: those of a window it ended without a step
+        are dropped. See [Note: Lightning ends the accumulation windows]."""
+        if self.progress.inside_window:
+            self.stage.drop_window()
+            self.progress = self.progress.without_window()
 
     def adopt_restored_hyperparameters(self) -> None:
         """After a load: the user's optimizer takes the param groups the training one was restored with."""
@@ -353,6 +366,10 @@ class ZerokitStrategy(DDPStrategy):
         with Init(config_dict_or_path=self.config):
             yield
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.engine is not None and batch_idx % self.lightning_module.trainer.accumulate_grad_batches == 0:
+            self.engine.begin_window()  # See [Note: Lightning ends the accumulation windows]
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """training_step through the engine's forward (its observability: forward time, FLOPs)."""
         with self.precision_plugin.train_step_context():
@@ -374,7 +391,7 @@ class ZerokitStrategy(DDPStrategy):
         self.engine.mirror.sync()  # See [Note: the LightningModule's optimizer and the one that trains]
         held_by_engine = ("state_dict", "optimizer_states")  # its shards hold them
         client_state = {key: value for key, value in checkpoint.items() if key not in held_by_engine}
-        self.engine.save_checkpoint(filepath, tag=TAG, client_state=client_state)
+        self.engine.save_checkpoint(filepath, tag=TAG, client_state=client_state, within_window=True)
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))

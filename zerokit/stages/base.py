@@ -135,6 +135,13 @@ class ZeroStage:
         self.usage.reset()
         self.zero_grads()
 
+    def drop_window(self) -> None:
+        """Drop the gradients of an accumulation window that will not be stepped: those accumulated locally (full
+        gradients, staged buckets) as well as the reduced ones."""
+        for param in self.flat.params:
+            param.grad = None
+        self.release_grads()
+
     def install_module_hooks(self, release_reductions: Callable[[], None]) -> list[RemovableHandle]:
         """Hooks of the stage's own on the model's modules (stage 3: its units'); none below stage 3.
         `release_reductions` launches every gradient reduction not launched yet (the reducer's)."""

@@ -54,6 +54,7 @@ class ShardedGradients(ZeroStage):
 
     def zero_grads(self) -> None:
         self.grad_shards.zero_()
+        self.staging.clear()  # empty after a window's last reduction; full of unreduced ones when one is dropped
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         # Full gradients exist only while micro-steps accumulate locally (reduce_every_micro_step=False).

@@ -25,7 +25,8 @@ Each contender runs once per round, the rounds in alternating orders (A B C, C B
 benchmarks/bench_stages.py, so that a drift in the machine's load weighs on all alike; a row shows the median of
 its rounds and their range (min-max), and the 1-minute load average at each launch is printed and kept in --json.
 Ratios are against DDP's medians. The first and last losses are shown so that a contender that did not train is
-seen. A contender that fails prints its last error line instead of a row.
+seen. A contender that fails prints its last error line under the table (beside its row, if an earlier round
+finished).
 """
 
 from __future__ import annotations
@@ -250,13 +251,14 @@ def table(rows: dict[str, dict], failed: dict[str, str]) -> str:
                      f"{ratio('seconds_per_step')} | {row['vmhwm_mib']:.0f} ({low:.0f}-{high:.0f}) | {ratio('vmhwm_mib')} "
                      f"| {row['growth_mib']:.0f} | {ratio('growth_mib')} | {row['first_loss']:.3f} -> "
                      f"{row['last_loss']:.3f} | {row['engine'].rsplit('.', 1)[-1]} |")
-    lines += [f"| {name} | did not run: {error} ||||||||" for name, error in failed.items()]
+    lines += [f"| {name} | {'a round failed' if name in rows else 'did not run'}: {error} ||||||||"
+              for name, error in failed.items()]
     return "\n".join(lines)
 
 
 def run_rounds(chosen: list[str], steps: int, warmup: int, rounds: int) -> tuple[dict[str, list[dict]], dict[str, str]]:
     """Every contender once per round, in a fresh launch, alternating the order; a contender that fails once is
-    left out of the later rounds."""
+    left out of the later rounds (its row keeps the rounds it finished, and says that one failed)."""
     summaries: dict[str, list[dict]] = {name: [] for name in chosen}
     failed: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as scratch:
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds} must be >= 1")
     rounds, failed = run_rounds(chosen, args.steps, args.warmup, args.rounds)
-    rows = {name: pooled(summaries) for name, summaries in rounds.items() if name not in failed}
+    rows = {name: pooled(summaries) for name, summaries in rounds.items() if summaries}
     print(table(rows, failed))
     if args.json:
         Path(args.json).write_text(json.dumps({"rounds": args.rounds, "rows": rows, "each_round": rounds,

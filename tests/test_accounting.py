@@ -23,13 +23,13 @@ def expected_memory(case: Case, world_size: int, out: dict) -> dict[str, int]:
     Stages 0-2: frozen parameters are held whole by every rank. Stage 3: each unit's frozen parameters
     are one buffer padded to a multiple of N, of which a rank keeps its shard; persistent units (by
     their trainable and frozen size) are also held whole. Stage 0's gradient buffer ends in one usage flag
-    per trainable tensor (See [Note: parameters no rank used] in zerokit/stages/usage.py)."""
+    per trainable tensor (See [Note: parameters no rank used] in zerokit/stages/usage.py). After the step, no
+    gradient is held (See gradients_at_boundary for what the last backward left)."""
     padded, pieces = out["layout_numel"], out["optimizer_pieces"]
     param_bytes = DTYPE_BYTES[case.dtype]
     shards = 1 if case.stage == 0 else world_size
     master_bytes = 0 if case.dtype == "fp32" else 4  # fp32 trains the parameters themselves
     flags = out["trainable_tensors"] if case.stage == 0 else 0
-    gradients = param_bytes * (padded + flags) if case.stage < 2 else REDUCE_BYTES * padded // world_size
     held_params, held_frozen = padded, out["frozen_numel"]
     if case.stage == 3:
         trainable, frozen = out["unit_numel"], out["unit_frozen_numel"]
@@ -38,9 +38,21 @@ def expected_memory(case: Case, world_size: int, out: dict) -> dict[str, int]:
         held_frozen = out["frozen_shard_numel"] + sum(frozen[i] for i in persistent)
     return {
         "parameters": param_bytes * (held_params + held_frozen),
-        "gradients": gradients,
+        "gradients": 0,  # let go of at the step (See [Note: gradients live from a window's first backward ...])
         "optimizer_state": master_bytes * padded // shards + 8 * out["stepped_numel"] + 4 * pieces,
     }
+
+
+def gradients_at_boundary(case: Case, world_size: int, out: dict) -> int:
+    """Gradient bytes after the backward that ends a window, before its step. Stages 0-1: the whole flat gradient
+    in the compute dtype (stage 0 with its usage flags), and the owned part reduced into fp32 copies when the
+    compute dtype is narrower (stage 0: all of it; stage 1: this rank's shard). Stages 2-3: this rank's fp32 shard."""
+    padded = out["layout_numel"]
+    if case.stage >= 2:
+        return REDUCE_BYTES * padded // world_size
+    flags = out["trainable_tensors"] if case.stage == 0 else 0
+    widened = REDUCE_BYTES * padded // (1 if case.stage == 0 else world_size) if case.dtype != "fp32" else 0
+    return DTYPE_BYTES[case.dtype] * (padded + flags) + widened
 
 
 @pytest.mark.parametrize("world_size,case", ADAMW, ids=[f"N{n}-{c.name}" for n, c in ADAMW])
@@ -49,6 +61,7 @@ def test_memory_by_category_matches_formula(parity_runs, world_size: int, case: 
         padded, buckets = out["layout_numel"], out["buckets"]
         assert out["trainable_numel"] <= padded < out["trainable_numel"] + buckets * world_size
         assert out["memory"] == expected_memory(case, world_size, out)
+        assert out["memory_at_boundary"]["gradients"] == gradients_at_boundary(case, world_size, out)
         if case.sub_group_size:  # the masters really were cut into pieces
             assert out["optimizer_pieces"] > out["buckets"]
 

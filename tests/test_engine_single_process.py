@@ -63,9 +63,13 @@ def test_fake_1024_ranks_shard_as_the_formula_says(one_process) -> None:
         padded = engine.stage.layout.numel
         shards = 1 if stage == 0 else 1024
         assert padded % shards == 0 and padded - engine.trainable_numel() < 2 * shards  # 2 buckets (2 groups)
+        assert engine.memory_stats()["gradients"] == 0  # made at a window's first backward (stages/base.py)
+        tokens = torch.randint(0, 67, (2, 9), generator=torch.Generator().manual_seed(0))
+        engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))
         memory = engine.memory_stats()
         flags = len(engine.stage.flat.params) if stage == 0 else 0  # stage 0's usage flags follow its gradients
-        assert memory["gradients"] == (2 * (padded + flags) if stage < 2 else 4 * padded // 1024)
+        reduced = 4 * padded // shards  # the owned gradients in fp32 (the reduce dtype) until the step
+        assert memory["gradients"] == (2 * (padded + flags) if stage < 2 else 0) + reduced
         assert memory["optimizer_state"] == 4 * padded // shards  # fp32 masters; Adam state starts at the 1st step
         assert sum(m.numel() for m in engine.stage.masters) == padded // shards
 
@@ -145,10 +149,12 @@ def test_stage2_counts_full_gradients_held_while_accumulating_locally(one_proces
                                 {"zero_optimization": {"stage": 2, "reduce_every_micro_step": False},
                                  "gradient_accumulation_steps": 2})
     tokens = torch.randint(0, 67, (2, 17))
-    shards = engine.memory_stats()["gradients"]
+    assert engine.memory_stats()["gradients"] == 0  # the shard is made at the window's first reduction
     engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))  # off the boundary: gradients stay whole
     full = 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert engine.memory_stats()["gradients"] == shards + full
+    assert engine.memory_stats()["gradients"] == full
     engine.step()
     engine.backward(lm_loss(engine(tokens[:, :-1]), tokens))  # the boundary: reduced, full ones freed
-    assert engine.memory_stats()["gradients"] == shards
+    assert engine.memory_stats()["gradients"] == 4 * engine.stage.local.numel  # this rank's fp32 shard
+    engine.step()
+    assert engine.memory_stats()["gradients"] == 0  # let go of at the step

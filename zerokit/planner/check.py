@@ -9,8 +9,9 @@ the micro-batch and sequence length, and what was measured. From the first three
   - the allocator's peak: the model states after the step plus the largest phase peak of a forward and
     backward (from the calibration: See [Note: extrapolating a calibration]) with what the engine adds
     in that phase: gathered stage-3 units (the root, the unit computing and the prefetched one), the
-    reducer's in-flight buckets (MAX_BUCKETS_IN_FLIGHT + 1), and the reduced gradients kept in the
-    reduce dtype until the step; or the state after backward, if larger;
+    reducer's in-flight buckets (MAX_BUCKETS_IN_FLIGHT + 1), in the backward's phases the gradient buffer
+    (made at a window's first backward, let go of at its step), and at its tail the reduced gradients kept
+    in the reduce dtype until the step; or the state after backward, if larger;
   - the resident peak: the framework's resident memory (measured), the model states, and the step's
     peak allocations times one plus the allocator's measured slack (See [Note: measuring allocator slack]);
   - times: each phase on the line through copies of the model timed at the run's stage, world size and
@@ -114,7 +115,7 @@ def predicted_peak(record: dict, setup: EngineSetup, inventory: ParamInventory, 
                    activations: int | None) -> tuple[int | None, str]:
     states = engine_states(inventory, setup)
     after_step, after_backward = sum(states.after_step.values()), sum(states.after_backward.values())
-    kept = after_backward - after_step  # reduced gradients held in the reduce dtype until the step
+    kept = after_backward - after_step  # what backward makes and the step lets go of: the gradients, hpZ's copies
     if calibration is None:
         if activations is None:
             return None, "no calibration and no shapes"
@@ -122,7 +123,9 @@ def predicted_peak(record: dict, setup: EngineSetup, inventory: ParamInventory, 
     b, s, layers = record["micro_batch"], record["seq_len"], record["model"].get("n_layers") or None
     phases = calibration.phase_peaks(b, s, layers)
     extras = engine_extras(inventory, setup, kept)
-    peaks = {phase: phases[phase] + extras.get(phase, 0) for phase in phases} | {"step": kept}
+    in_backward = {"head": states.gradient_buffer, "blocks": states.gradient_buffer}  # the tail's extras hold `kept`
+    peaks = {phase: phases[phase] + extras.get(phase, 0) + in_backward.get(phase, 0) for phase in phases} | \
+        {"step": kept}
     phase = max(peaks, key=peaks.get)
     return after_step + peaks[phase], f"model states + the {phase} phase's peak"
 
@@ -197,7 +200,7 @@ def check_rows(record: dict, calibration: Calibration | None = None, device: Dev
     rows.append(Row("peak_allocated", "bytes", peak, measured["peak_allocated"], how))
     resident = (calibration.resident_bytes if calibration else 0) or (device.resident_bytes if device else 0)
     slack = slack if slack is not None else (calibration.allocator_slack if calibration else 0.0)
-    kept = sum(states.after_step.values())  # allocated once, in a few large tensors: no slack on them
+    kept = sum(states.after_step.values()) + states.gradient_buffer  # a few large tensors: no slack on them
     fixed = calibration.resident_fixed_bytes if calibration else 0
     total = resident + kept + fixed + (peak - kept) * (1 + slack) if peak is not None and resident else None
     rows.append(Row("peak_total", "bytes", total, measured["peak_resident"],

@@ -269,10 +269,14 @@ def persistent_units(units: list[UnitPlan], setup: EngineSetup) -> list[UnitPlan
 
 @dataclass(frozen=True)
 class EngineStates:
-    """`engine.memory_stats()` after engine.backward() (gradients at their peak) and after engine.step()."""
+    """`engine.memory_stats()` after engine.backward() (gradients at their peak) and after engine.step(), which lets
+    every gradient go (See [Note: gradients live from a window's first backward to its step] in
+    zerokit/stages/base.py). gradient_buffer: the part made at a window's first backward or reduction and held
+    through the rest of the backward (stages 0-1: the flat gradient; stages 2-3: the reduced shard)."""
 
     after_backward: dict[str, int]
     after_step: dict[str, int]
+    gradient_buffer: int
 
 
 def frozen_bytes(inventory: ParamInventory, setup: EngineSetup, units: list[UnitPlan] | None) -> int:
@@ -317,7 +321,7 @@ def engine_states(inventory: ParamInventory, setup: EngineSetup, rank: int = 0) 
     optimizer = optimizer_state_bytes(buckets, setup, rank)
     held, left = (p * secondary_numel(units, setup, after_step) if units else 0 for after_step in (False, True))
     after_backward = {"parameters": parameters + held, "gradients": gradients, "optimizer_state": optimizer}
-    return EngineStates(after_backward, after_backward | {"parameters": parameters + left, "gradients": kept})
+    return EngineStates(after_backward, after_backward | {"parameters": parameters + left, "gradients": 0}, kept)
 
 
 def secondary_numel(units: list[UnitPlan], setup: EngineSetup, after_step: bool) -> int:

@@ -8,6 +8,15 @@ state in `__init__`. Nothing is created by an overridden method called from a ba
 
 How a bucket is averaged across ranks (pre-division, the collective that leaves this rank its shard, the average
 across MiCS replicas) is the stage's `averaging` (stages/averaging.py, with [Note: reducing a bucket to a shard]).
+
+[Note: gradients live from a window's first backward to its step]
+A stage's gradient buffer (stages 0-1: the whole flat gradient in the compute dtype; stages 2-3: this rank's
+reduced shard, in the reduce dtype) is made at the first backward (stages 0-1) or the first reduction
+(stages 2-3) of an accumulation window and let go of at its step (release_grads), as FSDP2 and
+`zero_grad(set_to_none=True)` let torch's gradients go. The forward, where activations reach the step's
+high-water mark, then runs without them: an H200 measured the fp32 shard of a 336.9M-parameter model (1.3 GB at
+world size 1) held through the forward when it was kept between steps. Made anew, it is zeroed anew: what a
+window accumulates starts from zero either way.
 """
 
 from __future__ import annotations

@@ -17,17 +17,19 @@ class DataParallel(ZeroStage):
         super().__init__(*args, **kwargs)
         # 1-D, param dtype (See [Note: flat buffer aliasing]); at stage 0 one usage flag per parameter follows
         # the last bucket and is all-reduced with it (See [Note: parameters no rank used]).
-        flags = 0 if self.shards_optimizer else len(self.flat.params)
-        self.grad_buffer = torch.zeros(self.layout.numel + flags, dtype=self.flat.dtype, device=self.flat.device)
-        self.grad_views = self.flat.views(self.grad_buffer)
+        self.grad_numel = self.layout.numel + (0 if self.shards_optimizer else len(self.flat.params))
+        # See [Note: gradients live from a window's first backward to its step] in stages/base.py
+        self.grad_buffer: torch.Tensor | None = None
         # bucket index -> reduced gradient (reduce dtype), held from backward to the optimizer step
         # when it cannot live in grad_buffer (another dtype; or a shard, since gloo cannot reduce-scatter
         # in place). Keeping it in reduce dtype is what makes an fp32 reduction worth doing.
         self.reduced: dict[int, torch.Tensor] = {}
 
     def prepare_backward(self) -> None:
+        if self.grad_buffer is None:  # a window's first backward
+            self.grad_buffer = torch.zeros(self.grad_numel, dtype=self.flat.dtype, device=self.flat.device)
         # Re-attach every time: a user's zero_grad(set_to_none=True) would otherwise detach the views.
-        for param, view in zip(self.flat.params, self.grad_views):
+        for param, view in zip(self.flat.params, self.flat.views(self.grad_buffer)):
             param.grad = view
 
     def reduce_bucket(self, bucket: Bucket) -> Reduction:
@@ -48,8 +50,10 @@ class DataParallel(ZeroStage):
         return self.reduced.get(bucket.index, bucket_view(self.grad_buffer, bucket))
 
     def zero_grads(self) -> None:
-        self.grad_buffer.zero_()
+        for param in self.flat.params:  # the views go with the buffer, as zero_grad(set_to_none=True) leaves them
+            param.grad = None
+        self.grad_buffer = None
         self.reduced.clear()
 
     def gradient_tensors(self) -> list[torch.Tensor]:
-        return [self.grad_buffer, *self.reduced.values()]
+        return [*([self.grad_buffer] if self.grad_buffer is not None else []), *self.reduced.values()]

@@ -262,6 +262,7 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
             loss = forward_loss(engine, tokens)
             engine.backward(loss)
             overlapped.append(engine.reducer.launched_in_backward)
+            at_boundary = engine.memory_stats()  # the last one: gradients held from backward to the step
             result = engine.step()
             losses.append(loss.item())
         results.append(asdict(result))
@@ -271,6 +272,7 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
         "case": asdict(case), "losses": losses, "results": results, "comm_per_step": comm_per_step,
         "params": {name: value for name, value in engine.full_state_dict().items() if name in dict(model.named_parameters())},
         "memory": engine.memory_stats(),
+        "memory_at_boundary": at_boundary,
         "memory_by_tier": engine.memory_by_tier(),
         "local_shard_numel": engine.stage.layout.shards_of(rank).numel if engine.config.stage > 0 else None,
         "layout_numel": engine.stage.layout.numel, "buckets": len(engine.stage.layout.buckets),

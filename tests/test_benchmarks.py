@@ -114,3 +114,38 @@ def test_the_gpu_benchmark_runs_where_there_is_none(one_process, tmp_path) -> No
         assert losses[f"zerokit-{stage}"] == losses["zerokit-0"]
     torch.testing.assert_close(losses["zerokit-0"], losses["fsdp2"], rtol=1e-3, atol=0)
     assert all(row["peak_bytes"] is None and len(row["step_seconds"]) == 2 for row in results.values())
+
+
+def test_the_gpu_check_runs_where_there_is_none(one_process, tmp_path) -> None:
+    """benchmarks/gpu_check.py (make gpu-check) is for a GPU; on the CPU its contenders and teardown parts run on a
+    tiny model and write the results file, so that it works when a GPU is at hand (issue 34)."""
+    from benchmarks import gpu_check
+
+    out = tmp_path / "gpu.json"
+    gpu_check.main(["--parts", "contenders", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size",
+                    "8", "--vocab-size", "16", "--batch-size", "2", "--steps", "2", "--warmup", "1", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["card"] == "CPU" and set(report["contenders"]) == set(gpu_check.CONTENDERS)
+    assert isinstance(report["parts"]["contenders"], float)  # not an error
+    losses = {name: row["last_loss"] for name, row in report["contenders"].items()}
+    assert len({losses[f"zerokit-{stage}"] for stage in range(4)}) == 1  # the stages train alike
+    torn = gpu_check.teardown(timeout=120, engine_counts=(1,))["zerokit-3"]
+    assert torn["backend"] == "gloo" and len(torn["close_s"]) == 1 and torn["destroy_s"] >= 0
+
+
+def test_what_is_live_at_the_peak_is_read_from_an_allocator_trace() -> None:
+    """gpu_check.live_at_peak replays torch's allocator trace: the live bytes at the high-water mark, by the first
+    frame that is not torch's own (a free of a block made before the trace began is not counted)."""
+    from benchmarks.gpu_check import live_at_peak
+
+    def alloc(addr: int, size: int, filename: str) -> dict:
+        return {"action": "alloc", "addr": addr, "size": size,
+                "frames": [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "softmax"},
+                           {"filename": filename, "line": 7, "name": "forward"}]}
+
+    trace = [alloc(1, 2 ** 20, "/w/model.py"), alloc(2, 3 * 2 ** 20, "/w/engine.py"),
+             {"action": "free_completed", "addr": 2}, alloc(3, 2 ** 20, "/w/model.py"),
+             {"action": "free_completed", "addr": 99}, alloc(4, 2 ** 20, "/w/model.py")]
+    result = live_at_peak(trace, baseline=5 * 2 ** 20)
+    assert result["peak_over_baseline_mib"] == 4.0 and result["baseline_mib"] == 5.0
+    assert result["sites_mib"] == {"engine.py:7 forward": 3.0, "model.py:7 forward": 1.0}

@@ -5,6 +5,7 @@ Names are imported on first use, so that `zerokit plan` (pure Python) does not p
 """
 
 from zerokit.lazy import lazy_names
+from zerokit.torchrun import warn_if_restarted_under_shared_store
 
 __version__ = "0.1.0"
 
@@ -16,3 +17,4 @@ _LAZY = {
 }
 __all__ = sorted(_LAZY)
 __getattr__ = lazy_names(__name__, _LAZY, globals())
+warn_if_restarted_under_shared_store()  # See [Note: a key space per attempt] in zerokit/comm/rendezvous.py

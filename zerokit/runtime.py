@@ -47,6 +47,8 @@ def ensure_process_group() -> None:
     """Join the group torchrun describes (NCCL with CUDA, gloo on CPU), or make a 1-rank group of the
     same back-end so that a plain `python train.py` runs the same code path as a launched job. Either way the
     groups are left at exit if the script does not leave them (See `leave_process_groups_at_exit`)."""
+    from zerokit.comm.rendezvous import init_job_group  # here: zerokit.comm imports this module
+
     leave_process_groups_at_exit()
     if dist.is_initialized():
         return
@@ -54,7 +56,7 @@ def ensure_process_group() -> None:
     if backend == "nccl":  # one plain process on a GPU machine trains on its GPU too
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
+        init_job_group(backend)  # See [Note: a key space per attempt] in zerokit/comm/rendezvous.py
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 

@@ -15,6 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zerokit.comm.rendezvous import init_job_group
+
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # DeepSpeed's default_pg_timeout
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -39,6 +41,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     launched = all(name in os.environ for name in TORCHRUN_ENV) or init_method is not None
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if launched and init_method is None and rank == world_size == -1:
+        init_job_group(backend, timeout)  # See [Note: a key space per attempt] in zerokit/comm/rendezvous.py
+        return
     if launched:
         dist.init_process_group(backend, init_method=init_method, timeout=timeout, rank=rank, world_size=world_size)
         return

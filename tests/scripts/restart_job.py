@@ -8,7 +8,8 @@ script itself (--group-by script). Launched by tests/test_restart.py:
 --kill-at K: in the first attempt, rank 1 kills itself with SIGKILL right after step K (a GPU falling off the bus);
 the surviving rank fails in its next collective and torchrun restarts both. --late S: in a restarted attempt, rank 1
 starts S seconds after rank 0 (a slower node). Rank 0 writes DIR/result.json: the losses of the steps each attempt
-trained, the attempt and the step it resumed from, and the final weights (fp32, by name).
+trained, the attempt and the step it resumed from, the final weights (fp32, by name), and the seconds from the kill
+to the end of the restarted attempt's first step.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import os
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -44,8 +46,8 @@ def main() -> None:
     attempt, rank = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), int(os.environ["RANK"])
     if attempt > 0 and rank == 1:
         time.sleep(args.late)
-    if args.group_by == "script":
-        torch.distributed.init_process_group("gloo")
+    if args.group_by == "script":  # bounded: after a restart it can wait on keys nobody will write again
+        torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=20))
     elif args.group_by == "deepspeed":
         import zerokit.deepspeed as deepspeed
 
@@ -53,27 +55,34 @@ def main() -> None:
     torch.manual_seed(0)
     model = TinyGPT(TinyGPTConfig(n_layer=2))
     engine = zerokit.initialize(model, torch.optim.AdamW(param_groups(model), lr=1e-2),
-                                {"zero_optimization": {"stage": args.stage}, "gradient_clipping": 1.0})
+                                {"zero_optimization": {"stage": args.stage}, "gradient_clipping": 1.0,
+                                 "comm_timeout_seconds": 30})
     checkpoints = Path(args.out) / "checkpoints"
     start = 0
     if (checkpoints / "latest").exists():
         engine.load_checkpoint(checkpoints)
         start = engine.progress.optimizer_step
-    losses = []
+    losses, first_step_done = [], None
     for step in range(start, args.steps):
         tokens = batch(step, rank)
         loss = lm_loss(engine(tokens[:, :-1]), tokens)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        if step == start:
+            first_step_done = time.time()
         if attempt == 0 and rank == 1 and step + 1 == args.kill_at:
+            (Path(args.out) / "killed_at").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         if (step + 1) % args.save_every == 0:
             engine.save_checkpoint(checkpoints)
     weights = {name: value.tolist() for name, value in engine.full_state_dict().items()}
     if rank == 0:
+        killed = Path(args.out) / "killed_at"
+        recovery = first_step_done - float(killed.read_text()) if killed.exists() and first_step_done else None
         (Path(args.out) / "result.json").write_text(json.dumps(
-            {"attempt": attempt, "resumed_from": start, "losses": losses, "weights": weights}))
+            {"attempt": attempt, "resumed_from": start, "losses": losses, "weights": weights,
+             "seconds_from_kill_to_first_resumed_step": recovery}))
     torch.distributed.destroy_process_group()
 
 

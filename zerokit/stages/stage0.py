@@ -20,6 +20,7 @@ class DataParallel(ZeroStage):
         self.grad_numel = self.layout.numel + (0 if self.shards_optimizer else len(self.flat.params))
         # See [Note: gradients live from a window's first backward to its step] in stages/base.py
         self.grad_buffer: torch.Tensor | None = None
+        self.grad_views: list[torch.Tensor] = []  # each parameter's view of grad_buffer, made with it
         # bucket index -> reduced gradient (reduce dtype), held from backward to the optimizer step
         # when it cannot live in grad_buffer (another dtype; or a shard, since gloo cannot reduce-scatter
         # in place). Keeping it in reduce dtype is what makes an fp32 reduction worth doing.
@@ -28,8 +29,9 @@ class DataParallel(ZeroStage):
     def prepare_backward(self) -> None:
         if self.grad_buffer is None:  # a window's first backward
             self.grad_buffer = torch.zeros(self.grad_numel, dtype=self.flat.dtype, device=self.flat.device)
+            self.grad_views = self.flat.views(self.grad_buffer)
         # Re-attach every time: a user's zero_grad(set_to_none=True) would otherwise detach the views.
-        for param, view in zip(self.flat.params, self.flat.views(self.grad_buffer)):
+        for param, view in zip(self.flat.params, self.grad_views):
             param.grad = view
 
     def reduce_bucket(self, bucket: Bucket) -> Reduction:
@@ -52,7 +54,7 @@ class DataParallel(ZeroStage):
     def zero_grads(self) -> None:
         for param in self.flat.params:  # the views go with the buffer, as zero_grad(set_to_none=True) leaves them
             param.grad = None
-        self.grad_buffer = None
+        self.grad_buffer, self.grad_views = None, []
         self.reduced.clear()
 
     def gradient_tensors(self) -> list[torch.Tensor]:

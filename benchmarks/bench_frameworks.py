@@ -248,9 +248,9 @@ def table(rows: dict[str, dict], failed: dict[str, str]) -> str:
             return f"{row[key] / base[key]:.2f}" if base else "-"
         (fast, slow), (low, high) = row["seconds_per_step_range"], row["vmhwm_mib_range"]
         lines.append(f"| {LABELS.get(name, name)} | {row['seconds_per_step']:.3f} ({fast:.3f}-{slow:.3f}) | "
-                     f"{ratio('seconds_per_step')} | {row['vmhwm_mib']:.0f} ({low:.0f}-{high:.0f}) | {ratio('vmhwm_mib')} "
-                     f"| {row['growth_mib']:.0f} | {ratio('growth_mib')} | {row['first_loss']:.3f} -> "
-                     f"{row['last_loss']:.3f} | {row['engine'].rsplit('.', 1)[-1]} |")
+                     f"{ratio('seconds_per_step')} | {row['vmhwm_mib']:.0f} ({low:.0f}-{high:.0f}) | "
+                     f"{ratio('vmhwm_mib')} | {row['growth_mib']:.0f} | {ratio('growth_mib')} | "
+                     f"{row['first_loss']:.3f} -> {row['last_loss']:.3f} | {row['engine'].rsplit('.', 1)[-1]} |")
     lines += [f"| {name} | {'a round failed' if name in rows else 'did not run'}: {error} ||||||||"
               for name, error in failed.items()]
     return "\n".join(lines)

@@ -10,9 +10,9 @@ backward, optimizer step) between two device synchronizations. peak MiB: torch's
 was allocated before the model was built (None on a CPU, where bench_stages.py reads the RSS instead). states
 MiB: the model-state bytes the contender holds after its last step (its own tensors). phases: one more step after
 the timed ones, with the bytes allocated after its forward, backward and optimizer step, and the peak within each
-(where the high-water mark is reached, and how far above the states it stands). zerokit-2-offload and zerokit-3-offload put the
-optimizer (and at stage 3 the parameters) in pinned host memory. Without a GPU it runs on the CPU, which is only a
-check that the script works.
+(where the high-water mark is reached, and how far above the states it stands). zerokit-2-offload and
+zerokit-3-offload put the optimizer (and at stage 3 the parameters) in pinned host memory. Without a GPU it runs on
+the CPU, which is only a check that the script works.
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_gpu.py`: make `
 
 import torch
 
-from benchmarks.contenders import CONTENDERS, Contender, _zerokit
+from benchmarks.contenders import CONTENDERS, Contender, Trainer, zerokit_trainer
 from benchmarks.workload import BenchSettings, make_batch, make_model
 from zerokit.runtime import default_device, ensure_process_group
 from zerokit.testing.models import lm_loss
 
 DEFAULT_CONTENDERS = ("single-process", "torch-ddp", "fsdp2", "zerokit-0", "zerokit-1", "zerokit-2", "zerokit-3")
-OFFLOADED = [Contender(f"zerokit-{stage}-offload", stage, "zerokit", functools.partial(_zerokit, stage=stage, offload="cpu"))
+OFFLOADED = [Contender(f"zerokit-{stage}-offload", stage, "zerokit",
+                       functools.partial(zerokit_trainer, stage=stage, offload="cpu"))
              for stage in (2, 3)]  # run when asked for by name (--only)
 DEFAULT_OUT = Path("bench_results/bench_gpu.json")
 
@@ -89,6 +90,14 @@ class PhaseMemory:
         torch.cuda.reset_peak_memory_stats(self.device)
 
 
+def build(contender: Contender, settings: BenchSettings, device: torch.device) -> Trainer:
+    """The contender over a fresh model: DDP, FSDP2 and plain torch take it on `device`; zerokit places it."""
+    model = make_model(settings)
+    if not contender.is_zerokit:
+        model.to(device)
+    return contender.build(model, settings)
+
+
 def run(contender: Contender, settings: BenchSettings, device: torch.device) -> dict:
     """One contender's steps on `device`; what it leaves behind is released before the next one is built."""
     gc.collect()
@@ -97,10 +106,7 @@ def run(contender: Contender, settings: BenchSettings, device: torch.device) -> 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device) if on_gpu else 0
-    model = make_model(settings)
-    if not contender.is_zerokit:  # DDP, FSDP2 and plain torch take the model where it is; zerokit places it
-        model.to(device)
-    trainer = contender.build(model, settings)
+    trainer = build(contender, settings, device)
     seconds, losses = [], []
     for step in range(settings.warmup + settings.steps):
         tokens = make_batch(settings, 0, step).to(device)

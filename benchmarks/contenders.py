@@ -92,7 +92,7 @@ def contender(name: str, *, stage: int, family: str, requires: str | None = None
 
 # --- zerokit ------------------------------------------------------------------------------------
 
-def _zerokit(model: nn.Module, settings: BenchSettings, stage: int, offload: str = "none") -> Trainer:
+def zerokit_trainer(model: nn.Module, settings: BenchSettings, stage: int, offload: str = "none") -> Trainer:
     """zerokit at `stage`; offload="cpu" puts the optimizer (and at stage 3 the parameters) in pinned host memory."""
     import zerokit
 
@@ -108,7 +108,7 @@ def _zerokit(model: nn.Module, settings: BenchSettings, stage: int, offload: str
 
 for _stage in range(4):  # zerokit-0 .. zerokit-3 (a partial of a module-level function pickles to the ranks)
     contender(f"zerokit-{_stage}", stage=_stage, family="zerokit", optimizers=OPTIMIZERS)(
-        functools.partial(_zerokit, stage=_stage))
+        functools.partial(zerokit_trainer, stage=_stage))
 
 
 # --- torch --------------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ if __package__ in (None, ""):  # run as `python benchmarks/gpu_check.py`: make `
 import torch
 
 from benchmarks import bench_gpu
-from benchmarks.workload import BenchSettings, make_batch, make_model
+from benchmarks.contenders import Contender
+from benchmarks.workload import BenchSettings, make_batch
 from zerokit.runtime import default_device, ensure_process_group
 from zerokit.testing.models import lm_loss
 
@@ -78,9 +79,14 @@ def settings_of(args: argparse.Namespace) -> BenchSettings:
 
 # --- 1. contenders ------------------------------------------------------------------------------------------
 
+def chosen(names: list[str]) -> list[tuple[str, Contender]]:
+    """The results file's names with bench_gpu's contenders."""
+    return list(zip(names, bench_gpu.chosen(",".join(CONTENDERS[name] for name in names))))
+
+
 def contenders(names: list[str], settings: BenchSettings, device: torch.device) -> dict[str, dict]:
     rows = {}
-    for name, contender in zip(names, bench_gpu.chosen(",".join(CONTENDERS[name] for name in names))):
+    for name, contender in chosen(names):
         result = bench_gpu.run(contender, settings, device)
         rows[name] = {"peak_mib": None if result["peak_bytes"] is None else result["peak_bytes"] / MIB,
                       "step_s": result["median_step_seconds"],
@@ -119,11 +125,11 @@ def live_at_peak(trace: list[dict], baseline: int, top: int = 12) -> dict[str, A
 
 
 def site_of(frames: list[dict]) -> str:
-    """The first Python frame outside torch and the standard library, else the first frame: where a tensor was
-    asked for."""
+    """The first Python frame outside torch, the installed packages and the standard library (the model's or the
+    engine's code), else the first Python frame: where a tensor was asked for."""
     for frame in frames:
         name = frame.get("filename", "")
-        if name.endswith(".py") and "/torch/" not in name and "/lib/python3" not in name.replace("site-packages", ""):
+        if name.endswith(".py") and "/torch/" not in name and "/lib/python3" not in name:
             return f"{Path(name).name}:{frame.get('line')} {frame.get('name')}"
     for frame in frames:
         if frame.get("filename", "").endswith(".py"):
@@ -136,11 +142,8 @@ def peaks(names: list[str], settings: BenchSettings, device: torch.device) -> di
     if device.type != "cuda":
         return {}
     out = {}
-    for name, contender in zip(names, bench_gpu.chosen(",".join(CONTENDERS[name] for name in names))):
-        model = make_model(settings)
-        if not contender.is_zerokit:
-            model.to(device)
-        trainer = contender.build(model, settings)
+    for name, contender in chosen(names):
+        trainer = bench_gpu.build(contender, settings, device)
         for step in range(2):
             if step == 1:
                 torch.cuda.synchronize()
@@ -155,7 +158,7 @@ def peaks(names: list[str], settings: BenchSettings, device: torch.device) -> di
         out[name] = live_at_peak(snapshot["device_traces"][device.index or 0], baseline)
         if hasattr(trainer.forward, "close"):
             trainer.forward.close()
-        del trainer, model, snapshot
+        del trainer, snapshot
         torch.cuda.empty_cache()
     return out
 

@@ -41,11 +41,12 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     launched = all(name in os.environ for name in TORCHRUN_ENV) or init_method is not None
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if launched and init_method is None and rank == world_size == -1:
-        init_job_group(backend, timeout)  # See [Note: a key space per attempt] in zerokit/comm/rendezvous.py
-        return
     if launched:
-        dist.init_process_group(backend, init_method=init_method, timeout=timeout, rank=rank, world_size=world_size)
+        if init_method is None and rank == world_size == -1:  # torchrun's environment alone
+            init_job_group(backend, timeout)  # See [Note: a key space per attempt] in zerokit/comm/rendezvous.py
+        else:
+            dist.init_process_group(backend, init_method=init_method, timeout=timeout, rank=rank,
+                                    world_size=world_size)
         return
     os.environ.setdefault("LOCAL_RANK", "0")  # what DeepSpeed's engine and scripts read; See the module docstring
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

@@ -262,7 +262,8 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
             loss = forward_loss(engine, tokens)
             engine.backward(loss)
             overlapped.append(engine.reducer.launched_in_backward)
-            at_boundary = engine.memory_stats()  # the last one: gradients held from backward to the step
+            if step == case.steps - 1 and micro == case.accumulation - 1:
+                at_boundary = engine.memory_stats()  # the gradients held from the last backward to its step
             result = engine.step()
             losses.append(loss.item())
         results.append(asdict(result))

@@ -90,23 +90,28 @@ class PhaseMemory:
         torch.cuda.reset_peak_memory_stats(self.device)
 
 
-def build(contender: Contender, settings: BenchSettings, device: torch.device) -> Trainer:
-    """The contender over a fresh model: DDP, FSDP2 and plain torch take it on `device`; zerokit places it."""
-    model = make_model(settings)
+def build(contender: Contender, settings: BenchSettings, device: torch.device,
+          model: torch.nn.Module | None = None) -> Trainer:
+    """The contender over `model` (default: a fresh GPT of `settings`): DDP, FSDP2, DeepSpeed and plain torch take it
+    on `device`; zerokit places it."""
+    model = make_model(settings) if model is None else model
     if not contender.is_zerokit:
         model.to(device)
     return contender.build(model, settings)
 
 
-def run(contender: Contender, settings: BenchSettings, device: torch.device) -> dict:
-    """One contender's steps on `device`; what it leaves behind is released before the next one is built."""
+def run(contender: Contender, settings: BenchSettings, device: torch.device,
+        model: torch.nn.Module | None = None) -> dict:
+    """One contender's steps on `device` (over `model`, default a fresh GPT of `settings`); what it leaves behind is
+    released before the next one is built."""
     gc.collect()
     on_gpu = device.type == "cuda"
     if on_gpu:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device) if on_gpu else 0
-    trainer = build(contender, settings, device)
+    trainer = build(contender, settings, device, model)
+    del model  # the trainer holds what it keeps of it
     seconds, losses = [], []
     for step in range(settings.warmup + settings.steps):
         tokens = make_batch(settings, 0, step).to(device)

@@ -218,7 +218,7 @@ def _deepspeed_comm() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     with contextlib.redirect_stdout(io.StringIO()):  # "DeepSpeed ... shm_comm_op built successfully"
-        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.init_distributed(dist_backend=dist.get_backend() if dist.is_initialized() else "gloo")
 
 
 def _deepspeed(model: nn.Module, settings: BenchSettings, stage: int) -> Trainer:

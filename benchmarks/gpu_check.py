@@ -14,12 +14,15 @@ file is rewritten after each part, so a check cut short still leaves what it mea
    one step (the live bytes at the high-water mark, by the first frame of the call that allocated them).
 3. teardown: seconds to close an engine and to destroy the one-rank NCCL group, in a fresh process, after 1 and
    after 10 engines, beside plain torch's destroy; a stack dump after 15 s says where a slow one waits.
-4. tests: tests/test_cuda.py under pytest (the parity matrix on CUDA, offload read from the allocator, a GPU
+4. throughput: a 1.1B Llama (benchmarks/llama.py), bf16, one GPU, under FSDP2, zerokit stage 3 and DeepSpeed stage 3
+   where it imports: tokens/s, MFU against the card's dense bf16 peak, peak MiB.
+5. tests: tests/test_cuda.py under pytest (the parity matrix on CUDA, offload read from the allocator, a GPU
    checkpoint read without one, the planner against a recorded run), in the time left.
 
 The file: {"card", "torch", "date", "settings", "contenders": {NAME: {"peak_mib", "step_s", "states_mib",
 "phases"}}, "peak": {...}, "teardown": {...}, "tests": {...}, "parts": {PART: seconds or error}} with NAME in
-plain-torch, fsdp2, zerokit-0 ... zerokit-3, zerokit-2-offload, zerokit-3-offload. Without a GPU it runs
+plain-torch, fsdp2, zerokit-0 ... zerokit-3, zerokit-2-offload, zerokit-3-offload, and deepspeed-2 and deepspeed-3
+where DeepSpeed imports. Without a GPU it runs
 on the CPU with the model given (tests/test_benchmarks.py runs a tiny one there so that it keeps working);
 the figures that need the GPU are then None.
 """
@@ -45,6 +48,7 @@ import torch
 
 from benchmarks import bench_gpu
 from benchmarks.contenders import Contender
+from benchmarks.llama import Llama, LlamaConfig, flops_per_token
 from benchmarks.workload import BenchSettings, make_batch
 from zerokit.runtime import default_device, ensure_process_group
 from zerokit.testing.models import lm_loss
@@ -52,7 +56,8 @@ from zerokit.testing.models import lm_loss
 ROOT = Path(__file__).resolve().parent.parent
 CONTENDERS = {"plain-torch": "single-process", "fsdp2": "fsdp2", "zerokit-0": "zerokit-0", "zerokit-1": "zerokit-1",
               "zerokit-2": "zerokit-2", "zerokit-3": "zerokit-3", "zerokit-2-offload": "zerokit-2-offload",
-              "zerokit-3-offload": "zerokit-3-offload"}  # the results file's names -> bench_gpu's
+              "zerokit-3-offload": "zerokit-3-offload", "deepspeed-2": "deepspeed-2",
+              "deepspeed-3": "deepspeed-3"}  # the results file's names -> bench_gpu's
 AT_PEAK = ("plain-torch", "fsdp2", "zerokit-2", "zerokit-3")
 MIB = 2 ** 20
 
@@ -63,8 +68,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"gpu-{datetime.date.today().isoformat()}.json")
     parser.add_argument("--budget", type=float, default=450.0, help="seconds for the whole check; the tests get "
                         "what the other parts leave")
-    parser.add_argument("--parts", default="contenders,peak,teardown,tests")
-    parser.add_argument("--only", default=",".join(CONTENDERS), help="contenders, comma-separated")
+    parser.add_argument("--parts", default="contenders,peak,teardown,throughput,tests")
+    parser.add_argument("--throughput-model", choices=sorted(LLAMAS), default="1b", help="the Llama's shape (tiny: "
+                        "a check that the part runs)")
+    parser.add_argument("--throughput-seq", type=int, default=2048, help="the Llama's sequence length")
+    parser.add_argument("--throughput-batch", type=int, default=4, help="the Llama's sequences per step")
+    parser.add_argument("--throughput-steps", type=int, default=8, help="the Llama's timed steps")
+    parser.add_argument("--only", default=",".join(name for name, _ in _available(tuple(CONTENDERS))),
+                        help="contenders, comma-separated (default: every one whose package imports here)")
     for name, default in (("n_layer", 24), ("n_embd", 1024), ("n_head", 16), ("block_size", 1024),
                           ("vocab_size", 32768), ("batch_size", 8), ("steps", 5), ("warmup", 2)):
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
@@ -87,6 +98,8 @@ def chosen(names: list[str]) -> list[tuple[str, Contender]]:
 def contenders(names: list[str], settings: BenchSettings, device: torch.device) -> dict[str, dict]:
     rows = {}
     for name, contender in chosen(names):
+        if contender.prepare is not None:  # DeepSpeed adopts the process group
+            contender.prepare()
         result = bench_gpu.run(contender, settings, device)
         rows[name] = {"peak_mib": None if result["peak_bytes"] is None else result["peak_bytes"] / MIB,
                       "step_s": result["median_step_seconds"],
@@ -163,6 +176,13 @@ def peaks(names: list[str], settings: BenchSettings, device: torch.device) -> di
     return out
 
 
+def plain_environment() -> dict[str, str]:
+    """This process's environment without the launcher variables a contender set (DeepSpeed's RANK, MASTER_PORT,
+    ...): a child given them would start its group on this process's port."""
+    launcher = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    return {name: value for name, value in os.environ.items() if name not in launcher}
+
+
 # --- 3. teardown --------------------------------------------------------------------------------------------
 
 TEARDOWN = r"""
@@ -204,7 +224,7 @@ def teardown(timeout: float, engine_counts: tuple[int, ...] = (0, 1, 10)) -> dic
         name = "plain-torch" if engines == 0 else "zerokit-3" + (f" x{engines}" if engines > 1 else "")
         started = time.perf_counter()
         done = subprocess.run([sys.executable, "-c", TEARDOWN.format(root=str(ROOT), engines=engines)],
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=timeout, env=plain_environment())
         figures = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else \
             {"error": done.stderr[-2000:]}
         figures["process_s"] = time.perf_counter() - started
@@ -214,14 +234,61 @@ def teardown(timeout: float, engine_counts: tuple[int, ...] = (0, 1, 10)) -> dic
     return out
 
 
-# --- 4. the CUDA tests --------------------------------------------------------------------------------------
+# --- 4. throughput ------------------------------------------------------------------------------------------
+
+THROUGHPUT = ("fsdp2", "zerokit-3", "deepspeed-3")
+LLAMAS = {"1b": LlamaConfig(), "tiny": LlamaConfig(vocab_size=64, hidden=32, n_layer=2, n_head=4, n_kv_head=2,
+                                                      mlp_hidden=64)}
+PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense bf16, the vendors' data sheets
+
+
+def throughput(settings: BenchSettings, device: torch.device, config: LlamaConfig, seq_len: int, batch_size: int,
+               steps: int) -> dict[str, Any]:
+    """benchmarks/llama.py's Llama (1.1B by default), bf16, on one GPU under each of FSDP2, zerokit stage 3 and
+    DeepSpeed stage 3 (where it imports): tokens/s over `steps` timed steps after 3, MFU against the card's dense bf16
+    peak, and peak MiB. Every contender starts from the same weights and sees the same batches."""
+    shape = BenchSettings(world_size=1, steps=steps, warmup=3, dtype="bf16", block_size=seq_len + 1,
+                          vocab_size=config.vocab_size, batch_size=batch_size, bucket_bytes=settings.bucket_bytes)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    peak = next((tflops for name, tflops in PEAK_TFLOPS.items() if name in card), None)
+    out: dict[str, Any] = {"model": f"benchmarks/llama.py {config}", "seq_len": seq_len, "batch_size": batch_size,
+                           "peak_tflops": peak, "contenders": {}}
+    for name, contender in _available(THROUGHPUT):
+        if contender.prepare is not None:  # DeepSpeed adopts the process group
+            contender.prepare()
+        torch.manual_seed(shape.seed)
+        model = Llama(config)
+        out["parameters"] = sum(p.numel() for p in model.parameters())
+        flops = flops_per_token(model, seq_len)
+        try:
+            result = bench_gpu.run(contender, shape, device, model=model)
+        except Exception as error:  # recorded: the next contender runs
+            out["contenders"][name] = {"error": f"{type(error).__name__}: {error}"[:1000]}
+            continue
+        tokens_per_s = batch_size * seq_len / result["median_step_seconds"]
+        out["contenders"][name] = {
+            "step_s": result["median_step_seconds"], "tokens_per_s": tokens_per_s,
+            "mfu": None if peak is None else tokens_per_s * flops / (peak * 1e12),
+            "peak_mib": None if result["peak_bytes"] is None else result["peak_bytes"] / MIB,
+            "losses": result["losses"]}
+        del model, result
+    return out
+
+
+def _available(names: tuple[str, ...]) -> list[tuple[str, Contender]]:
+    """Those of `names` (the results file's) whose package imports here (DeepSpeed is not on every GPU image)."""
+    return [(name, contender) for name, contender in chosen(list(names)) if contender.why_skipped("bf16") is None]
+
+
+# --- 5. the CUDA tests --------------------------------------------------------------------------------------
 
 def cuda_tests(timeout: float, junit: Path) -> dict[str, Any]:
     started = time.perf_counter()
     command = [sys.executable, "-m", "pytest", "-q", "-rfE", "--durations=8", "-p", "no:cacheprovider",
                f"--junitxml={junit}", str(ROOT / "tests" / "test_cuda.py")]
     try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env=plain_environment())
         output, status = done.stdout + done.stderr, done.returncode
     except subprocess.TimeoutExpired as expired:
         output, status = (expired.stdout or b"").decode(errors="replace"), f"stopped after {timeout:.0f} s"
@@ -255,6 +322,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "peak": lambda: peaks([name for name in AT_PEAK if name in names], settings, device),
         "teardown": lambda: teardown(timeout=max(30.0, min(120.0, left() - 60))),
         "tests": lambda: cuda_tests(timeout=max(30.0, left() - 10), junit=args.out.with_suffix(".junit.xml")),
+        "throughput": lambda: throughput(settings, device, LLAMAS[args.throughput_model], args.throughput_seq,
+                                         args.throughput_batch, args.throughput_steps),
     }
     for part in [part for part in args.parts.split(",") if part]:
         part_started = time.perf_counter()

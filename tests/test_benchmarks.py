@@ -122,11 +122,18 @@ def test_the_gpu_check_runs_where_there_is_none(one_process, tmp_path) -> None:
     from benchmarks import gpu_check
 
     out = tmp_path / "gpu.json"
-    gpu_check.main(["--parts", "contenders", "--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size",
-                    "8", "--vocab-size", "16", "--batch-size", "2", "--steps", "2", "--warmup", "1", "--out", str(out)])
+    ours = [name for name in gpu_check.CONTENDERS if not name.startswith("deepspeed")]
+    gpu_check.main(["--parts", "contenders,throughput", "--only", ",".join(ours), "--n-layer", "2", "--n-embd", "32",
+                    "--n-head", "2", "--block-size", "8", "--vocab-size", "16", "--batch-size", "2", "--steps", "2",
+                    "--warmup", "1", "--throughput-model", "tiny", "--throughput-seq", "8", "--throughput-batch", "2",
+                    "--throughput-steps", "1", "--out", str(out)])
     report = json.loads(out.read_text())
-    assert report["card"] == "CPU" and set(report["contenders"]) == set(gpu_check.CONTENDERS)
-    assert isinstance(report["parts"]["contenders"], float)  # not an error
+    assert report["card"] == "CPU" and set(report["contenders"]) == set(ours)
+    assert isinstance(report["parts"]["contenders"], float) and isinstance(report["parts"]["throughput"], float)
+    llama = report["throughput"]["contenders"]
+    assert {"fsdp2", "zerokit-3"} <= set(llama) and all(row["tokens_per_s"] > 0 for row in llama.values()), llama
+    first = {row["losses"][0] for row in llama.values()}  # the same weights and batch: the same first loss
+    assert max(first) - min(first) < 1e-3 * max(first), llama
     losses = {name: row["last_loss"] for name, row in report["contenders"].items()}
     assert len({losses[f"zerokit-{stage}"] for stage in range(4)}) == 1  # the stages train alike
     torn = gpu_check.teardown(timeout=120, engine_counts=(1,))["zerokit-3"]

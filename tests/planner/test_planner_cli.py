@@ -79,23 +79,24 @@ def test_documented_output_is_what_the_command_prints(tmp_path, monkeypatch, cap
 
 
 def test_readme_example_writes_the_13b_memo(tmp_path, monkeypatch, capsys):
-    """The README's command: pick ZeRO-3 without offload or recomputation, 69.50 of 77.31 GB usable."""
+    """The README's command: pick ZeRO-3 without offload or recomputation, 66.25 of 77.31 GB usable."""
     monkeypatch.chdir(tmp_path)
     assert cli(*shlex.split(README_EXAMPLE)[1:]) == 0
     memo = (tmp_path / "memo.md").read_text()
     assert "**ZeRO-3, no offload, no activation checkpointing, micro-batch 1** (largest that fits: 1)" in memo
-    assert "69.5 GB of the 77.3 GB usable per GPU" in memo
+    assert "66.3 GB of the 77.3 GB usable per GPU" in memo
     rows = {row.split(" | ")[0].strip("| "): row for row in memo.splitlines() if row.startswith("| ZeRO-")}
     # model states per stage for P = 13,015,864,320 parameters, N = 8, fp32 gradient shards:
     assert "| 26.03 | 32.54 | 19.52 |" in rows["ZeRO-1"]  # 2P + (2P + the fp32 reduced shards 4P/8) + 12P/8
     assert "| 26.03 | 6.51 | 19.52 |" in rows["ZeRO-2"]  # 2P + 4P/8 + 12P/8
-    assert "| 3.25 | 6.51 | 19.52 | 32.18 | 7.04 |" in rows["ZeRO-3"]  # (2 + 4 + 12)P/8, activations, buffers
+    # (4 + 12)P/8, activations, buffers: the trainable shards are the fp32 masters (zerokit/flat/sharded.py)
+    assert "| 0.00 | 6.51 | 19.52 | 32.18 | 7.04 |" in rows["ZeRO-3"]
     assert rows["ZeRO-3"].split(" | ")[1] == "yes" and rows["ZeRO-2"].split(" | ")[1] == "no"
     assert "`engine.comm_stats()` should grow by this much per optimizer step" in memo
     assert '"stage": 3' in memo  # the config that implements the pick
     out = capsys.readouterr().out
     assert "pick: ZeRO-3, no offload, no checkpointing, micro-batch 1" in out
-    assert re.search(r"ZeRO-3\s+yes\s+3\.25\s+6\.51\s+19\.52\s+32\.18\s+7\.04\s+1\.00\s+69\.50", out)
+    assert re.search(r"ZeRO-3\s+yes\s+0\.00\s+6\.51\s+19\.52\s+32\.18\s+7\.04\s+1\.00\s+66\.25", out)
 
 
 @pytest.mark.parametrize("command", ["plan", "translate"])

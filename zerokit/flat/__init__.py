@@ -4,7 +4,8 @@ does, so names are imported on first use: importing zerokit.flat.layout does not
 from zerokit.lazy import lazy_names
 
 _LAZY = {
-    **dict.fromkeys(["FlatParameters", "bucket_view", "own_part", "shard_view", "tensor_bytes"], "zerokit.flat.buffers"),
+    **dict.fromkeys(["FlatParameters", "bucket_view", "copy_edits", "own_part", "shard_view",
+                     "tensor_bytes"], "zerokit.flat.buffers"),
     **dict.fromkeys(["Bucket", "FlatLayout", "ParamEntry", "ParamSlice", "RankShards", "Slot", "assign_owners",
                      "build_layout"], "zerokit.flat.layout"),
     **dict.fromkeys(["ShardedFlat", "gather_bucket"], "zerokit.flat.sharded"),

@@ -93,6 +93,13 @@ def own_part(bucket_values: torch.Tensor, bucket: Bucket, rank: int) -> torch.Te
     return bucket_values[begin:end]
 
 
+def copy_edits(master: torch.Tensor, compute: torch.Tensor) -> None:
+    """Copy into the fp32 `master` only the elements whose 16-bit `compute` copy no longer matches it:
+    copying all of them would round every untouched master weight to 16 bits."""
+    edited = compute != master.to(compute.dtype)
+    master[edited] = compute[edited].to(master.dtype)
+
+
 def tensor_bytes(tensors) -> int:
     """Bytes held by the tensors among `tensors` (other items are ignored: optimizer state has ints)."""
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))

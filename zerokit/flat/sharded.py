@@ -29,6 +29,17 @@ were (the size of the step's gradient buckets, which the watcher held too). Shri
 whoever holds the tensor, and growing the same storage back at the next gather means that a view saved in the
 forward reads what was gathered again for the backward (FSDP2 treats its unsharded parameters alike). Shrinking
 waits for the bucket's gather first, and the device reuses the memory only after it.
+
+[Note: the shard is the fp32 master]
+With a 16-bit compute dtype and the optimizer on the device, a rank would keep two copies of its trainable shard:
+the fp32 master the optimizer steps and its 16-bit cast that the gathers read (2 bytes a parameter over N). FSDP2
+keeps one: its sharded parameter is fp32 and each all-gather's input is cast from it. zerokit does the same there:
+the trainable shards are kept in fp32 (`shard_dtype`) and are the masters themselves (See [Note: masters that alias
+the compute shard] in zerokit/tiers/homes.py), and each gather casts this rank's part into its slot of the 16-bit
+buffer it gathers into (DeviceShards.fetch), the slot the all-gather reads in place. The values gathered are those
+the kept cast held: it was made from the same master after each step. An edit written back from a gathered bucket
+changes only the elements it edited (`copy_edits`), as a separate master does. On an H200 (336.9M parameters,
+one rank, bf16) this took 643 MiB off stage 3's states (benchmarks/gpu_check.py).
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from typing import Protocol
 import torch
 
 from zerokit.comm import Communicator, Pending, wait
-from zerokit.flat.buffers import FlatParameters, own_part, tensor_bytes
+from zerokit.flat.buffers import FlatParameters, copy_edits, own_part, tensor_bytes
 from zerokit.flat.layout import Bucket, RankShards
 
 
@@ -54,8 +65,11 @@ class ShardHome(Protocol):
 
 
 class ShardedFlat:
-    def __init__(self, flat: FlatParameters, rank: int, home: ShardHome, node: Communicator | None = None) -> None:
-        """`node`: hpZ's group of the k ranks that split a secondary copy (See [Note: hpZ's secondary copy])."""
+    def __init__(self, flat: FlatParameters, rank: int, home: ShardHome, node: Communicator | None = None,
+                 shard_dtype: torch.dtype | None = None) -> None:
+        """`node`: hpZ's group of the k ranks that split a secondary copy (See [Note: hpZ's secondary copy]);
+        `shard_dtype`: what the shards are kept in, if not the compute dtype (See [Note: the shard is the fp32
+        master])."""
         self.flat = flat
         self.node = node
         self.secondary: dict[int, torch.Tensor] = {}  # bucket index -> this rank's 1/k of it (1-D), or pending
@@ -64,8 +78,9 @@ class ShardedFlat:
         self.rank = rank
         self.home = home
         self.local = self.layout.shards_of(rank)
-        # 1-D, param dtype: this rank's shard of every bucket, back to back (See FlatLayout.shards_of).
-        self.shards = home.allocate(self.local, flat.dtype)
+        # 1-D, shard dtype: this rank's shard of every bucket, back to back (See FlatLayout.shards_of).
+        self.shards = home.allocate(self.local, shard_dtype or flat.dtype)
+        self.shards_are_masters = self.shards.dtype != flat.dtype  # See [Note: the shard is the fp32 master]
         self.placeholder = torch.full((1,), float("nan"), dtype=flat.dtype, device=flat.device)
         self.buffers: dict[int, torch.Tensor] = {}  # bucket index -> what it is gathered into, each time (See Note)
         self.gathered: set[int] = set()  # buckets whose buffer holds them (or is being gathered into)
@@ -169,6 +184,10 @@ class ShardedFlat:
         returned (None when the bucket is not gathered)."""
         if not self.ready(bucket):
             return None
+        if self.shards_are_masters:  # only what was edited: See [Note: the shard is the fp32 master]
+            edited = own_part(self.buffers[bucket.index], bucket, self.rank)
+            copy_edits(self.shard(bucket), edited)
+            return edited
         return self.keep_shard(bucket, self.buffers[bucket.index])
 
     def tensors(self) -> list[torch.Tensor]:
@@ -183,10 +202,10 @@ class ShardedFlat:
         return [part for index, part in self.secondary.items() if index not in self.capturing]
 
     def held_by_tier(self) -> dict[str, int]:
-        """Bytes by tier: the shards where their home keeps them, the gathered buckets and hpZ's secondary parts on
-        the device."""
+        """Bytes by tier: the shards where their home keeps them (unless they are the masters, which the masters
+        count), the gathered buckets and hpZ's secondary parts on the device."""
         held = {"device": tensor_bytes(self._gathered_buffers()) + tensor_bytes(self._secondary_copies())}
-        for tier, count in self.home.held(self.shards).items():
+        for tier, count in ({} if self.shards_are_masters else self.home.held(self.shards)).items():
             held[tier] = held.get(tier, 0) + count
         return held
 

@@ -123,7 +123,13 @@ def predicted_peak(record: dict, setup: EngineSetup, inventory: ParamInventory, 
     b, s, layers = record["micro_batch"], record["seq_len"], record["model"].get("n_layers") or None
     phases = calibration.phase_peaks(b, s, layers)
     extras = engine_extras(inventory, setup, kept)
-    in_backward = {"head": states.gradient_buffer, "blocks": states.gradient_buffer}  # the tail's extras hold `kept`
+    # the tail's extras hold `kept`; stages 2-3 make a bucket's gradient shard at its first reduction: none during the
+    # head's backward, the last block's bucket during the blocks' peak (See [Note: gradients live from a window's
+    # first backward to its step] in the engine)
+    first_shard = max((b.shard_numel for b in engine_buckets(inventory, setup)), default=0)
+    first_shard *= BYTES_PER_ELEMENT[setup.reduce_dtype]
+    in_backward = {"head": states.gradient_buffer, "blocks": states.gradient_buffer} if setup.stage < 2 else \
+        {"head": 0, "blocks": first_shard}
     peaks = {phase: phases[phase] + extras.get(phase, 0) + in_backward.get(phase, 0) for phase in phases} | \
         {"step": kept}
     phase = max(peaks, key=peaks.get)

@@ -12,8 +12,9 @@ zerokit.profiling.inventory). From it, as the engine does (zerokit/flat/layout.p
     reduce dtype; stage 3 makes one bucket per (unit, param group). A bucket is padded to a multiple of
     the shard group's s ranks (N, unless MiCS splits them; stage 0: 1, it shards nothing) and rank r owns
     shard r % s of every bucket (See [Note: hybrid sharding] in zerokit/comm/groups.py).
-  - parameters: the flat buffer in the compute dtype (stage 3: the shards, plus the full buckets of the
-    units that stay gathered, and with hpZ the secondary copy: See `secondary_numel`); frozen parameters
+  - parameters: the flat buffer in the compute dtype (stage 3: the shards, unless they are the fp32 masters (See
+    `shards_are_masters`), plus the full buckets of the units that stay gathered, and with hpZ the secondary
+    copy: See `secondary_numel`); frozen parameters
     whole in the compute dtype (stage 3: one padded buffer per unit, sharded).
   - gradients: stages 0-1 keep a full flat gradient buffer in the compute dtype; where the reduce dtype
     differs, each reduced bucket (stage 0) or shard (stage 1) is kept in the reduce dtype from backward
@@ -174,6 +175,13 @@ class EngineSetup:
                                       hpz_partition_size=self.hpz_partition_size)
 
     @property
+    def shards_are_masters(self) -> bool:
+        """Stage 3 keeps its trainable shards in fp32, as the masters, under a 16-bit compute dtype with the shards
+        and the optimizer on the device (zerokit/flat/sharded.py, [Note: the shard is the fp32 master])."""
+        return (self.stage == 3 and self.precision != "fp32" and self.offload_optimizer == "none"
+                and self.offload_param == "none")
+
+    @property
     def shard_size(self) -> int:
         """The ranks one bucket is split over: MiCS's s, else every rank (stage 0: one, it shards nothing)."""
         return self.settings.layout_world_size
@@ -308,7 +316,8 @@ def engine_states(inventory: ParamInventory, setup: EngineSetup, rank: int = 0) 
     shard = numel // setup.shard_size
     units = stage3_units(inventory, setup, buckets) if setup.stage == 3 else None
     if setup.stage == 3:
-        parameters = p * (shard + sum(u.trainable_numel for u in persistent_units(units, setup)))
+        kept = 0 if setup.shards_are_masters else shard  # See [Note: the shard is the fp32 master] in the engine
+        parameters = p * (kept + sum(u.trainable_numel for u in persistent_units(units, setup)))
     else:
         parameters = p * numel
     parameters += frozen_bytes(inventory, setup, units)

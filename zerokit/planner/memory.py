@@ -182,6 +182,8 @@ def model_states(rank: RankParams, training: Training, stage: int, offload: Offl
     """(parameters, gradients, optimizer_state) bytes on the GPU."""
     n = rank.shard
     parameters = training.param_bytes * (math.ceil(rank.total / n) if stage == 3 else rank.total)
+    if stage == 3 and training.mixed and not offload.any:  # the trainable shards are the fp32 masters
+        parameters = training.param_bytes * math.ceil((rank.total - rank.trainable) / n)
     if offload.params != "none":
         parameters = 0
     shard_bytes = training.reduce_bytes * math.ceil(rank.trainable / n)

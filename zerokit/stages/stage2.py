@@ -21,12 +21,12 @@ class ShardedGradients(ZeroStage):
     def __init__(self, flat: FlatParameters, masters: ShardMasters, groups: ProcessGroups, config: ZeroConfig,
                  settings: EngineSettings) -> None:
         super().__init__(flat, masters, groups, config, settings)
-        # 1-D, reduce dtype: this rank's shard of every bucket, back to back (See FlatLayout.shards_of).
-        # Micro-steps accumulate here, so fp32 (the default reduce dtype) keeps accumulation exact. Made at a
-        # window's first reduction, let go of at its step: See [Note: gradients live from a window's first
+        # bucket index -> 1-D, reduce dtype: this rank's shard of the bucket's reduced gradient. Micro-steps
+        # accumulate here, so fp32 (the default reduce dtype) keeps accumulation exact. Each is made at the bucket's
+        # first reduction in a window and let go of at its step: See [Note: gradients live from a window's first
         # backward to its step] in stages/base.py.
         self.local = self.layout.shards_of(self.rank)
-        self.grad_shards: torch.Tensor | None = None
+        self.grad_shards: dict[int, torch.Tensor] = {}
         self.staging: dict[int, torch.Tensor] = {}  # bucket index -> 1-D full bucket, reduce dtype
         self.place: dict[int, tuple[Bucket, Slot]] = {
             slot.param_index: (bucket, slot) for bucket in self.layout.buckets for slot in bucket.slots}
@@ -52,16 +52,16 @@ class ShardedGradients(ZeroStage):
         return self.averaging.to_shard(bucket, staging, owned.add_)
 
     def owned_grad(self, bucket: Bucket) -> torch.Tensor:
-        if self.grad_shards is None:  # the window's first reduction
-            self.grad_shards = torch.zeros(self.local.numel, dtype=self.reduce_dtype, device=self.flat.device)
-        return self.local.view(self.grad_shards, bucket)
+        if bucket.index not in self.grad_shards:  # the bucket's first reduction in this window
+            begin, end = self.local.ranges[bucket.index]
+            self.grad_shards[bucket.index] = torch.zeros(end - begin, dtype=self.reduce_dtype, device=self.flat.device)
+        return self.grad_shards[bucket.index]
 
     def zero_grads(self) -> None:
-        self.grad_shards = None
+        self.grad_shards = {}
         self.staging.clear()  # empty after a window's last reduction; full of unreduced ones when one is dropped
 
     def gradient_tensors(self) -> list[torch.Tensor]:
         # Full gradients exist only while micro-steps accumulate locally (reduce_every_micro_step=False).
         accumulating = [p.grad for p in self.flat.params if p.grad is not None]
-        shards = [self.grad_shards] if self.grad_shards is not None else []
-        return [*shards, *self.staging.values(), *accumulating]
+        return [*self.grad_shards.values(), *self.staging.values(), *accumulating]

@@ -43,7 +43,7 @@ from zerokit.config import ZeroConfig
 from zerokit.flat import Bucket, FlatParameters, ParamEntry, ShardedFlat, build_layout, tensor_bytes
 from zerokit.masters import OptimizerPlan, ShardMasters
 from zerokit.masters.state import masters_state_dict
-from zerokit.tiers import master_homes, shard_home
+from zerokit.tiers import ShardIO, master_homes, shard_home
 from zerokit.tiers.swap import SwapDirectory
 from zerokit.settings import EngineSettings
 from zerokit.stages.agreement import GATHER
@@ -86,7 +86,8 @@ class ShardedParameters(ShardedGradients):
         dtype, device = config.precision.param_dtype, _device_of(model)
         home = shard_home(config, comm.stats, device, global_rank)
         node = process_groups.node  # See [Note: hpZ's secondary copy] in flat/sharded.py
-        trainable = ShardedFlat(FlatParameters(params, layout, dtype), comm.rank, home, node)
+        trainable = ShardedFlat(FlatParameters(params, layout, dtype), comm.rank, home, node,
+                                shard_dtype=_trainable_shard_dtype(config, home))
         frozen = ShardedFlat(_frozen_flat(model, params, unit_of, comm.world_size, dtype), comm.rank, home, node)
         shards = UnitShards(units, trainable, frozen, [b.group // per_unit for b in layout.buckets],
                             process_groups.gather, config.stage3)
@@ -226,6 +227,13 @@ class ShardedParameters(ShardedGradients):
     def units_of(self, params: list[nn.Parameter]) -> list[Unit]:
         wanted = {id(p) for p in params}
         return [unit for unit in self.units if unit.param_ids & wanted]
+
+
+def _trainable_shard_dtype(config: ZeroConfig, home: ShardIO) -> torch.dtype:
+    """fp32 where the shards can be the masters: a 16-bit compute dtype, with the shards and the optimizer on the
+    device (See [Note: the shard is the fp32 master] in zerokit/flat/sharded.py); else the compute dtype."""
+    on_device = home.tier == "device" and not config.offload_optimizer.enabled
+    return torch.float32 if on_device else config.precision.param_dtype
 
 
 def _device_of(model: nn.Module) -> torch.device:

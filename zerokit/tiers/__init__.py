@@ -8,7 +8,7 @@ planner reads without torch."""
 from zerokit.lazy import lazy_names
 
 _LAZY = {
-    **dict.fromkeys(["DeviceHome", "HostHome", "Home", "ShardIO", "copy_edits"], "zerokit.tiers.homes"),
+    **dict.fromkeys(["DeviceHome", "HostHome", "Home", "ShardIO"], "zerokit.tiers.homes"),
     **dict.fromkeys(["master_homes", "shard_home"], "zerokit.tiers.placement"),
     **dict.fromkeys(["DeviceShards", "HostShards"], "zerokit.tiers.shards"),
 }

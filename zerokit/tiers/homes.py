@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from zerokit.comm import CommStats, Transfer
+from zerokit.flat.buffers import copy_edits
 
 if TYPE_CHECKING:
     from zerokit.tiers.swap import SwapDirectory
@@ -85,10 +86,13 @@ class DeviceHome(HeldGradient):
 
     tier, paged, swap = "device", False, None
 
-    def __init__(self, compute: torch.Tensor, device: torch.device, io: ShardIO) -> None:
+    def __init__(self, compute: torch.Tensor, device: torch.device, io: ShardIO, param_dtype: torch.dtype) -> None:
+        """`compute`: the shard it publishes to; `param_dtype`: the dtype the model computes in (stage 3 keeps its
+        shards in fp32 under a 16-bit one: See [Note: the shard is the fp32 master] in zerokit/flat/sharded.py)."""
         self.compute, self.io = compute, io
         self.aliased = compute.dtype == torch.float32 and io.tier == "device"
         self.master = compute if self.aliased else torch.empty(compute.numel(), device=device)
+        self.is_parameter = self.aliased and param_dtype == torch.float32  # fp32 training: counted as parameters
 
     def initialise(self, values: torch.Tensor) -> None:
         if not self.aliased:  # an aliased master already holds them: its compute shard was filled first
@@ -103,8 +107,8 @@ class DeviceHome(HeldGradient):
             copy_edits(self.master, self.io.read(self.compute, self.tier))
 
     def held(self) -> dict[str, int]:
-        """Bytes it holds by category, besides the optimizer's state: the master unless it is the shard."""
-        return {"optimizer_state": 0 if self.aliased else _bytes(self.master)}
+        """Bytes it holds by category, besides the optimizer's state: the master unless it is the parameter."""
+        return {"optimizer_state": 0 if self.is_parameter else _bytes(self.master)}
 
 
 class HostHome:
@@ -166,8 +170,3 @@ def _bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def copy_edits(master: torch.Tensor, compute: torch.Tensor) -> None:
-    """Copy into the fp32 `master` only the elements whose 16-bit `compute` copy no longer matches it:
-    copying all of them would round every untouched master weight to 16 bits."""
-    edited = compute != master.to(compute.dtype)
-    master[edited] = compute[edited].to(master.dtype)

@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from zerokit.comm import CommStats, Transfer
-from zerokit.tiers.homes import HeldGradient, ShardIO, copy_edits
+from zerokit.flat.buffers import copy_edits
+from zerokit.tiers.homes import HeldGradient, ShardIO
 from zerokit.tiers.swap import BufferPool, SwapDirectory, round_up
 
 TENSOR_ALIGN = 64  # bytes: every state tensor starts at such a boundary (any dtype's alignment)

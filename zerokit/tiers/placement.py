@@ -50,8 +50,8 @@ def master_homes(compute: list[torch.Tensor], config: ZeroConfig, stats: CommSta
                 for index, shard in enumerate(compute)]
     on_host = _host_share(compute, offload.ratio) if offload.enabled else [False] * len(compute)
     check_host_memory(key, sum(shard.numel() for shard, host in zip(compute, on_host) if host) * per_element)
-    return [HostHome(shard, offload.pin_memory, stats, io) if host else DeviceHome(shard, device, io)
-            for shard, host in zip(compute, on_host)]
+    return [HostHome(shard, offload.pin_memory, stats, io) if host else
+            DeviceHome(shard, device, io, config.precision.param_dtype) for shard, host in zip(compute, on_host)]
 
 
 def _log_swap(key: str, swap: SwapDirectory, speed: float) -> None:

@@ -57,8 +57,12 @@ class DeviceShards(_MemoryShards):
         return torch.zeros(local.numel, dtype=dtype, device=self.device)
 
     def fetch(self, shard: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        """What to gather from: the shard itself."""
-        return shard
+        """What to gather from: the shard itself, or, where the shard is the fp32 master, its cast into `slot`
+        (See [Note: the shard is the fp32 master] in zerokit/flat/sharded.py)."""
+        if shard.dtype == slot.dtype:
+            return shard
+        slot.copy_(shard)
+        return slot
 
 
 class HostShards(_MemoryShards):

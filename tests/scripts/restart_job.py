@@ -12,7 +12,8 @@ starts S seconds after rank 0 (a slower node).
 a save killed on purpose] in zerokit/checkpoint/faults.py); --tag saves every checkpoint under one tag.
 --full-disk-at K: the save after step K finds no room: rank 0 fills the file system of --checkpoints to all but
 --room bytes first (--starve fill), or rank 1 lowers its file-size limit to --room bytes (--starve fsize); every rank
-records the error it raised in DIR/save_error_rank<r>.txt, trains on, and saves its last step in DIR/room.
+records the error it raised in DIR/save_error_rank<r>.txt (and the seconds the save took to fail), trains on, and
+saves its last step in DIR/room.
 --preempt-at K: preemption on (save_dir: the checkpoint directory); in the first attempt rank 1 writes DIR/in_step
 (its pid) during step K and waits for the signal the test sends, before its backward.
 Rank 0 writes DIR/result.json: the losses of the steps each attempt trained, the attempt and the step it resumed
@@ -99,15 +100,18 @@ def save(engine: zerokit.Engine, args: argparse.Namespace, checkpoints: Path, st
          rank: int) -> None:
     if step == args.kill_save_at and attempt < len(args.kill_in_save):
         os.environ[KILL_DURING_SAVE] = args.kill_in_save[attempt]
+        (Path(args.out) / "killed_at").write_text(repr(time.time()))  # a few milliseconds early
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     if step == args.full_disk_at and args.starve == "fill" and rank == 0:
         fill_disk(checkpoints, args.room)
     if step == args.full_disk_at and args.starve == "fsize" and rank == 1:
         resource.setrlimit(resource.RLIMIT_FSIZE, (args.room, limit[1]))
+    began = time.monotonic()
     try:
         engine.save_checkpoint(checkpoints, tag=args.tag)
     except RuntimeError as error:
         (Path(args.out) / f"save_error_rank{rank}.txt").write_text(str(error))
+        (Path(args.out) / f"save_error_seconds_rank{rank}.txt").write_text(f"{time.monotonic() - began:.3f}")
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit)
 

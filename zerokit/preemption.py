@@ -25,7 +25,12 @@ gradient_accumulation_steps micro-steps and one optimizer step), one all-reduce 
 gives the figure measured. A rank blocked in a collective sees its flag when the collective returns, so a rank
 stalled for good is not saved by this (the collectives' deadline names it instead).
 Handlers are installed at initialize (the main thread: Python runs handlers there only) and the previous ones put
-back at engine.close().
+back at engine.close(); one open engine of a process may have them (a second is refused: a signal would reach one of
+the two only).
+Where the code goes: to whoever started the ranks. torchrun reads it as a failure and restarts the ranks within
+--max-restarts (a signal to some ranks only); torchrun itself sent SIGTERM exits with 1 whatever its workers did
+(torch 2.13), so a scheduler around torchrun requeues on its own signal (docs/reliability.md gives a batch script);
+SIGUSR1 sent to torchrun kills it and its ranks at once.
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ class PreemptionWatcher:
                              "handlers there only")
         for name in self.policy.signals:
             number = signal.Signals[name]
+            if isinstance(getattr(signal.getsignal(number), "__self__", None), PreemptionWatcher):
+                raise ValueError(f"preemption is enabled in another open engine of this process, which catches "
+                                 f"{name} already; enable it in one engine (the one whose step() ends the loop)")
             self.previous[number] = signal.signal(number, self._record)
 
     def _record(self, number: int, frame: Any) -> None:

@@ -43,7 +43,7 @@ def checkpoint_directory(load_dir: str | os.PathLike, tag: str | None = None) ->
     if tag is None:
         latest = load_dir / LATEST
         if not latest.is_file():
-            found = sorted(p.parent.name for p in load_dir.glob(f"*/{MANIFEST}"))
+            found = sorted(p.parent.name for p in load_dir.glob(f"*/{MANIFEST}") if not p.parent.name.startswith("."))
             raise ValueError(f"{latest}: missing, so no tag to load; pass tag= (checkpoints here: "
                              f"{', '.join(found) or 'none'})")
         tag = latest.read_text().strip()

@@ -11,15 +11,16 @@ and SIGKILL KillWait (30 s) after SIGTERM. So:
     in the middle of a backward or an optimizer step, between collectives the other ranks are inside.
   - engine.step() looks at the end of each accumulation window, after the optimizer step, where a checkpoint holds
     no gradients in flight: one all-reduce of the signal number (MAX) over the ranks, a few bytes, so that a
-    signal any rank got is every rank's (SLURM's --signal without `srun` reaches only some processes; a rank
-    that took a step more would save another model).
+    signal any rank got is every rank's (a signal can reach some ranks only: one node drained, one process sent
+    it; a rank that went on alone would hang the others, and one a step ahead would save another model).
   - Then every rank saves the checkpoint of that step (synchronously: an asynchronous save in flight is waited
     for first), rank 0 logs what was saved and how long it took, and engine.step() raises `Preempted`, a
     SystemExit with `exit_code`, which the interpreter exits with once the engine is closed (zerokit closes it at
-    exit). Default 75, sysexits.h's EX_TEMPFAIL ("try again later"): torchrun restarts on any code but 0 (within
-    --max-restarts); SLURM requeues on it with `RequeueExit=75` in slurm.conf or `scontrol requeue` in the
-    batch script; Kubernetes with a podFailurePolicy rule `onExitCodes: {operator: In, values: [75]}` and action
-    Ignore (a retry not counted against backoffLimit). 0 would read as a finished job, 128+N as a process killed.
+    exit). A preemption save that fails (a full disk) raises its error instead, and the job resumes from the
+    checkpoint before. Default 75, sysexits.h's EX_TEMPFAIL ("try again later"): torchrun restarts on any code but
+    0 (within --max-restarts); SLURM requeues on it with `RequeueExit=75` in slurm.conf; Kubernetes with a
+    podFailurePolicy rule `onExitCodes: {operator: In, values: [75]}` and action Ignore (a retry not counted
+    against backoffLimit). 0 would read as a finished job, 1 as a crash, 128+N as a process killed by signal N.
 Bound: from the signal to the saved checkpoint, the rest of the accumulation window in flight (at most
 gradient_accumulation_steps micro-steps and one optimizer step), one all-reduce and one save; docs/reliability.md
 gives the figure measured. A rank blocked in a collective sees its flag when the collective returns, so a rank

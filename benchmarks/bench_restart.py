@@ -14,6 +14,12 @@ Per round:
     on every rank;
   - the check at each window's end: with 2 ranks spawned, --steps optimizer steps with preemption on and off,
     alternated on one engine, and the check alone (one all-reduce of a scalar), the median of 200 calls.
+
+    python benchmarks/bench_restart.py --random 20 --seed 1
+
+SIGTERM to torchrun at a random time (2-9 s after the launch) of a 150-step job with preemption on that saves every
+50 steps, launched again until it finishes, 20 times: each trial's rank exit codes, the checkpoint `latest` named,
+the step the job resumed from, and whether it ended with the weights of the job never preempted, bit for bit.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import os
+import random
 import re
 import signal
 import statistics
@@ -90,6 +97,42 @@ def full_disk_round(out: Path) -> dict:
     return {"failed_save_s": seconds, "disk": "tmpfs" if mounted else "RLIMIT_FSIZE"}
 
 
+RANDOM_JOB = ("--steps", "150", "--save-every", "50", "--preempt-at", "100000")  # preemption on, no wait
+
+
+def random_trials(trials: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="zerokit-bench-restart-") as root:
+        reference = Path(root) / "reference"
+        reference.mkdir()
+        subprocess.run(torchrun(reference, *RANDOM_JOB, restarts=0), capture_output=True, check=True, timeout=300)
+        expected = json.loads((reference / "result.json").read_text())["weights"]
+        rows = []
+        for trial in range(trials):
+            out = Path(root) / f"trial{trial}"
+            out.mkdir()
+            rows.append(_random_trial(out, rng.uniform(2.0, 9.0), expected))
+            print("random", json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _random_trial(out: Path, delay: float, expected: dict) -> dict:
+    job = subprocess.Popen(torchrun(out, *RANDOM_JOB, restarts=0), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(delay)
+    os.kill(job.pid, signal.SIGTERM)
+    job.communicate(timeout=300)
+    codes = [json.loads(p.read_text())["code"] for p in sorted(out.glob("exit_rank*"))]
+    latest = out / "checkpoints" / "latest"
+    saved = latest.read_text() if latest.exists() else None
+    launches = 1
+    while not (out / "result.json").exists() and launches < 4:  # requeued
+        subprocess.run(torchrun(out, *RANDOM_JOB, restarts=0), capture_output=True, timeout=300)
+        launches += 1
+    result = json.loads((out / "result.json").read_text())
+    return {"sigterm_after_s": round(delay, 2), "exit_codes": codes, "latest_then": saved,
+            "resumed_from": result["resumed_from"], "launches": launches, "bit_equal": result["weights"] == expected}
+
+
 def _check_cost(rank: int, world_size: int, steps: int, rounds: int) -> dict:
     torch.manual_seed(0)
     model = TinyGPT(TinyGPTConfig(n_layer=2))
@@ -127,7 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
+    parser.add_argument("--random", type=int, default=0, help="instead: this many SIGTERMs at random times")
+    parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.random:
+        rows = random_trials(args.random, args.seed)
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=1))
+        return 0 if all(row["bit_equal"] for row in rows) else 1
     figures: dict[str, list] = {"preemption": [], "killed_save": [], "full_disk": []}
     for _ in range(args.rounds):
         for name, measure in (("preemption", preemption_round), ("killed_save", killed_save_round),

@@ -5,7 +5,9 @@ node), which is when torch's own start read the previous attempt's keys in the a
 (See [Note: a key space per attempt] in zerokit/comm/rendezvous.py). The restarted job resumes at step 4 and
 ends with the uninterrupted job's weights, bit for bit (the same world size, data and stage), whether
 zerokit.initialize or the drop-in's deepspeed.init_distributed started the group. A script that starts the group
-itself is told, after a restart, which setting avoids the fault. Each launch costs about 10 s here."""
+itself is told, after a restart, which setting avoids the fault. The same job, killed by every rank inside a save,
+finding its disk full at a save, and preempted with SIGTERM and SIGUSR1, ends as the uninterrupted one too (items 4
+and 5). Each launch costs about 10 s here."""
 
 from __future__ import annotations
 

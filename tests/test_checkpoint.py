@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ import zerokit
 import zerokit.checkpoint as checkpoint
 from test_engine_state import train, train_loss  # the same few steps on the same batches
 from zerokit.cli import main as cli_main
+from zerokit.preemption import Preempted
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, param_groups
 from zerokit.testing.spawn import spawn
 
@@ -270,6 +273,44 @@ def test_a_rank_killed_between_files_leaves_the_previous_checkpoint_loadable(one
     path, _ = engine.load_checkpoint(tmp_path)
     assert path == str(tmp_path / "first") and engine.progress.optimizer_step == 1
     one_line_error(lambda: make_engine(stage=1).load_checkpoint(tmp_path, tag="second"), "interrupted save")
+
+
+def test_a_save_that_cannot_start_is_one_line_and_training_goes_on(one_process, tmp_path) -> None:
+    """Its staging directory cannot be made (every rank reports that too, rather than raising alone and leaving the
+    others waiting: See [Note: a save that fails]); tests/test_restart.py fills a disk under two ranks."""
+    engine = make_engine()
+    train(engine, range(1))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(RuntimeError) as error:
+        engine.save_checkpoint(tmp_path / "file" / "ckpt")
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"checkpoint 'global_step1' was not saved in {tmp_path}/file/ckpt: "
+                                                      "rank 0: NotADirectoryError") and "preparing" in message
+    train(engine, range(1, 2))
+    engine.save_checkpoint(tmp_path / "room")
+    assert (tmp_path / "room" / "latest").read_text() == "global_step2"
+
+
+# --- preemption (tests/test_restart.py sends the signals to torchrun jobs) -----------------------------------------
+
+def test_a_signal_inside_a_window_saves_at_the_windows_end_and_exits_with_the_code(one_process, tmp_path) -> None:
+    before = signal.getsignal(signal.SIGUSR1)
+    engine = make_engine(accumulation=2, preemption={"enabled": True, "save_dir": str(tmp_path), "exit_code": 42})
+    train(engine, range(2))  # one optimizer step
+    engine.backward(train_loss(engine, 2))
+    os.kill(os.getpid(), signal.SIGUSR1)  # a real signal, inside the second window
+    deadline = time.monotonic() + 5
+    while not engine.preemption.requested and time.monotonic() < deadline:
+        time.sleep(0.001)
+    engine.step()  # not the window's end: no save, training goes on
+    assert engine.preemption.requested and not (tmp_path / "latest").exists()
+    engine.backward(train_loss(engine, 3))
+    with pytest.raises(Preempted) as leaving:
+        engine.step()
+    assert leaving.value.code == 42 and (tmp_path / "latest").read_text() == "global_step2"
+    assert checkpoint.read_manifest(tmp_path / "global_step2").progress["optimizer_step"] == 2
+    engine.close()
+    assert signal.getsignal(signal.SIGUSR1) == before  # the handler found at initialize is back
 
 
 # --- the command line -------------------------------------------------------------------------------

@@ -197,6 +197,11 @@ def test_deepspeed_spellings_are_read_as_deepspeed_reads_them() -> None:
     ({"activation_checkpointing": {"number_checkpoints": 0}}, "number_checkpoints=0 must be >= 1"),
     ({"flops_profiler": {"enabled": True, "profile_step": 0}}, "flops_profiler.profile_step=0 must be >= 1"),
     ({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, "set the top-level gradient_clipping"),
+    ({"preemption": {"enabled": True}}, "preemption.enabled needs preemption.save_dir"),
+    ({"preemption": {"signals": ["SIGKILL"]}}, "preemption.signals: 'SIGKILL' is not a signal a process can catch"),
+    ({"preemption": {"exit_code": 0}}, "preemption.exit_code=0 must be 1-125: 0 reads as a finished job"),
+    ({"preemption": {"exit_code": 143}}, "preemption.exit_code=143 must be 1-125"),
+    ({"preemption": {"save_to": "ckpt"}}, "unknown preemption key 'save_to'"),
 ])
 def test_new_fields_are_validated_in_one_line(raw, message):
     with pytest.raises(ValueError) as error:
@@ -245,6 +250,16 @@ def test_typed_fields_for_what_the_reader_honours():
     assert defaults.offload_param.buffer_count == 5 and defaults.offload_optimizer.buffer_count == 4
     assert not defaults.offload_optimizer.enabled and defaults.allgather_bucket_size == 500_000_000
     assert not ZeroConfig(allgather_partitions=False).allgather_partitions  # a speed-only choice: never refused
+
+
+def test_the_preemption_block_is_read_off_by_default_and_named_at_start():
+    from zerokit.config import Preemption
+
+    assert not ZeroConfig().preemption.enabled
+    config = load_config({"preemption": {"enabled": True, "save_dir": "ckpt", "signals": ["usr1", "SIGTERM"]}})
+    assert config.preemption == Preemption(enabled=True, save_dir="ckpt", signals=("SIGUSR1", "SIGTERM"), exit_code=75)
+    assert "preemption: SIGUSR1, SIGTERM finish the step in flight, save a checkpoint in ckpt and exit with code 75" \
+        in config.startup_log_lines()
 
 
 def test_resolve_fills_in_auto_and_logs_it():

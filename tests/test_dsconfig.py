@@ -238,7 +238,8 @@ def test_every_key_says_what_zerokit_does():
 def test_block_defaults_are_deepspeeds():
     """Each typed block's field defaults equal the schema's (DeepSpeed's) defaults for its keys."""
     sections = {blocks.ActivationCheckpointing: "activation_checkpointing", blocks.CommsLogger: "comms_logger",
-                blocks.FlopsProfiler: "flops_profiler", blocks.Monitor: "csv_monitor", blocks.Wandb: "wandb"}
+                blocks.FlopsProfiler: "flops_profiler", blocks.Monitor: "csv_monitor", blocks.Wandb: "wandb",
+                blocks.Preemption: "preemption"}
     for cls, section in sections.items():
         for field in dataclasses.fields(cls):
             assert field.default == SCHEMA[f"{section}.{field.name}"].default, (cls, field.name)

@@ -5,34 +5,44 @@ node), which is when torch's own start read the previous attempt's keys in the a
 (See [Note: a key space per attempt] in zerokit/comm/rendezvous.py). The restarted job resumes at step 4 and
 ends with the uninterrupted job's weights, bit for bit (the same world size, data and stage), whether
 zerokit.initialize or the drop-in's deepspeed.init_distributed started the group. A script that starts the group
-itself is told, after a restart, which setting avoids the fault. Each launch costs about 10 s here."""
+itself is told, after a restart, which setting avoids the fault. The same job, killed by every rank inside a save,
+finding its disk full at a save, and preempted with SIGTERM and SIGUSR1, ends as the uninterrupted one too (items 4
+and 5). Each launch costs about 10 s here."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch.distributed as dist
 
+from zerokit.checkpoint import read_manifest
+from zerokit.checkpoint.files import CheckedReader
 from zerokit.comm import rendezvous
 
 SCRIPT = Path(__file__).parent / "scripts" / "restart_job.py"
 
 
-def run(out: Path, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               "--max-restarts", "1", str(SCRIPT), "--out", str(out), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+def command(out: Path, *args: str, restarts: int = 1) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "--max-restarts", str(restarts), str(SCRIPT), "--out", str(out), *args]
 
 
-def launch(out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
-    done = run(out, *args)
+def run(out: Path, *args: str, restarts: int = 1) -> subprocess.CompletedProcess:
+    return subprocess.run(command(out, *args, restarts=restarts), capture_output=True, text=True, timeout=300)
+
+
+def launch(out: Path, *args: str, restarts: int = 1) -> tuple[subprocess.CompletedProcess, dict]:
+    done = run(out, *args, restarts=restarts)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-5000:]
     return done, json.loads((out / "result.json").read_text())
 
@@ -75,3 +85,98 @@ def test_a_rank_that_reads_a_dead_attempt_waits_for_the_living_one() -> None:
     living = rendezvous._publish_attempt(store, 2, timeout)
     peer.join(timeout=30)
     assert joined == [living] and living != "dead"
+
+
+# --- a save that dies (item 5) ----------------------------------------------------------------------------------
+
+def test_every_rank_killed_inside_a_save_resumes_from_the_checkpoint_before(uninterrupted, tmp_path) -> None:
+    """Every checkpoint under one tag, so that a commit replaces the one before. Attempt 0: both ranks SIGKILL
+    themselves half-way through their rank files in the save after step 8; attempt 1 resumes at step 4 and rank 0 is
+    killed between moving that checkpoint aside and moving the new one in (the one moment the tag's directory does
+    not exist); attempt 2 resumes at step 4 from where the commit moved it, and ends with the uninterrupted weights.
+    Before, attempt 2 failed: the tag's manifest missing (See [Note: a save killed on purpose])."""
+    done, restarted = launch(tmp_path, "--tag", "last", "--kill-in-save", "rank-file", "commit", restarts=2)
+    assert (tmp_path / "starts").read_text() == "0 0\n1 4\n2 4\n"
+    assert "killed while it replaced the checkpoint there" in done.stderr
+    assert restarted["losses"] == uninterrupted["losses"][4:]
+    assert restarted["weights"] == uninterrupted["weights"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last", "latest"]  # no leftovers
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 4 MiB tmpfs, which the job fills before its second save (a disk that is actually full), where this process
+    may mount one (root); else a plain directory, and rank 1 lowers its file-size limit instead (EFBIG)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)],
+                                                   capture_output=True).returncode == 0
+    yield disk, "fill" if mounted else "fsize"
+    if mounted:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_save_that_finds_the_disk_full_fails_on_every_rank_and_training_goes_on(uninterrupted, tmp_path,
+                                                                                 small_disk) -> None:
+    disk, starve = small_disk
+    checkpoints = disk / "checkpoints"
+    _, result = launch(tmp_path, "--checkpoints", str(checkpoints), "--full-disk-at", "8", "--starve", starve)
+    errors = [(tmp_path / f"save_error_rank{rank}.txt").read_text() for rank in (0, 1)]
+    assert errors[0] == errors[1] and "\n" not in errors[0], errors
+    assert errors[0].startswith(f"checkpoint 'global_step8' was not saved in {checkpoints}: rank "), errors[0]
+    cause = "the disk is full (ENOSPC" if starve == "fill" else "file-size limit (EFBIG"
+    assert cause in errors[0] and errors[0].endswith("`latest` still names 'global_step4'"), errors[0]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["global_step4", "latest"]  # staging removed
+    assert (checkpoints / "latest").read_text() == "global_step4"
+    manifest = read_manifest(checkpoints / "global_step4")
+    for record in manifest.files.values():  # intact: every chunk of every file against its checksum
+        reader = CheckedReader(checkpoints / "global_step4" / record.name, record)
+        reader.read(0, record.bytes)
+        reader.close()
+    assert manifest.progress["optimizer_step"] == 4
+    assert result["attempt"] == 0 and result["weights"] == uninterrupted["weights"]  # it trained on, unharmed
+    assert (tmp_path / "room" / "latest").read_text() == "global_step10"  # and saved where there was room
+
+
+# --- preemption (item 4) ----------------------------------------------------------------------------------------
+
+def preempted(out: Path, at: int, target: Callable[[subprocess.Popen], int], number: signal.Signals
+              ) -> subprocess.Popen:
+    """Launch the job with preemption on; when rank 1 is inside step `at` (0-based, before its backward), send
+    `number` to the process `target` names, and note when (DIR/killed_at). Returns the finished launch."""
+    (out / "in_step").unlink(missing_ok=True)
+    job = subprocess.Popen(command(out, "--preempt-at", str(at)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    deadline = time.monotonic() + 120
+    while not (out / "in_step").exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.05)  # the pid is written
+    (out / "killed_at").write_text(repr(time.time()))
+    os.kill(target(job), number)
+    job.stdout_text, job.stderr_text = job.communicate(timeout=300)
+    return job
+
+
+def assert_saved_the_step_in_flight(out: Path, in_flight: int) -> None:
+    exits = [json.loads((out / f"exit_rank{rank}_attempt0.json").read_text()) for rank in (0, 1)]
+    assert [e["code"] for e in exits] == [75, 75]  # every rank, the one not signalled too
+    saved = read_manifest(out / "checkpoints" / f"global_step{in_flight + 1}")
+    assert saved.progress["optimizer_step"] == in_flight + 1  # steps 0 to in_flight, no more, no less
+
+
+def test_a_preempted_job_saves_the_step_in_flight_exits_to_be_requeued_and_resumes_exactly(uninterrupted,
+                                                                                           tmp_path) -> None:
+    """A scheduler's SIGTERM to the launcher, which passes it on to every worker, while rank 1 is inside step 5:
+    both ranks finish it, save it and exit with 75; torchrun ends. The job launched again (requeued) resumes at
+    step 6, and SIGUSR1 (SLURM's --signal) reaches rank 1 alone inside step 6: both ranks save it and exit with 75,
+    torchrun restarts them, and the job resumes at step 7 and ends with the uninterrupted weights."""
+    job = preempted(tmp_path, 5, lambda launched: launched.pid, signal.SIGTERM)
+    assert job.returncode != 0 and not (tmp_path / "result.json").exists(), job.stderr_text[-5000:]
+    assert_saved_the_step_in_flight(tmp_path, 5)
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "global_step6"
+    job = preempted(tmp_path, 6, lambda _: int((tmp_path / "in_step").read_text()), signal.SIGUSR1)
+    assert job.returncode == 0, job.stderr_text[-5000:]
+    assert_saved_the_step_in_flight(tmp_path, 6)
+    assert (tmp_path / "starts").read_text() == "0 0\n0 6\n1 7\n"  # launch, attempt: the step it started from
+    resumed = json.loads((tmp_path / "result.json").read_text())
+    assert resumed["losses"] == uninterrupted["losses"][7:] and resumed["weights"] == uninterrupted["weights"]

@@ -32,7 +32,8 @@ from zerokit.dsconfig.auto import (GAS, MICRO, TBS, Choice, default_differences,
                                    pending)
 from zerokit.dsconfig.auto import resolve as resolve_auto
 from zerokit.dsconfig.blocks import (ActivationCheckpointing, CommsLogger, FlopsProfiler, Monitor, Offload,
-                                     OptimizerSpec, SchedulerSpec, Wandb, block_fields, tensorboard_available)
+                                     OptimizerSpec, Preemption, SchedulerSpec, Wandb, block_fields,
+                                     tensorboard_available)
 from zerokit.dsconfig.precision import compute_dtype
 from zerokit.dsconfig.schema import default
 from zerokit.jsonfile import read_json_object
@@ -238,6 +239,8 @@ class ZeroConfig:
     """Stage 3: ZeRO++ hpZ, a secondary copy of the parameter shards split over groups of this many consecutive
     ranks, which every gather after the first of a step reads (See [Note: hpZ's secondary copy] in
     flat/sharded.py); 1: none."""
+    preemption: Preemption = field(default_factory=Preemption)
+    """zerokit's `preemption` block: save and exit with a requeue code on SIGTERM/SIGUSR1 (off by default)."""
     ranks_per_node: int | None = default("ranks_per_node")
     """Ranks on each node, numbered consecutively. None: torchrun's LOCAL_WORLD_SIZE, else one node (the start-up
     fingerprint checks that every rank agrees on the outcome)."""
@@ -398,6 +401,10 @@ def _meaning_lines(config: ZeroConfig) -> list[str]:
     if config.stage == 3 and not config.overlap_comm:
         lines.append("zero_optimization.overlap_comm=false: stage 3 still reduces each unit during backward, "
                      "as it frees the unit's gradients (only when a reduction starts changes, never its sum)")
+    if config.preemption.enabled:
+        policy = config.preemption
+        lines.append(f"preemption: {', '.join(policy.signals)} finish the step in flight, save a checkpoint in "
+                     f"{policy.save_dir} and exit with code {policy.exit_code}")
     if config.sub_group_size == 0:
         lines.append("zero_optimization.sub_group_size=0: one optimizer piece per parameter, as DeepSpeed makes "
                      "every parameter its own sub-group")
@@ -537,5 +544,5 @@ def load_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None) -> Z
 
 
 __all__ = ["engine_settings", "ZeroConfig", "MixedPrecision", "LossScaling", "Stage3Policy", "Offload", "OptimizerSpec",
-           "SchedulerSpec", "ActivationCheckpointing", "CommsLogger", "FlopsProfiler", "Monitor", "Wandb",
+           "SchedulerSpec", "Preemption", "ActivationCheckpointing", "CommsLogger", "FlopsProfiler", "Monitor", "Wandb",
            "load_config", "from_dict", "hidden_size_of", "replace"]

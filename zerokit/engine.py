@@ -26,6 +26,7 @@ from zerokit.masters import OptimizerPlan, optimizer_kind, trainable_groups
 from zerokit.activations import ActivationCheckpointer
 from zerokit.observe import EngineMonitor, collective_stats
 from zerokit.precision import StepResult, make_loss_scaler
+from zerokit.preemption import PreemptionWatcher
 from zerokit.reliability import Safeguards, check_at_start
 from zerokit.runtime import close_at_exit, default_device, ensure_process_group, forget_at_exit, log_startup
 from zerokit.settings import EngineSettings
@@ -76,6 +77,7 @@ class Engine:
         self.activations.checkpoint_modules(self.stage.recomputed_modules())
         setup_lines += self.activations.startup_lines()
         log_startup(self.stage, config.startup_log_lines() + setup_lines, config.warnings)
+        self.preemption = PreemptionWatcher(config.preemption, self.comm, self.save_checkpoint)
         self.closed = False
         close_at_exit(self)  # See [Note: leaving at exit] in runtime.py
 
@@ -118,7 +120,9 @@ class Engine:
         """Step the optimizer if this micro-step ended an accumulation window; report either way."""
         self._refuse_if_closed("step")
         with self.monitor.step() as done:  # observability (zerokit/observe): step time, logs, monitors
-            return done(self.stepper.step(self.progress))
+            result = done(self.stepper.step(self.progress))
+        self.preemption.after_step(result)  # a signal any rank got: save and exit (See [Note: preemption])
+        return result
 
     def get_lr(self) -> list[float]:
         """The learning rate of every param group, optimizer by optimizer, as the next step will use it."""
@@ -219,6 +223,7 @@ class Engine:
         self._hooks = []
         self.safeguards.close()
         self.monitor.close()
+        self.preemption.close()
         try:
             close_checkpoints(self)
         finally:

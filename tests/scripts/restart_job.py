@@ -7,9 +7,19 @@ script itself (--group-by script). Launched by tests/test_restart.py:
 
 --kill-at K: in the first attempt, rank 1 kills itself with SIGKILL right after step K (a GPU falling off the bus);
 the surviving rank fails in its next collective and torchrun restarts both. --late S: in a restarted attempt, rank 1
-starts S seconds after rank 0 (a slower node). Rank 0 writes DIR/result.json: the losses of the steps each attempt
-trained, the attempt and the step it resumed from, the final weights (fp32, by name), and the seconds from the kill
-to the end of the restarted attempt's first step.
+starts S seconds after rank 0 (a slower node).
+--kill-in-save P [P ...]: attempt i kills itself inside the save after step --kill-save-at at point P[i] (See [Note:
+a save killed on purpose] in zerokit/checkpoint/faults.py); --tag saves every checkpoint under one tag.
+--full-disk-at K: the save after step K finds no room: rank 0 fills the file system of --checkpoints to all but
+--room bytes first (--starve fill), or rank 1 lowers its file-size limit to --room bytes (--starve fsize); every rank
+records the error it raised in DIR/save_error_rank<r>.txt (and the seconds the save took to fail), trains on, and
+saves its last step in DIR/room.
+--preempt-at K: preemption on (save_dir: the checkpoint directory); in the first attempt rank 1 writes DIR/in_step
+(its pid) during step K and waits for the signal the test sends, before its backward.
+Rank 0 writes DIR/result.json: the losses of the steps each attempt trained, the attempt and the step it resumed
+from, the final weights (fp32, by name), and the seconds from the kill to the end of the restarted attempt's first
+step (DIR/killed_at: when; the test writes it when it sends a signal) and, in DIR/starts, the step each attempt
+started from; every rank that exits with a code writes it, and the time, in DIR/exit_rank<r>_attempt<a>.json.
 """
 
 from __future__ import annotations
@@ -17,7 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +37,7 @@ from pathlib import Path
 import torch
 
 import zerokit
+from zerokit.checkpoint.faults import KILL_DURING_SAVE
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups
 
 
@@ -32,50 +45,121 @@ def batch(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, 67, (2, 17), generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--checkpoints", default=None, help="default: OUT/checkpoints")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--save-every", type=int, default=4)
+    parser.add_argument("--tag", default=None)
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--late", type=float, default=0.0)
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--group-by", choices=("zerokit", "deepspeed", "script"), default="zerokit",
                         help="who starts the process group")
-    args = parser.parse_args()
-    attempt, rank = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), int(os.environ["RANK"])
-    if attempt > 0 and rank == 1:
-        time.sleep(args.late)
+    parser.add_argument("--kill-in-save", nargs="*", default=[])
+    parser.add_argument("--kill-save-at", type=int, default=8)
+    parser.add_argument("--full-disk-at", type=int, default=0)
+    parser.add_argument("--starve", choices=("fill", "fsize"), default="fill")
+    parser.add_argument("--room", type=int, default=64 << 10)
+    parser.add_argument("--preempt-at", type=int, default=-1)
+    return parser.parse_args()
+
+
+def start_group(args: argparse.Namespace) -> None:
     if args.group_by == "script":  # bounded: after a restart it can wait on keys nobody will write again
         torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=20))
     elif args.group_by == "deepspeed":
         import zerokit.deepspeed as deepspeed
 
         deepspeed.init_distributed()
+
+
+def build(args: argparse.Namespace, checkpoints: Path) -> zerokit.Engine:
     torch.manual_seed(0)
     model = TinyGPT(TinyGPTConfig(n_layer=2))
-    engine = zerokit.initialize(model, torch.optim.AdamW(param_groups(model), lr=1e-2),
-                                {"zero_optimization": {"stage": args.stage}, "gradient_clipping": 1.0,
-                                 "comm_timeout_seconds": 30})
-    checkpoints = Path(args.out) / "checkpoints"
-    start = 0
-    if (checkpoints / "latest").exists():
-        engine.load_checkpoint(checkpoints)
-        start = engine.progress.optimizer_step
-    losses, first_step_done = [], None
+    config = {"zero_optimization": {"stage": args.stage}, "gradient_clipping": 1.0, "comm_timeout_seconds": 30}
+    if args.preempt_at >= 0:
+        config["preemption"] = {"enabled": True, "save_dir": str(checkpoints)}
+    return zerokit.initialize(model, torch.optim.AdamW(param_groups(model), lr=1e-2), config)
+
+
+def fill_disk(directory: Path, room: int) -> None:
+    """Fill the file system `directory` is on, then give back `room` bytes: a disk that is actually full."""
+    with open(directory.parent / "filler", "wb", buffering=0) as file:
+        for block in (1 << 20, 4096):
+            try:
+                while file.write(b"\0" * block):
+                    pass
+            except OSError:
+                pass
+        file.truncate(max(file.tell() - room, 0))
+
+
+def save(engine: zerokit.Engine, args: argparse.Namespace, checkpoints: Path, step: int, attempt: int,
+         rank: int) -> None:
+    if step == args.kill_save_at and attempt < len(args.kill_in_save):
+        os.environ[KILL_DURING_SAVE] = args.kill_in_save[attempt]
+        (Path(args.out) / "killed_at").write_text(repr(time.time()))  # a few milliseconds early
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if step == args.full_disk_at and args.starve == "fill" and rank == 0:
+        fill_disk(checkpoints, args.room)
+    if step == args.full_disk_at and args.starve == "fsize" and rank == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (args.room, limit[1]))
+    began = time.monotonic()
+    try:
+        engine.save_checkpoint(checkpoints, tag=args.tag)
+    except RuntimeError as error:
+        (Path(args.out) / f"save_error_rank{rank}.txt").write_text(str(error))
+        (Path(args.out) / f"save_error_seconds_rank{rank}.txt").write_text(f"{time.monotonic() - began:.3f}")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+
+
+def wait_for_the_signal(engine: zerokit.Engine, out: Path) -> None:
+    (out / "in_step").write_text(str(os.getpid()))
+    deadline = time.monotonic() + 60
+    while not engine.preemption.requested and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def train(engine: zerokit.Engine, args: argparse.Namespace, checkpoints: Path, attempt: int, rank: int,
+          start: int) -> tuple[list[float], float | None]:
+    out, losses, first_step_done = Path(args.out), [], None
     for step in range(start, args.steps):
         tokens = batch(step, rank)
         loss = lm_loss(engine(tokens[:, :-1]), tokens)
+        if attempt == 0 and rank == 1 and step == args.preempt_at:
+            wait_for_the_signal(engine, out)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
         if step == start:
             first_step_done = time.time()
         if attempt == 0 and rank == 1 and step + 1 == args.kill_at:
-            (Path(args.out) / "killed_at").write_text(repr(time.time()))
+            (out / "killed_at").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         if (step + 1) % args.save_every == 0:
-            engine.save_checkpoint(checkpoints)
+            save(engine, args, checkpoints, step + 1, attempt, rank)
+    return losses, first_step_done
+
+
+def main(args: argparse.Namespace, attempt: int, rank: int) -> None:
+    if attempt > 0 and rank == 1:
+        time.sleep(args.late)
+    start_group(args)
+    checkpoints = Path(args.checkpoints or Path(args.out) / "checkpoints")
+    engine = build(args, checkpoints)
+    start = 0
+    if (checkpoints / "latest").exists():
+        engine.load_checkpoint(checkpoints)
+        start = engine.progress.optimizer_step
+    if rank == 0:
+        with open(Path(args.out) / "starts", "a") as starts:
+            starts.write(f"{attempt} {start}\n")
+    losses, first_step_done = train(engine, args, checkpoints, attempt, rank, start)
+    if args.full_disk_at:
+        engine.save_checkpoint(Path(args.out) / "room")  # a place with room: the next save succeeds
     weights = {name: value.tolist() for name, value in engine.full_state_dict().items()}
     if rank == 0:
         killed = Path(args.out) / "killed_at"
@@ -87,4 +171,11 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    options = arguments()
+    attempt_number, rank_number = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), int(os.environ["RANK"])
+    try:
+        main(options, attempt_number, rank_number)
+    except SystemExit as leaving:  # a preempted engine's exit code, and when it left
+        exit_record = Path(options.out) / f"exit_rank{rank_number}_attempt{attempt_number}.json"
+        exit_record.write_text(json.dumps({"code": leaving.code, "time": time.time()}))
+        sys.exit(leaving.code)

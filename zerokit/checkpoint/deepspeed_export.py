@@ -60,7 +60,7 @@ from zerokit.checkpoint.load import checkpoint_directory, client_state_of, saved
 from zerokit.checkpoint.manifest import BUFFER, MASTER, MANIFEST, Manifest, ParamRecord, dtype_of, rank_file, \
     read_manifest, state_key, values_key
 from zerokit.checkpoint.optimizer_state import decode_scalar
-from zerokit.checkpoint.save import LATEST
+from zerokit.checkpoint.commit import LATEST
 
 LAYOUT_VERSION = "0.19.8"  # the DeepSpeed whose universal layout is written (its ds_version)
 LATEST_UNIVERSAL = "latest_universal"

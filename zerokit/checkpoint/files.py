@@ -23,7 +23,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterable, Sequence
+from typing import BinaryIO, Callable, Iterable, Sequence
 
 import numpy
 import torch
@@ -123,15 +123,18 @@ def tensor_bytes_view(tensor: torch.Tensor) -> memoryview:
 
 
 def write_file(path: Path, specs: Sequence[TensorSpec], sources: Iterable[Sequence[torch.Tensor]],
-               metadata: dict[str, str] | None = None) -> FileRecord:
+               metadata: dict[str, str] | None = None,
+               after_tensor: Callable[[int], None] | None = None) -> FileRecord:
     """Write a safetensors file at `path` (the caller renames it into place), streaming each tensor from
     its sources (CPU tensors whose elements, back to back, are the tensor's), then flush and fsync.
-    Returns the file's size and chunk checksums (named by `path`'s final name, without a .tmp suffix)."""
+    Returns the file's size and chunk checksums (named by `path`'s final name, without a .tmp suffix).
+    after_tensor(n): called, the file flushed, once n tensors are written (See [Note: a save killed on purpose]
+    in faults.py)."""
     sums = _ChunkSums()
     written = 0
     with open(path, "wb") as file:
         written += _write(file, memoryview(header_bytes(specs, metadata)), sums)
-        for spec, parts in zip(specs, sources, strict=True):
+        for count, (spec, parts) in enumerate(zip(specs, sources, strict=True), start=1):
             numel = 0
             for part in parts:  # may be a generator that reads each part just in time (consolidation)
                 numel += part.numel()
@@ -143,6 +146,9 @@ def write_file(path: Path, specs: Sequence[TensorSpec], sources: Iterable[Sequen
             if numel != spec.numel:
                 raise RuntimeError(f"tensor {spec.key!r} has {spec.numel} elements but its sources hold {numel} "
                                    "(an internal bug)")
+            if after_tensor is not None:
+                file.flush()
+                after_tensor(count)
         file.flush()
         os.fsync(file.fileno())
     return FileRecord(path.name.removesuffix(".tmp"), written, sums.finish())

@@ -28,7 +28,7 @@ from zerokit.checkpoint.manifest import MANIFEST, Manifest, rank_file, read_mani
 from zerokit.checkpoint.optimizer_state import restore_groups
 from zerokit.checkpoint.restore import check_model, restore_buffers, restore_frozen, restore_trainable
 from zerokit.checkpoint.rng import RNG_KEYS, restore_rng
-from zerokit.checkpoint.save import LATEST
+from zerokit.checkpoint.commit import LATEST
 from zerokit.checkpoint.session import session_of
 from zerokit.runtime import logger
 from zerokit.checkpoint.checkpointed import Checkpointed
@@ -43,11 +43,24 @@ def checkpoint_directory(load_dir: str | os.PathLike, tag: str | None = None) ->
     if tag is None:
         latest = load_dir / LATEST
         if not latest.is_file():
-            found = sorted(p.parent.name for p in load_dir.glob(f"*/{MANIFEST}"))
+            found = sorted(p.parent.name for p in load_dir.glob(f"*/{MANIFEST}") if not p.parent.name.startswith("."))
             raise ValueError(f"{latest}: missing, so no tag to load; pass tag= (checkpoints here: "
                              f"{', '.join(found) or 'none'})")
         tag = latest.read_text().strip()
-    return load_dir / str(tag)
+    return _moved_aside(load_dir / str(tag))
+
+
+def _moved_aside(directory: Path) -> Path:
+    """`directory`, or where a save killed in its commit left the checkpoint it was replacing: whole, and the
+    checkpoint of that tag before the killed save (See [Note: an atomic save] in save.py)."""
+    if directory.exists():
+        return directory
+    aside = sorted(p for p in directory.parent.glob(f".{directory.name}.replaced-*") if (p / MANIFEST).is_file())
+    if not aside:
+        return directory
+    logger.warning(f"{directory}: missing, as a save of that tag was killed while it replaced the checkpoint there; "
+                   f"loading that checkpoint from {aside[0].name}")
+    return aside[0]
 
 
 def load_checkpoint(engine: Checkpointed, load_dir: str | os.PathLike, tag: str | None = None,

@@ -8,8 +8,11 @@ see session.py), rank 0 writes `manifest.json` the same way, renames the staging
 `<save_dir>/<tag>` (an earlier checkpoint of that tag is swapped out first, then removed) and only then
 replaces `<save_dir>/latest` (written and renamed too). A rank killed at any point before that leaves
 the previous checkpoint and `latest` as they were, and the partial directory is not a checkpoint (it has
-no manifest; loading it says so). An asynchronous save copies this rank's tensors into host buffers
-and returns; writing and committing go on in a background thread (See session.py).
+no manifest; loading it says so). A kill between moving an earlier checkpoint of the same tag aside
+(`.<tag>.replaced-<id>`) and moving the new one in leaves no `<tag>`: the loader then takes the one moved
+aside, which is whole (See checkpoint_directory in load.py). A save that fails without a kill (a full disk)
+is undone on every rank (See [Note: a save that fails] in commit.py). An asynchronous save copies this rank's
+tensors into host buffers and returns; writing and committing go on in a background thread (See session.py).
 
 [Note: a save inside an accumulation window]
 A checkpoint holds the model states as the last optimizer step left them, never gradients in flight. A save
@@ -26,7 +29,6 @@ the resumed run and the uninterrupted one train alike.
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
@@ -35,19 +37,16 @@ from typing import Any
 import torch
 
 import zerokit
-from zerokit.checkpoint.collect import RankPayload, collect
-from zerokit.checkpoint.files import fsync_dir, write_file
-from zerokit.checkpoint.manifest import (CLIENT_STATE, LR_SCHEDULES, MANIFEST, Manifest, RankReport, dtype_name,
-                                         merge_parts, rank_file)
+from zerokit.checkpoint.collect import collect
+from zerokit.checkpoint.commit import LATEST, cause, write_and_commit
+from zerokit.checkpoint.faults import SaveFault
+from zerokit.checkpoint.manifest import CLIENT_STATE, LR_SCHEDULES, dtype_name
 from zerokit.checkpoint.optimizer_state import encode_groups
 from zerokit.checkpoint.session import CheckpointGroup, session_of
 from zerokit.masters.optimizer import optimizer_kind
 from zerokit.runtime import logger
 from zerokit.checkpoint.checkpointed import Checkpointed
 from zerokit.step import Progress
-
-
-LATEST = "latest"
 
 
 def save_checkpoint(engine: Checkpointed, save_dir: str | os.PathLike, tag: str | None = None,
@@ -62,26 +61,22 @@ def save_checkpoint(engine: Checkpointed, save_dir: str | os.PathLike, tag: str 
     session.writer.wait()
     save_dir = Path(save_dir)
     progress = _progress_to_save(engine, save_dir, within_window)
+    fault = SaveFault.from_environment()  # See [Note: a save killed on purpose] in faults.py
     tag, nonce = _agree_on_tag(engine, session.group, tag)
     staging = save_dir / f".{tag}.partial-{nonce}"
-    staging.mkdir(parents=True, exist_ok=True)
     description = describe(engine, tag, progress) if engine.rank == 0 else {}
-    if engine.rank == 0 and client_state is not None:
-        if not isinstance(client_state, dict):
-            raise ValueError(f"client_state must be a dict, not {type(client_state).__name__}")
-        _save_pickle(client_state, staging, CLIENT_STATE)
-        description["client_state"] = CLIENT_STATE
-    if engine.rank == 0 and engine.lr_schedules:
-        _save_pickle([schedule.state_dict() for schedule in engine.lr_schedules], staging, LR_SCHEDULES)
-        description["lr_schedules"] = LR_SCHEDULES
+    if engine.rank == 0 and client_state is not None and not isinstance(client_state, dict):
+        raise ValueError(f"client_state must be a dict, not {type(client_state).__name__}")
+    failed_before = _prepare_staging(engine, staging, description, client_state)
     with engine.view.resident():  # masters paged to NVMe are read from their records
         payload = collect(engine)
         if async_save:
             payload.entries = session.host.stage(payload.entries)
             session.writer.submit(lambda: write_and_commit(session.group, payload, staging, save_dir, tag,
-                                                           description, save_latest))
+                                                           description, save_latest, fault, failed_before))
         else:
-            write_and_commit(session.group, payload, staging, save_dir, tag, description, save_latest)
+            write_and_commit(session.group, payload, staging, save_dir, tag, description, save_latest, fault,
+                             failed_before)
     return True
 
 
@@ -125,6 +120,24 @@ def _agree_on_tag(engine: Checkpointed, group: CheckpointGroup, tag: str | None)
         if mode == "Warn" and engine.rank == 0:
             logger.warning(message + f"; saving as {agreed!r} (checkpoint.tag_validation: Warn)")
     return agreed, nonce
+
+
+def _prepare_staging(engine: Checkpointed, staging: Path, description: dict[str, Any],
+                     client_state: dict[str, Any] | None) -> str | None:
+    """The staging directory, and on rank 0 the pickles that must be taken now; why not, if that failed (it is
+    reported with the rank files' outcome, so that no rank waits for one that raised: See [Note: a save that
+    fails] in commit.py)."""
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+        if engine.rank == 0 and client_state is not None:
+            _save_pickle(client_state, staging, CLIENT_STATE)
+            description["client_state"] = CLIENT_STATE
+        if engine.rank == 0 and engine.lr_schedules:
+            _save_pickle([schedule.state_dict() for schedule in engine.lr_schedules], staging, LR_SCHEDULES)
+            description["lr_schedules"] = LR_SCHEDULES
+    except OSError as error:
+        return f"rank {engine.rank}: {cause(error)} while preparing {staging.name}"
+    return None
 
 
 def _save_pickle(value: Any, staging: Path, name: str) -> None:
@@ -175,60 +188,3 @@ def _plain_fields(config: Any) -> dict[str, Any]:
         elif isinstance(value, tuple) and all(isinstance(v, (bool, int, float, str)) for v in value):
             out[item.name] = list(value)
     return out
-
-
-def write_and_commit(group: CheckpointGroup, payload: RankPayload, staging: Path, save_dir: Path, tag: str,
-                     description: dict[str, Any], save_latest: bool) -> None:
-    """Write this rank's file; then, once every rank has, rank 0 commits (See [Note: an atomic save])."""
-    rank = group.rank
-    try:
-        path = staging / (rank_file(rank) + ".tmp")
-        record = write_file(path, [e.spec for e in payload.entries], [e.sources for e in payload.entries],
-                            {"format": "pt", "zerokit": "checkpoint rank file", "rank": str(rank)})
-        os.replace(path, staging / rank_file(rank))
-        report = RankReport(rank, record, payload.parts, payload.rng)
-    except Exception as error:  # every rank must still reach the collective below
-        report = RankReport(rank, None, [], {}, error=f"rank {rank}: {error}")
-    reports = group.all_gather(report)
-    failed = [r.error for r in reports if r.error]
-    if failed:
-        raise RuntimeError(f"checkpoint {tag!r} was not saved ({staging} left behind): {failed[0]}")
-    error = None
-    if rank == 0:
-        try:
-            _commit(reports, staging, save_dir, tag, description, save_latest)
-        except Exception as failure:
-            error = f"rank 0 could not commit checkpoint {tag!r}: {failure}"
-    error = group.all_gather(error)[0]
-    if error:
-        raise RuntimeError(error)
-
-
-def _commit(reports: list[RankReport], staging: Path, save_dir: Path, tag: str, description: dict[str, Any],
-            save_latest: bool) -> None:
-    manifest = Manifest(**description, params=merge_parts(reports),
-                        files={r.file.name: r.file for r in reports},
-                        rng={r.rank: r.rng for r in reports})
-    _write_text(staging / MANIFEST, manifest.to_json())
-    fsync_dir(staging)
-    final = save_dir / tag
-    replaced = save_dir / f".{tag}.replaced-{staging.name.rsplit('-', 1)[-1]}"
-    if final.exists():
-        os.replace(final, replaced)
-    os.replace(staging, final)
-    fsync_dir(save_dir)
-    if save_latest:
-        _write_text(save_dir / LATEST, tag)
-        fsync_dir(save_dir)
-    shutil.rmtree(replaced, ignore_errors=True)
-    for stale in save_dir.glob(f".{tag}.partial-*"):  # left by saves that were interrupted
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-def _write_text(path: Path, text: str) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)

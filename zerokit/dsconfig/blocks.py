@@ -5,6 +5,7 @@ field's default is DeepSpeed's (tests/test_dsconfig.py checks them against the s
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Sequence
 
@@ -15,6 +16,7 @@ from zerokit.dsconfig.schema_optim import (OPTIMIZER_TYPES, REQUIRED_PARAMS, SCH
 from zerokit.extras import installed, monitor_missing
 
 DEVICES = ("none", "cpu", "nvme")
+UNCATCHABLE = ("SIGKILL", "SIGSTOP")
 
 
 def check_offload(device: str, nvme_path: str | None, ratio: float, counts: Mapping[str, int], where: str) -> None:
@@ -208,6 +210,49 @@ class FlopsProfiler:
             raise ValueError("flops_profiler.top_modules must be >= 1 and module_depth >= -1")
 
 
+def _signal_name(value: Any) -> str:
+    """SIGTERM from "SIGTERM", "sigterm", "TERM" or signal.SIGTERM; refused in one line if not a signal a handler
+    can catch."""
+    name = value.name if isinstance(value, signal.Signals) else str(value).upper()
+    name = name if name.startswith("SIG") else "SIG" + name
+    if name not in signal.Signals.__members__ or name in UNCATCHABLE:
+        raise ValueError(f"preemption.signals: {value!r} is not a signal a process can catch; use names such as "
+                         "SIGTERM (torchrun, Kubernetes, SLURM at the end of a job), SIGUSR1 (SLURM's --signal) or "
+                         "SIGINT")
+    return name
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preemption:
+    """zerokit's `preemption` block: on one of `signals`, finish the step in flight, save a checkpoint in save_dir
+    and exit with exit_code, which a scheduler can read as "requeue" (See [Note: preemption] in
+    zerokit/preemption.py)."""
+
+    enabled: bool = False
+    save_dir: str | None = None
+    """Where the preemption checkpoint goes (tag global_step<N>, `latest` pointed at it); needed when enabled."""
+    signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    """What torchrun, Kubernetes and SLURM send before they kill (SIGTERM), and what SLURM's --signal and
+    Lightning's SLURM requeue use (SIGUSR1)."""
+    exit_code: int = 75
+    """sysexits.h's EX_TEMPFAIL, "try again later": not 0 (done: nothing requeues, torchrun restarts nothing), not 1
+    (a crash), not 128+N (killed by signal N). torchrun restarts on any code other than 0."""
+
+    def __post_init__(self) -> None:
+        names = (self.signals,) if isinstance(self.signals, (str, signal.Signals)) else tuple(self.signals)
+        object.__setattr__(self, "signals", tuple(dict.fromkeys(_signal_name(name) for name in names)))
+        if self.enabled and not self.save_dir:
+            raise ValueError("preemption.enabled needs preemption.save_dir, the directory the preemption "
+                             "checkpoint is saved in (and the job resumes from)")
+        if self.enabled and not self.signals:
+            raise ValueError("preemption.signals is empty; name the signals that preempt, e.g. [\"SIGTERM\", "
+                             "\"SIGUSR1\"]")
+        code = self.exit_code
+        if isinstance(code, bool) or not isinstance(code, int) or not 1 <= code <= 125:
+            raise ValueError(f"preemption.exit_code={code!r} must be 1-125: 0 reads as a finished job (nothing is "
+                             "requeued or restarted), 126-255 as a command not run or killed by a signal")
+
+
 def _require_package(package: str, key: str) -> None:
     if not installed(package):
         raise ValueError(monitor_missing(package, key))
@@ -270,6 +315,7 @@ def block_fields(config: Any) -> dict[str, Any]:
         "csv_monitor": from_values(Monitor, config.under("csv_monitor")),
         "tensorboard": from_values(Monitor, config.under("tensorboard")),
         "wandb": from_values(Wandb, config.under("wandb")),
+        "preemption": from_values(Preemption, config.under("preemption")),
     }
     for kind, spec in (("optimizer", OptimizerSpec), ("scheduler", SchedulerSpec)):
         if config.given(kind + ".type"):

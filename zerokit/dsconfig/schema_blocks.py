@@ -78,6 +78,19 @@ CHECKPOINT = (
         "zerokit has its own: save_checkpoint(async_save=True)"),
 )
 
+P = "preemption."
+PREEMPTION = (
+    block("preemption", "zerokit's own: on SIGTERM or SIGUSR1 finish the step in flight, save a checkpoint and "
+          "exit with a code a scheduler reads as \"requeue\" (docs/reliability.md)", KeyClass.ZEROKIT),
+    zerokit_key(P + "enabled", Kind.BOOL, False, "catch the signals and save at the next optimizer step's end",
+                auto=False),
+    zerokit_key(P + "save_dir", Kind.STR, None, "where the preemption checkpoint goes (needed when enabled)",
+                auto=False, nullable=True),
+    zerokit_key(P + "signals", Kind.NAMES, ("SIGTERM", "SIGUSR1"), "the signals that preempt", auto=False),
+    zerokit_key(P + "exit_code", Kind.INT, 75, "the code the ranks exit with once saved (75, EX_TEMPFAIL: try "
+                "again; torchrun restarts on any code but 0)", auto=False),
+)
+
 AIO_NOTE = "libaio tuning for DeepSpeed's NVMe swapper; zerokit's NVMe tier does its own I/O"
 AIO = (
     block("aio", "asynchronous NVMe I/O"),
@@ -96,4 +109,4 @@ TIMERS = (
            Kind.BOOL, True),
 )
 
-KEYS: tuple[Key, ...] = (*OBSERVABILITY, *MONITORS, *ACTIVATION, *CHECKPOINT, *AIO, *TIMERS)
+KEYS: tuple[Key, ...] = (*OBSERVABILITY, *MONITORS, *ACTIVATION, *CHECKPOINT, *PREEMPTION, *AIO, *TIMERS)

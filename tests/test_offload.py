@@ -16,7 +16,9 @@ OFFLOADED = [(n, c) for n in (2, 3) for c in cases_for(n) if c.offload_optimizer
 @pytest.mark.parametrize("world_size,case", OFFLOADED, ids=[f"N{n}-{c.name}" for n, c in OFFLOADED])
 def test_optimizer_offload_keeps_masters_state_and_gradients_in_host_memory(parity_runs, world_size, case) -> None:
     """Host memory holds the fp32 masters (this rank's shard of every bucket), an fp32 gradient buffer of the
-    same size, and AdamW's state; the device holds no optimizer state. Every step moves each reduced
+    same size, and AdamW's state; the device holds no optimizer state, and at stages 2-3 no gradient shard once the
+    window's last backward has sent each to the host (See [Note: a gradient's copy to the host]; stage 1 keeps its
+    full gradient buffer on the device). Every step moves each reduced
     gradient shard to the host once (fp32) and each updated shard back once (in the compute dtype)."""
     for out in (runs[case.name] for runs in parity_runs(world_size)):
         shard = out["local_shard_numel"]
@@ -24,6 +26,9 @@ def test_optimizer_offload_keeps_masters_state_and_gradients_in_host_memory(pari
         assert device["optimizer_state"] == 0
         assert host["optimizer_state"] == 4 * shard + 8 * out["stepped_numel"] + 4 * out["optimizer_pieces"]
         assert host["gradients"] == 4 * shard
+        at_boundary = out["memory_by_tier_at_boundary"]
+        if case.stage >= 2:
+            assert (at_boundary["device"]["gradients"], at_boundary["host"]["gradients"]) == (0, 4 * shard)
         for step in out["comm_per_step"][1:]:
             assert step["device_to_host"]["bytes"] == 4 * shard
             assert step["host_to_device"]["bytes"] == BYTES[case.dtype] * shard

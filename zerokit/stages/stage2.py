@@ -57,6 +57,11 @@ class ShardedGradients(ZeroStage):
             self.grad_shards[bucket.index] = torch.zeros(end - begin, dtype=self.reduce_dtype, device=self.flat.device)
         return self.grad_shards[bucket.index]
 
+    def _accept_grad(self, bucket: Bucket) -> None:
+        super()._accept_grad(bucket)
+        if self.masters.homes[bucket.index].copies_grad:  # See [Note: a gradient's copy to the host]
+            del self.grad_shards[bucket.index]
+
     def zero_grads(self) -> None:
         self.grad_shards = {}
         self.staging.clear()  # empty after a window's last reduction; full of unreduced ones when one is dropped

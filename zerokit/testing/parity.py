@@ -264,6 +264,7 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
             overlapped.append(engine.reducer.launched_in_backward)
             if step == case.steps - 1 and micro == case.accumulation - 1:
                 at_boundary = engine.memory_stats()  # the gradients held from the last backward to its step
+                tiers_at_boundary = engine.memory_by_tier()
             result = engine.step()
             losses.append(loss.item())
         results.append(asdict(result))
@@ -273,7 +274,7 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
         "case": asdict(case), "losses": losses, "results": results, "comm_per_step": comm_per_step,
         "params": {name: value for name, value in engine.full_state_dict().items() if name in dict(model.named_parameters())},
         "memory": engine.memory_stats(),
-        "memory_at_boundary": at_boundary,
+        "memory_at_boundary": at_boundary, "memory_by_tier_at_boundary": tiers_at_boundary,
         "memory_by_tier": engine.memory_by_tier(),
         "local_shard_numel": engine.stage.layout.shards_of(rank).numel if engine.config.stage > 0 else None,
         "layout_numel": engine.stage.layout.numel, "buckets": len(engine.stage.layout.buckets),

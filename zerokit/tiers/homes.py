@@ -23,6 +23,7 @@ import torch
 
 from zerokit.comm import CommStats, Transfer
 from zerokit.flat.buffers import copy_edits
+from zerokit.tiers.copies import copy_to_host
 
 if TYPE_CHECKING:
     from zerokit.tiers.swap import SwapDirectory
@@ -38,6 +39,8 @@ class Home(Protocol):
     """The master lives in swap files and comes into memory only for its own step (See tiers/nvme_masters.py)."""
     swap: "SwapDirectory | None"
     """The swap files of a paged master; None elsewhere."""
+    copies_grad: bool
+    """accept_grad copies the gradient into memory of its own (the host tier): the stage may let go of its tensor."""
 
     def initialise(self, values: torch.Tensor) -> None: ...
     def accept_grad(self, grad: torch.Tensor) -> None: ...
@@ -66,6 +69,7 @@ class HeldGradient:
 
     _grad: torch.Tensor | None = None
     _grad32: torch.Tensor | None = None
+    copies_grad = False  # it holds the stage's tensor until the step
 
     def accept_grad(self, grad: torch.Tensor) -> None:
         self._grad, self._grad32 = grad, None
@@ -116,6 +120,7 @@ class HostHome:
     See [Note: the host tier on a machine without a GPU]."""
 
     tier, paged, swap = "host", False, None
+    copies_grad = True  # accept_grad keeps a copy of its own: the stage may let go of the device's
 
     def __init__(self, compute: torch.Tensor, pin_memory: bool, stats: CommStats, io: ShardIO) -> None:
         pin = pin_memory and torch.cuda.is_available()  # page-locking needs the CUDA driver
@@ -133,12 +138,11 @@ class HostHome:
         self.master.copy_(values)
 
     def accept_grad(self, grad: torch.Tensor) -> None:
-        self.grad.copy_(grad, non_blocking=grad.is_cuda)
+        """Start copying the reduced shard into the host buffer; the caller may let go of `grad` at once (See [Note: a
+        gradient's copy to the host] in zerokit/tiers/copies.py)."""
+        self._copied = copy_to_host(self.grad, grad)
         self.stats.record(Transfer.DEVICE_TO_HOST, grad)
         self._has_grad = True
-        if grad.is_cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
 
     def grad32(self) -> torch.Tensor:
         if not self._has_grad:

@@ -44,7 +44,7 @@ one rank, bf16) this took 643 MiB off stage 3's states (benchmarks/gpu_check.py)
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import ContextManager, Protocol
 
 import torch
 
@@ -59,6 +59,7 @@ class ShardHome(Protocol):
     tier: str
 
     def allocate(self, local: RankShards, dtype: torch.dtype) -> torch.Tensor: ...
+    def issuing(self) -> ContextManager[None]: ...
     def fetch(self, shard: torch.Tensor, slot: torch.Tensor) -> torch.Tensor: ...
     def write(self, shard: torch.Tensor, values: torch.Tensor, source: str) -> None: ...
     def held(self, shards: torch.Tensor) -> dict[str, int]: ...
@@ -127,8 +128,9 @@ class ShardedFlat:
         if self.node is not None and bucket.owner is None:
             self.secondary[bucket.index] = full.chunk(self.node.world_size)[self.node.rank]  # a view until done
             self.capturing.add(bucket.index)
-        source = self.home.fetch(self.shard(bucket), own_part(full, bucket, self.rank))
-        pending = gather_bucket(comm, bucket, full, source, async_op=async_op, purpose=purpose)
+        with self.home.issuing():  # See [Note: a parameter shard fetched ahead] in zerokit/tiers/copies.py
+            source = self.home.fetch(self.shard(bucket), own_part(full, bucket, self.rank))
+            pending = gather_bucket(comm, bucket, full, source, async_op=async_op, purpose=purpose)
         if not async_op:
             self._captured(bucket)
         return pending

@@ -10,9 +10,19 @@ waits for what the default stream has issued (the reduction's result), and the s
 the copy stream (`record_stream`), so that the allocator hands it out again only once the copy is done; the optimizer
 step waits for the copy's event. Without CUDA the copy is synchronous: the same path, counted the same, nothing to
 overlap.
+
+[Note: a parameter shard fetched ahead]
+A stage-3 shard in host memory is copied into its slot of the bucket being gathered and gathered from there
+(zerokit/tiers/shards.py). The copy and the gather are issued on the copy stream (`on_copy_stream`), so that a
+prefetch, issued while the unit before it computes, overlaps that unit's kernels instead of queueing in front of
+them on the default stream; the all-gather waits for the copy (NCCL orders a collective after the stream it is
+issued on), and the unit that uses the bucket waits for the gather as it does for any other.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -41,3 +51,16 @@ def copy_to_host(host: torch.Tensor, source: torch.Tensor) -> torch.cuda.Event |
         done = torch.cuda.Event()
         done.record(stream)
     return done
+
+
+@contextmanager
+def on_copy_stream(device: torch.device) -> Iterator[None]:
+    """What is issued inside runs on the device's copy stream, after all the default stream has issued (nothing
+    changes off CUDA). See [Note: a parameter shard fetched ahead]."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = copy_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield

@@ -27,7 +27,8 @@ from __future__ import annotations
 import bisect
 import sys
 from concurrent.futures import Future
-from typing import NamedTuple
+from contextlib import nullcontext
+from typing import ContextManager, NamedTuple
 
 import torch
 
@@ -136,6 +137,10 @@ class NvmeShards:
         return self.allocations[id(shard._base if shard._base is not None else shard)]
 
     # --- reading ------------------------------------------------------------------------------------
+    def issuing(self) -> ContextManager[None]:
+        """The default stream: a fetch reads files on this thread first, which no stream overlaps."""
+        return nullcontext()
+
     def fetch(self, shard: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         if shard.numel():
             self._copy_out(shard, slot)

@@ -13,10 +13,14 @@ a GPU] in zerokit/tiers/homes.py).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from typing import ContextManager
+
 import torch
 
 from zerokit.comm import CommStats, Transfer
 from zerokit.flat.layout import RankShards
+from zerokit.tiers.copies import on_copy_stream
 from zerokit.tiers.preflight import check_host_memory
 
 
@@ -40,6 +44,10 @@ class _MemoryShards:
 
     def held(self, shards: torch.Tensor) -> dict[str, int]:
         return {self.tier: shards.numel() * shards.element_size()}
+
+    def issuing(self) -> ContextManager[None]:
+        """Where a prefetch's fetch and gather are issued: the default stream (host shards: See HostShards)."""
+        return nullcontext()
 
     def read(self, shard: torch.Tensor, target: str) -> torch.Tensor:
         if target == self.tier:
@@ -78,6 +86,10 @@ class HostShards(_MemoryShards):
         element = torch.empty((), dtype=dtype).element_size()
         check_host_memory("zero_optimization.offload_param", local.numel * element)
         return torch.zeros(local.numel, dtype=dtype, pin_memory=self.pin)
+
+    def issuing(self) -> ContextManager[None]:
+        """The copy stream: See [Note: a parameter shard fetched ahead] in zerokit/tiers/copies.py."""
+        return on_copy_stream(self.device)
 
     def fetch(self, shard: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """Copy the shard into `slot` (its place in the device buffer being gathered) and gather from there."""

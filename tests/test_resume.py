@@ -3,9 +3,10 @@ a directory at start-up, with the data position of the loader the engine tracks,
 the samples the uninterrupted run would have taken from the saved step on.
 
 tests/scripts/resume_job.py, a drop-in job whose loop keeps no books (no step to start from, no epoch, no load of its
-own), is killed by SIGKILL on rank 1 after step 7 under `torchrun --max-restarts 1` (two launches, about 12 s and 20 s
-here, shared by the first tests). The rest runs in this process: which checkpoint is the newest complete one, an
-empty directory, a checkpoint saved before positions were, and the sampler's own arithmetic."""
+own), is killed by SIGKILL on rank 1 after step 7 under `torchrun --max-restarts 1` (two launches, shared by the first
+tests: 16 s together on this 2-core machine when quiet, up to a minute when busy). The rest runs in this process:
+which checkpoint is the newest complete one, an empty directory, a checkpoint saved before positions were, and the
+sampler's own arithmetic."""
 
 from __future__ import annotations
 

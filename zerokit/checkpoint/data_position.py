@@ -46,8 +46,16 @@ class DataPosition:
         return self.source is not None
 
     def state(self) -> dict[str, Any] | None:
-        """This rank's position to save; None when nothing is tracked."""
-        return self.source.state_dict() if self.source is not None else None
+        """This rank's position to save; None when nothing is tracked, or when the source fails to say (then in a
+        warning: every rank must still reach the save's collectives)."""
+        if self.source is None:
+            return None
+        try:
+            return self.source.state_dict()
+        except Exception as error:  # a source of the user's: any type
+            logger.warning(f"rank {self.rank}: the data position of {type(self.source).__name__} was not saved: "
+                           f"state_dict() raised {type(error).__name__}: {error}")
+            return None
 
     def restore(self, saved: dict[int, dict[str, Any]] | None, where: Path) -> None:
         """This rank's saved position (rank 0's for a rank the saving run did not have) into the tracked source, or

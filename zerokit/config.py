@@ -32,7 +32,7 @@ from zerokit.dsconfig.auto import (GAS, MICRO, TBS, Choice, default_differences,
                                    pending)
 from zerokit.dsconfig.auto import resolve as resolve_auto
 from zerokit.dsconfig.blocks import (ActivationCheckpointing, CommsLogger, FlopsProfiler, Monitor, Offload,
-                                     OptimizerSpec, Preemption, SchedulerSpec, Wandb, block_fields,
+                                     OptimizerSpec, Preemption, Resume, SchedulerSpec, Wandb, block_fields,
                                      tensorboard_available)
 from zerokit.dsconfig.precision import compute_dtype
 from zerokit.dsconfig.schema import default
@@ -241,6 +241,8 @@ class ZeroConfig:
     flat/sharded.py); 1: none."""
     preemption: Preemption = field(default_factory=Preemption)
     """zerokit's `preemption` block: save and exit with a requeue code on SIGTERM/SIGUSR1 (off by default)."""
+    resume: Resume = field(default_factory=Resume)
+    """zerokit's `resume` block: at initialize, load the newest complete checkpoint in resume.load_dir (off by default)."""
     ranks_per_node: int | None = default("ranks_per_node")
     """Ranks on each node, numbered consecutively. None: torchrun's LOCAL_WORLD_SIZE, else one node (the start-up
     fingerprint checks that every rank agrees on the outcome)."""
@@ -544,5 +546,5 @@ def load_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None) -> Z
 
 
 __all__ = ["engine_settings", "ZeroConfig", "MixedPrecision", "LossScaling", "Stage3Policy", "Offload", "OptimizerSpec",
-           "SchedulerSpec", "Preemption", "ActivationCheckpointing", "CommsLogger", "FlopsProfiler", "Monitor", "Wandb",
+           "SchedulerSpec", "Preemption", "Resume", "ActivationCheckpointing", "CommsLogger", "FlopsProfiler", "Monitor", "Wandb",
            "load_config", "from_dict", "hidden_size_of", "replace"]

@@ -17,6 +17,8 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 import torch
 from torch import nn
 
+from zerokit.checkpoint.data_position import DataPosition
+from zerokit.checkpoint.newest import resume_from_newest
 from zerokit.checkpoint.session import close as close_checkpoints
 from zerokit.comm import Communicator
 from zerokit.config import ZeroConfig, engine_settings, hidden_size_of, load_config
@@ -67,8 +69,8 @@ class Engine:
         self.reducer = BucketReducer(self.stage)
         self._hooks = install_hooks(self.stage, self.reducer)
         self.safeguards = Safeguards(model, self.comm, config)  # zerokit/reliability: requires_grad, buffers
-        self.loss_scaler = make_loss_scaler(config.loss_scaling)
-        self.progress = Progress()
+        self.loss_scaler, self.progress = make_loss_scaler(config.loss_scaling), Progress()
+        self.data_position = DataPosition(self.rank)  # the loader whose position checkpoints save (.track(loader))
         self.stepper = Stepper(self.stage, self.loss_scaler, self.lr_schedules, self.safeguards, config.gradient_clipping,
                                config.max_consecutive_skipped_steps)
         self.monitor = EngineMonitor(config, self)  # the observability keys; all off unless the config asks
@@ -281,5 +283,10 @@ def initialize(model: nn.Module, optimizer: Optimizers | None = None,
     tensors or (name, tensor) pairs; default: the model's trainable parameters); its `scheduler` block's LR
     schedule is stepped by the engine at every optimizer step it does not skip (engine.get_lr() reports it).
     A model built on the meta device is materialised shard by shard at stage 3, with `param_init(module)`
-    filling each module's parameters (default: its reset_parameters()); see zerokit/stages/construction.py."""
-    return Engine(model, optimizer, load_config(config), device, param_init, model_parameters)
+    filling each module's parameters (default: its reset_parameters()); see zerokit/stages/construction.py.
+    With the config's `resume` block the engine comes back at the newest complete checkpoint in resume.load_dir, if
+    there is one (See zerokit/checkpoint/newest.py); a loader tracked then (engine.data_position.track) resumes too."""
+    engine = Engine(model, optimizer, load_config(config), device, param_init, model_parameters)
+    if engine.config.resume.load_dir is not None:
+        resume_from_newest(engine, engine.config.resume.load_dir)
+    return engine

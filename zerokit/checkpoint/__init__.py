@@ -3,6 +3,7 @@
     engine.save_checkpoint("ckpt", client_state={"step": step})       # every rank; atomic
     engine.save_checkpoint("ckpt", async_save=True)                   # training waits for a host copy only
     path, client_state = engine.load_checkpoint("ckpt")                # any world size, any stage
+    zerokit.checkpoint.newest_checkpoint("ckpt")                       # what the config's resume block loads
     zerokit.checkpoint.consolidate("ckpt", "model.safetensors")        # offline; or `zerokit consolidate`
 
 A checkpoint is a directory per tag (one standard safetensors file per rank, `manifest.json`, and the
@@ -15,8 +16,9 @@ from zerokit.checkpoint.consolidate import Consolidated, consolidate
 from zerokit.checkpoint.files import CheckpointFileError
 from zerokit.checkpoint.load import checkpoint_directory, load_checkpoint
 from zerokit.checkpoint.manifest import Manifest, read_manifest
+from zerokit.checkpoint.newest import newest_checkpoint
 from zerokit.checkpoint.save import save_checkpoint
 from zerokit.checkpoint.session import wait
 
 __all__ = ["CheckpointFileError", "Consolidated", "Manifest", "checkpoint_directory", "consolidate", "load_checkpoint",
-           "read_manifest", "save_checkpoint", "wait"]
+           "newest_checkpoint", "read_manifest", "save_checkpoint", "wait"]

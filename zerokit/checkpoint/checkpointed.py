@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
+from zerokit.checkpoint.data_position import DataPosition
 from zerokit.config import ZeroConfig
 from zerokit.stages.view import ParameterView
 from zerokit.step import Progress
@@ -22,6 +23,7 @@ class Checkpointed(Protocol):
     progress: Progress
     loss_scaler: Any  # precision.py's DynamicLossScaler or NoLossScaler: state_dict() and load_state_dict()
     lr_schedules: list[Any]  # the LR schedules the engine steps: state_dict() and load_state_dict()
+    data_position: DataPosition  # the loader or sampler whose position checkpoints save
 
 
 __all__ = ["Checkpointed"]

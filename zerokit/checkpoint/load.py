@@ -100,6 +100,7 @@ def load_checkpoint(engine: Checkpointed, load_dir: str | os.PathLike, tag: str 
                 restore_schedule(engine, source.lr_scheduler, directory)
             elif load_lr_scheduler_states:
                 _restore_schedules(engine, manifest, directory, weights_only)
+            _restore_data_position(engine, manifest, directory)
     except ValueError as failure:
         error = _ranked(engine, failure)
     _raise_first(session, error)
@@ -194,6 +195,15 @@ def _restore_schedules(engine: Checkpointed, manifest: Manifest, directory: Path
                          f"{len(engine.lr_schedules)}; resume with the same `scheduler` block (or scheduler)")
     for schedule, state in zip(engine.lr_schedules, saved):
         schedule.load_state_dict(state)
+
+
+def _restore_data_position(engine: Checkpointed, manifest: Manifest, directory: Path) -> None:
+    """Where each rank's loader stood, into the loader the engine tracks (or kept for the one it tracks later: See
+    [Note: a position loaded before its loader exists] in data_position.py)."""
+    saved = None
+    if manifest.data_position is not None:  # a dict of plain values: read with weights_only
+        saved = _read_pickle(directory / manifest.data_position, "a data position", weights_only=True)
+    engine.data_position.restore(saved, directory)
 
 
 def saved_schedules(directory: Path, manifest: Manifest, weights_only: bool) -> list[dict[str, Any]] | None:

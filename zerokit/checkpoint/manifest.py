@@ -121,6 +121,7 @@ class Manifest:
     layout: list[dict[str, Any]]
     client_state: str | None = None
     lr_schedules: str | None = None
+    data_position: str | None = None  # every rank's data position (See checkpoint/data_position.py); None: none saved
     format: str = FORMAT
     version: int = VERSION
 

@@ -39,6 +39,7 @@ import torch
 import zerokit
 from zerokit.checkpoint.collect import collect
 from zerokit.checkpoint.commit import LATEST, cause, write_and_commit
+from zerokit.checkpoint.data_position import DATA_POSITION
 from zerokit.checkpoint.faults import SaveFault
 from zerokit.checkpoint.manifest import CLIENT_STATE, LR_SCHEDULES, dtype_name
 from zerokit.checkpoint.optimizer_state import encode_groups
@@ -63,11 +64,12 @@ def save_checkpoint(engine: Checkpointed, save_dir: str | os.PathLike, tag: str 
     progress = _progress_to_save(engine, save_dir, within_window)
     fault = SaveFault.from_environment()  # See [Note: a save killed on purpose] in faults.py
     tag, nonce = _agree_on_tag(engine, session.group, tag)
+    positions = session.group.all_gather(engine.data_position.state())  # See zerokit/checkpoint/data_position.py
     staging = save_dir / f".{tag}.partial-{nonce}"
     description = describe(engine, tag, progress) if engine.rank == 0 else {}
     if engine.rank == 0 and client_state is not None and not isinstance(client_state, dict):
         raise ValueError(f"client_state must be a dict, not {type(client_state).__name__}")
-    failed_before = _prepare_staging(engine, staging, description, client_state)
+    failed_before = _prepare_staging(engine, staging, description, client_state, positions)
     with engine.view.resident():  # masters paged to NVMe are read from their records
         payload = collect(engine)
         if async_save:
@@ -123,8 +125,9 @@ def _agree_on_tag(engine: Checkpointed, group: CheckpointGroup, tag: str | None)
 
 
 def _prepare_staging(engine: Checkpointed, staging: Path, description: dict[str, Any],
-                     client_state: dict[str, Any] | None) -> str | None:
-    """The staging directory, and on rank 0 the pickles that must be taken now; why not, if that failed (it is
+                     client_state: dict[str, Any] | None, positions: list[dict[str, Any] | None]) -> str | None:
+    """The staging directory, and on rank 0 the pickles that must be taken now (the client state, the LR schedules,
+    every rank's data position); why not, if that failed (it is
     reported with the rank files' outcome, so that no rank waits for one that raised: See [Note: a save that
     fails] in commit.py)."""
     try:
@@ -135,6 +138,10 @@ def _prepare_staging(engine: Checkpointed, staging: Path, description: dict[str,
         if engine.rank == 0 and engine.lr_schedules:
             _save_pickle([schedule.state_dict() for schedule in engine.lr_schedules], staging, LR_SCHEDULES)
             description["lr_schedules"] = LR_SCHEDULES
+        if engine.rank == 0 and any(position is not None for position in positions):
+            _save_pickle({rank: position for rank, position in enumerate(positions) if position is not None}, staging,
+                         DATA_POSITION)
+            description["data_position"] = DATA_POSITION
     except OSError as error:
         return f"rank {engine.rank}: {cause(error)} while preparing {staging.name}"
     return None

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from zerokit.checkpoint.newest import nothing_named
 from zerokit.config import ZeroConfig
 from zerokit.deepspeed.config_queries import ConfigQueries
 from zerokit.deepspeed.module_view import ModuleView
@@ -256,12 +257,12 @@ class DeepSpeedEngine(ConfigQueries, ModuleView, Engine):
     def deepspeed_io(self, dataset: Any, batch_size: int | None = None, route: str = "train", pin_memory: bool = True,
                      data_sampler: Any = None, collate_fn: Callable | None = None,
                      num_local_io_workers: int | None = None) -> torch.utils.data.DataLoader:
-        """A loader over this rank's share of `dataset` (a DistributedSampler, as DeepSpeed's) at
-        train_micro_batch_size_per_gpu; evaluation routes are not shuffled."""
+        """This rank's share of `dataset` at the micro-batch size, in DeepSpeed's order (eval routes unshuffled); the
+        first training loader's position is saved and restored by checkpoints (See zerokit/deepspeed/data.py)."""
         return training_loader(dataset, batch_size or self.train_micro_batch_size_per_gpu(), self.rank,
                                self.world_size, drop_last=self.config.dataloader_drop_last,
-                               collate_fn=collate_fn or self.collate_fn, sampler=data_sampler,
-                               shuffle=route == "train", workers=num_local_io_workers or 0)
+                               collate_fn=collate_fn or self.collate_fn, sampler=data_sampler, shuffle=route == "train",
+                               workers=num_local_io_workers or 0, position=self.data_position if route == "train" else None)
 
     @property
     def is_compiled(self) -> bool:
@@ -299,7 +300,9 @@ class DeepSpeedEngine(ConfigQueries, ModuleView, Engine):
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Callable | None = None,
                         **zerokit: Any) -> tuple[str | None, dict[str, Any] | None]:
-        """DeepSpeed's load_checkpoint on zerokit's: returns (load_path, client_state)."""
+        """DeepSpeed's load_checkpoint on zerokit's: (load_path, client_state); (None, None) without `latest`, too."""
+        if tag is None and nothing_named(load_dir):
+            return None, None
         if not load_module_strict or custom_load_fn is not None:
             raise ValueError("load_checkpoint(load_module_strict=False / custom_load_fn=...) is not offered: zerokit "
                              "loads every parameter of the model by name")
@@ -322,8 +325,7 @@ class DeepSpeedEngine(ConfigQueries, ModuleView, Engine):
                                   "zero_optimization.offload_optimizer/offload_param put them for the whole run")
 
     def reload_states(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("engine.reload_states() is out of scope for zerokit: there are no offloaded "
-                                  "states to bring back (see offload_states)")
+        raise NotImplementedError("engine.reload_states() is out of scope for zerokit: nothing is offloaded to bring back")
 
     def destroy(self) -> None:
         """DeepSpeed's name for close()."""

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from zerokit.checkpoint.newest import resume_from_newest
 from zerokit.config import ZeroConfig, load_config
 from zerokit.deepspeed.config_view import config_dict
 from zerokit.deepspeed.distributed import init_distributed
@@ -135,6 +136,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
                              collate_fn=collate_fn, param_init=param_init, given_config=config_dict(source))
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data)
+    if typed.resume.load_dir is not None:  # with the loader's position (See zerokit/checkpoint/newest.py)
+        resume_from_newest(engine, typed.resume.load_dir)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

@@ -253,6 +253,21 @@ class Preemption:
                              "requeued or restarted), 126-255 as a command not run or killed by a signal")
 
 
+@dataclass(frozen=True, kw_only=True)
+class Resume:
+    """zerokit's `resume` block: at initialize, load the newest complete checkpoint in load_dir and the data position
+    saved with it, or start fresh when there is none (See [Note: the newest complete checkpoint] in
+    zerokit/checkpoint/newest.py)."""
+
+    load_dir: str | None = None
+    """The directory checkpoints are saved in; None: no resume at start-up."""
+
+    def __post_init__(self) -> None:
+        if self.load_dir is not None and (not isinstance(self.load_dir, str) or not self.load_dir):
+            raise ValueError(f"resume.load_dir={self.load_dir!r} must be the directory checkpoints are saved in (a "
+                             "non-empty string), or null for no resume at start-up")
+
+
 def _require_package(package: str, key: str) -> None:
     if not installed(package):
         raise ValueError(monitor_missing(package, key))
@@ -316,6 +331,7 @@ def block_fields(config: Any) -> dict[str, Any]:
         "tensorboard": from_values(Monitor, config.under("tensorboard")),
         "wandb": from_values(Wandb, config.under("wandb")),
         "preemption": from_values(Preemption, config.under("preemption")),
+        "resume": from_values(Resume, config.under("resume")),
     }
     for kind, spec in (("optimizer", OptimizerSpec), ("scheduler", SchedulerSpec)):
         if config.given(kind + ".type"):

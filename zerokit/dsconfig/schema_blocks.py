@@ -91,6 +91,13 @@ PREEMPTION = (
                 "again; torchrun restarts on any code but 0)", auto=False),
 )
 
+RESUME = (
+    block("resume", "zerokit's own: at start-up, load the newest complete checkpoint in load_dir and the data position "
+          "saved with it, else start fresh (docs/reliability.md)", KeyClass.ZEROKIT),
+    zerokit_key("resume.load_dir", Kind.STR, None, "the directory the job saves its checkpoints in; null: no resume at "
+                "start-up", auto=False, nullable=True),
+)
+
 AIO_NOTE = "libaio tuning for DeepSpeed's NVMe swapper; zerokit's NVMe tier does its own I/O"
 AIO = (
     block("aio", "asynchronous NVMe I/O"),
@@ -109,4 +116,4 @@ TIMERS = (
            Kind.BOOL, True),
 )
 
-KEYS: tuple[Key, ...] = (*OBSERVABILITY, *MONITORS, *ACTIVATION, *CHECKPOINT, *PREEMPTION, *AIO, *TIMERS)
+KEYS: tuple[Key, ...] = (*OBSERVABILITY, *MONITORS, *ACTIVATION, *CHECKPOINT, *PREEMPTION, *RESUME, *AIO, *TIMERS)

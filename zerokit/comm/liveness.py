@@ -19,7 +19,10 @@ still in zerokit's hands; what it could not say is which rank is gone, and since
     log shows in one line which rank to look at; `torchrun --max-restarts` restarts as soon as the process exits.
 The store is the one the job's group started in: torchrun's agent hosts it, so it outlives any worker; a job
 started without torchrun keeps it in rank 0, and if rank 0 is the one that died its peers say so ("the key-value
-store failed"). A store that fails stops the thread quietly: the deadline still holds.
+store failed"). A store that fails stops the thread quietly: the deadline still holds. The collective a sign names is
+the last one completed when it was posted, up to one beat before the rank went silent. What it costs: at 1,024 ranks,
+about 2,000 small writes a second on the store (TCPStore serves tens of thousands); a failing rank reads two keys per
+peer, once.
 """
 
 from __future__ import annotations

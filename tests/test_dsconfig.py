@@ -135,7 +135,7 @@ def test_refusals_can_be_collected_instead():
     assert [r.path for r in config.refusals] == ["pipeline", "zero_optimization.zero_quantized_gradients"]
     assert all("\n" not in r.message and "asks for" in r.message for r in config.refusals)
     with pytest.raises(ValueError, match="removed in DeepSpeed 0.19.8"):  # removed keys raise either way
-        read({"elasticity": {"enabled": True}}, refuse=False)
+        read({"curriculum_learning": {"enabled": True}}, refuse=False)
 
 
 def test_stage3_keys_at_another_stage_are_dropped_and_noted():

@@ -6,7 +6,12 @@ script itself (--group-by script). Launched by tests/test_restart.py:
     torchrun --nproc_per_node 2 --max-restarts 1 restart_job.py --out DIR --kill-at 7 --late 3
 
 --kill-at K: in the first attempt, rank 1 kills itself with SIGKILL right after step K (a GPU falling off the bus);
-the surviving rank fails in its next collective and torchrun restarts both. --late S: in a restarted attempt, rank 1
+the surviving rank fails in its next collective and torchrun restarts both. --stop-at K: rank 1 stops itself with
+SIGSTOP there instead (a frozen rank, which no transport notices), in attempt --stop-in-attempt, having written its
+pid in DIR/stopped; rank 0 fails at its deadline (--comm-timeout seconds). Every rank that raises CollectiveError
+writes its message and the time in DIR/comm_error_rank<r>_attempt<a>.json; DIR/events gets the time of each kill
+from the rank killed (`killed <attempt> <time>`) and of the end of each attempt's first step from rank 0
+(`first_step <attempt> <time>`). --late S: in a restarted attempt, rank 1
 starts S seconds after rank 0 (a slower node).
 --kill-in-save P [P ...]: attempt i kills itself inside the save after step --kill-save-at at point P[i] (See [Note:
 a save killed on purpose] in zerokit/checkpoint/faults.py); --tag saves every checkpoint under one tag.
@@ -38,6 +43,7 @@ import torch
 
 import zerokit
 from zerokit.checkpoint.faults import KILL_DURING_SAVE
+from zerokit.comm import CollectiveError
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups
 
 
@@ -53,6 +59,9 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--tag", default=None)
     parser.add_argument("--kill-at", type=int, default=0)
+    parser.add_argument("--stop-at", type=int, default=0)
+    parser.add_argument("--stop-in-attempt", type=int, default=0)
+    parser.add_argument("--comm-timeout", type=float, default=30.0)
     parser.add_argument("--late", type=float, default=0.0)
     parser.add_argument("--stage", type=int, default=2)
     parser.add_argument("--group-by", choices=("zerokit", "deepspeed", "script"), default="zerokit",
@@ -78,7 +87,8 @@ def start_group(args: argparse.Namespace) -> None:
 def build(args: argparse.Namespace, checkpoints: Path) -> zerokit.Engine:
     torch.manual_seed(0)
     model = TinyGPT(TinyGPTConfig(n_layer=2))
-    config = {"zero_optimization": {"stage": args.stage}, "gradient_clipping": 1.0, "comm_timeout_seconds": 30}
+    config = {"zero_optimization": {"stage": args.stage}, "gradient_clipping": 1.0,
+              "comm_timeout_seconds": args.comm_timeout}
     if args.preempt_at >= 0:
         config["preemption"] = {"enabled": True, "save_dir": str(checkpoints)}
     return zerokit.initialize(model, torch.optim.AdamW(param_groups(model), lr=1e-2), config)
@@ -123,6 +133,11 @@ def wait_for_the_signal(engine: zerokit.Engine, out: Path) -> None:
         time.sleep(0.01)
 
 
+def note(out: Path, event: str) -> None:
+    with open(out / "events", "a") as events:
+        events.write(event + "\n")
+
+
 def train(engine: zerokit.Engine, args: argparse.Namespace, checkpoints: Path, attempt: int, rank: int,
           start: int) -> tuple[list[float], float | None]:
     out, losses, first_step_done = Path(args.out), [], None
@@ -136,9 +151,13 @@ def train(engine: zerokit.Engine, args: argparse.Namespace, checkpoints: Path, a
         losses.append(loss.item())
         if step == start:
             first_step_done = time.time()
-        if attempt == 0 and rank == 1 and step + 1 == args.kill_at:
+            if rank == 0:
+                note(out, f"first_step {attempt} {first_step_done!r}")
+        if rank == 1 and (attempt, step + 1) in ((0, args.kill_at), (args.stop_in_attempt, args.stop_at)):
             (out / "killed_at").write_text(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+            note(out, f"killed {attempt} {time.time()!r}")
+            (out / "stopped").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL if (attempt, step + 1) == (0, args.kill_at) else signal.SIGSTOP)
         if (step + 1) % args.save_every == 0:
             save(engine, args, checkpoints, step + 1, attempt, rank)
     return losses, first_step_done
@@ -175,6 +194,10 @@ if __name__ == "__main__":
     attempt_number, rank_number = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), int(os.environ["RANK"])
     try:
         main(options, attempt_number, rank_number)
+    except CollectiveError as failed:  # a peer went silent: what this rank said, and when
+        (Path(options.out) / f"comm_error_rank{rank_number}_attempt{attempt_number}.json").write_text(json.dumps(
+            {"message": str(failed), "time": time.time()}))
+        raise
     except SystemExit as leaving:  # a preempted engine's exit code, and when it left
         exit_record = Path(options.out) / f"exit_rank{rank_number}_attempt{attempt_number}.json"
         exit_record.write_text(json.dumps({"code": leaving.code, "time": time.time()}))

@@ -43,6 +43,7 @@ from torch.autograd.profiler import record_function
 from zerokit.comm.counting import Collective, CommStats, GroupCount
 from zerokit.comm.deadline import TrackedWork, Watcher
 from zerokit.comm.flight import FlightRecorder
+from zerokit.comm.liveness import Heartbeat, default_store
 
 # torch 2.13 renamed the one-tensor collectives (its old names warn); torch before 2.13 has only the old ones
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -83,8 +84,7 @@ class Communicator:
         self.recorder = recorder or FlightRecorder(self.rank, self.incident)
         self.sequence = 0  # collectives issued on this group so far
         self._control: Communicator | None = None
-        self._watcher = Watcher(self, min(1.0, timeout_seconds / 4)) if timeout_seconds and not self.blocking_waits \
-            else None
+        self._watcher, self._heartbeat = _threads(self, owns_recorder=recorder is None)
 
     @classmethod
     def create(cls, timeout_seconds: float, stats: CommStats | None = None) -> "Communicator":
@@ -169,8 +169,9 @@ class Communicator:
         if self.closed:
             return
         self.closed = True
-        if self._watcher is not None:
-            self._watcher.stop()
+        for thread in (self._watcher, self._heartbeat):
+            if thread is not None:
+                thread.stop()
         if self._control is not None and self._control is not self:
             self._control.close()  # on gloo it shares this group: then it is only marked closed
         group, self.group = self.group, None
@@ -261,6 +262,18 @@ def _group_timeout(timeout_seconds: float, backend: str) -> timedelta:
     """gloo: the deadline itself; NCCL: a margin more, so that zerokit's report comes before the watchdog's abort.
     See [Note: deadlines on collectives] in deadline.py."""
     return timedelta(seconds=timeout_seconds if backend == "gloo" else timeout_seconds + max(10.0, timeout_seconds / 10))
+
+
+def _threads(comm: Communicator, owns_recorder: bool) -> tuple[Watcher | None, Heartbeat | None]:
+    """A Communicator's helper threads, where it has a deadline: the Watcher where its waits do not block the CPU
+    (See [Note: deadlines on collectives] in deadline.py); the engine's sign of life, with its first Communicator
+    (the one that made its recorder), where the job has a store (See [Note: naming the rank that went silent] in
+    liveness.py)."""
+    if not comm.timeout_seconds:
+        return None, None
+    watcher = None if comm.blocking_waits else Watcher(comm, min(1.0, comm.timeout_seconds / 4))
+    store = default_store() if owns_recorder else None
+    return watcher, None if store is None else Heartbeat(store, comm.recorder, comm.incident)
 
 
 def _destroy_group(group: dist.ProcessGroup) -> None:

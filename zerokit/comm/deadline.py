@@ -17,7 +17,9 @@ sequence number on its group, purpose), says how long this rank waited, lists th
 rank completed (See [Note: the flight recorder] in flight.py), names the file the whole ring was written
 to, and says where every other rank stood: each failing rank posts a one-line summary to the job's
 key-value store (the one torch.distributed rendezvoused through) and reads the others' for a short grace
-period. A rank that posts nothing within it is named as stalled outside zerokit's collectives, or dead.
+period. A rank that posts nothing within it is named in the error's first line: gone silent (dead or frozen)
+or alive and stalled outside zerokit's collectives, from its last sign of life, with the last collective it
+completed (See [Note: naming the rank that went silent] in liveness.py).
 
 [Note: a waited collective lets go of its tensors]
 A torch work object holds its collective's tensors (NCCL's: its outputs, until the work object itself goes). The
@@ -41,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from zerokit.comm.flight import FlightEntry, FlightRecorder
+from zerokit.comm.liveness import SignOfLife, default_store, headline, read_beats, signs_of_life
 
 COMPLETED_IN_REPORT = 6  # last completed collectives quoted in an error
 REPORT_POLL_SECONDS = 0.05
@@ -115,8 +118,10 @@ class TrackedWork:
 
 
 def failure(comm: Communicator, entry: FlightEntry, error: BaseException, waited: float) -> CollectiveError:
-    """The error every failing rank raises: what it waited on and for how long, what it completed last, where
-    the other ranks stood, and the file its flight recorder went to. See [Note: deadlines on collectives]."""
+    """The error every failing rank raises: first one line naming the ranks that went silent and where they stood
+    (See [Note: naming the rank that went silent] in liveness.py), then what this rank waited on and for how long,
+    what it completed last, where the other ranks stood, and the file its flight recorder went to. See [Note:
+    deadlines on collectives]."""
     timeout = comm.timeout_seconds or 0.0
     cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     timed_out = bool(timeout) and (time.time() - entry.start >= 0.99 * timeout or "timed out" in cause.lower()
@@ -129,26 +134,37 @@ def failure(comm: Communicator, entry: FlightEntry, error: BaseException, waited
     completed = comm.recorder.last_completed(COMPLETED_IN_REPORT)
     summary = f"{entry.name()} {what}; last completed: {completed[-1].name() if completed else 'none'}"
     path = comm.recorder.dump(f"rank {comm.rank}: {summary}")
+    stood, absent = exchange_reports(comm, summary, report_grace(timeout, timed_out))
     now = time.time()
-    lines = [f"rank {comm.rank}: {entry.name()}, {entry.numel:,} elements, {what}. A rank stalled, died, or issued "
-             f"other collectives than this one (see where each rank stood, below).",
+    lines = [first_line(comm.rank, entry, what, absent),
              f"  last collectives rank {comm.rank} completed (oldest first):",
              *[f"    {done.line(now)}" for done in completed or []], *([] if completed else ["    none"]),
-             "  where each rank stood:",
-             *[f"    {line}" for line in exchange_reports(comm, summary, report_grace(timeout, timed_out))],
+             "  where each rank stood:", *[f"    {line}" for line in stood],
              f"  flight recorder of rank {comm.rank} (its last {len(comm.recorder.entries)} collectives): "
              f"{path if path is not None else 'not written (no writable directory)'}"]
     return CollectiveError("\n".join(lines))
 
 
-def exchange_reports(comm: Communicator, summary: str, grace: float) -> list[str]:
-    """Post this rank's summary to the job's store and collect the others' for up to `grace` seconds."""
-    store = _default_store()
+def first_line(rank: int, entry: FlightEntry, what: str, absent: list[SignOfLife]) -> str:
+    """`rank 0: rank 1 went silent 1.2 s ago, after <its last collective>; here <this one> failed ...`: the line a
+    launcher's log shows. Without a silent rank to name: what this rank waited on, and the possible causes."""
+    here = f"{entry.name()}, {entry.numel:,} elements, {what}"
+    if absent:
+        return f"rank {rank}: {headline(absent)}; here {here}"
+    return (f"rank {rank}: {here}. A rank stalled, died, or issued other collectives than this one (see where each "
+            "rank stood, below).")
+
+
+def exchange_reports(comm: Communicator, summary: str, grace: float) -> tuple[list[str], list[SignOfLife]]:
+    """Post this rank's summary to the job's store and collect the others' for up to `grace` seconds. Returns a line
+    per rank, and the last sign of life of each rank that sent no report."""
+    store = default_store()
     if store is None:
-        return [f"rank {comm.rank}: {summary}", "(other ranks: no key-value store to exchange reports through)"]
+        return [f"rank {comm.rank}: {summary}", "(other ranks: no key-value store to exchange reports through)"], []
     prefix = f"zerokit/failure/{comm.incident}/"
     try:
         store.set(prefix + str(comm.rank), summary)
+        beats = read_beats(store, comm.incident, [rank for rank in range(comm.world_size) if rank != comm.rank])
         reports: dict[int, str] = {}
         give_up = time.time() + grace
         while len(reports) < comm.world_size and time.time() < give_up:
@@ -156,18 +172,15 @@ def exchange_reports(comm: Communicator, summary: str, grace: float) -> list[str
                 if rank not in reports and store.check([prefix + str(rank)]):
                     reports[rank] = store.get(prefix + str(rank)).decode()
             time.sleep(0 if len(reports) == comm.world_size else REPORT_POLL_SECONDS)
+        absent = signs_of_life(beats, read_beats(store, comm.incident,
+                                                 [rank for rank in range(comm.world_size) if rank not in reports]))
     except Exception as error:  # the store lives on a rank that may be the one that died
-        return [f"rank {comm.rank}: {summary}", f"(other ranks: the key-value store failed: {error})"]
+        return [f"rank {comm.rank}: {summary}", f"(other ranks: the key-value store failed: {error})"], []
     silent = (f"no report within {grace:.1f} s: stalled outside zerokit's collectives, blocked in other "
               "code, or dead")
-    return [f"rank {rank}: {reports.get(rank, silent)}" for rank in range(comm.world_size)]
-
-
-def _default_store() -> dist.Store | None:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # not initialised by a store this process can reach, or a torch without it
-        return None
+    signs = {sign.rank: sign for sign in absent}
+    return [f"rank {rank}: {reports[rank]}" if rank in reports else f"rank {rank}: {silent} ({signs[rank].describe()})"
+            for rank in range(comm.world_size)], absent
 
 
 class Watcher:

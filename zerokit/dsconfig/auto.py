@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerokit.defaults import DEFAULT_BUCKET_BYTES
+from zerokit.dsconfig.elastic import ElasticPolicy, elastic_batch
 from zerokit.dsconfig.reader import DeepSpeedConfig
 from zerokit.dsconfig.schema import SCHEMA
 from zerokit.dsconfig.schema_optim import params_table
@@ -32,6 +33,7 @@ from zerokit.dsconfig.values import AUTO, show
 TBS, MICRO, GAS = "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"
 Z = "zero_optimization."
 HIDDEN_KEYS = (Z + "reduce_bucket_size", Z + "stage3_prefetch_bucket_size", Z + "stage3_param_persistence_threshold")
+ELASTIC_SWITCH = "elasticity.enabled"
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -60,6 +62,8 @@ class Resolution:
 def pending(config: DeepSpeedConfig) -> tuple[str, ...]:
     """Paths whose value needs the world size or the model's hidden size before training can start."""
     out = [path for path in HIDDEN_KEYS if config.get(path, None) is AUTO]
+    if config.get(ELASTIC_SWITCH, False):  # the block chooses them for the world size
+        return tuple(out + [path for path in (TBS, MICRO, GAS) if _known(config, path) is None])
     if _known(config, GAS) is None and _known(config, TBS) is not None and _known(config, MICRO) is not None:
         out.append(GAS)  # train_batch_size / (micro-batch x world size)
     return tuple(out)
@@ -109,6 +113,9 @@ def _default_for(config: DeepSpeedConfig, path: str) -> tuple[Any, str]:
 
 
 def _batch(config: DeepSpeedConfig, world_size: int | None, updates: dict, choices: list) -> None:
+    if config.get(ELASTIC_SWITCH, False):
+        _elastic_batch(config, world_size, updates, choices)
+        return
     tbs, micro, gas = _known(config, TBS), _known(config, MICRO), _known(config, GAS)
     for name, value in ((TBS, tbs), (MICRO, micro), (GAS, gas)):
         if value is not None and value < 1:
@@ -129,6 +136,28 @@ def _batch(config: DeepSpeedConfig, world_size: int | None, updates: dict, choic
             updates[path] = value
             if mentioned:  # a config that names no batch key needs no line about them
                 choices.append(Choice(path, value, reasons[path], derived=not config.given(path)))
+
+
+def _elastic_batch(config: DeepSpeedConfig, world_size: int | None, updates: dict, choices: list) -> None:
+    """The batch sizes DeepSpeed's elasticity block chooses for this world size (See [Note: elastic batch sizes] in
+    elastic.py). Batch keys given beside it are refused, as DeepSpeed refuses them, unless the block says to
+    ignore them (then overridden) or they are what it chooses (a config resolved before)."""
+    policy = ElasticPolicy.from_block(config.under("elasticity"))
+    given = {path: _known(config, path) for path in (TBS, MICRO, GAS) if config.given(path)}
+    chosen = None if world_size is None else elastic_batch(policy, world_size)
+    values = {} if chosen is None else {TBS: chosen.train_batch_size, MICRO: chosen.micro_batch,
+                                        GAS: chosen.accumulation}
+    clashing = [path for path, value in given.items() if values.get(path) != value]
+    if clashing and not policy.ignore_non_elastic_batch_info:
+        raise ValueError(f"{', '.join(clashing)} given beside an enabled elasticity block, which chooses the batch "
+                         "sizes for the world size: remove them, or set elasticity.ignore_non_elastic_batch_info="
+                         "true to have them overridden (DeepSpeed refuses them the same way)")
+    if chosen is None:
+        return
+    why = f"elasticity at {world_size} ranks; valid world sizes {list(chosen.valid_world_sizes)}"
+    for path, value in values.items():
+        updates[path] = value
+        choices.append(Choice(path, value, why, derived=True))
 
 
 def _choose(config: DeepSpeedConfig, path: str, value: Any, why: str, updates: dict, choices: list) -> None:

@@ -121,10 +121,32 @@ REMOVED = tuple(removed(path, asks) for path, asks in (
                                                          "pruning, layer reduction)"),
     ("quantize_training", "Mixture-of-Quantization (MoQ)"), ("eigenvalue", "eigenvalue-based MoQ"),
     ("sparse_attention", "DeepSpeed sparse attention"), ("sparse_gradients", "sparse embedding gradients"),
-    ("elasticity", "elastic training (batch sizes chosen for a range of GPU counts)"),
     ("curriculum_learning", "legacy curriculum learning"), ("progressive_layer_drop", "progressive layer dropping"),
     ("nebula", "Nebula checkpointing"), ("graph_harvesting", "graph harvesting"),
 ))
+
+ELASTIC = "zerokit/dsconfig/elastic.py"
+ELASTICITY = (
+    block("elasticity", "elastic training: the global batch, micro-batch and accumulation chosen for the world size "
+          "as DeepSpeed 0.18's compute_elastic_config chose them (DeepSpeed 0.19.8 removed the block), so that a "
+          f"restart on more or fewer ranks keeps the global batch ({ELASTIC})"),
+    honoured("elasticity.enabled", Kind.BOOL, False, "choose the batch sizes from this block", auto=False),
+    honoured("elasticity.max_train_batch_size", Kind.INT, 2000, "the largest global batch acceptable", auto=False),
+    honoured("elasticity.micro_batch_sizes", Kind.ANY, (2, 4, 6), "the micro-batches a rank may run", auto=False),
+    honoured("elasticity.min_gpus", Kind.INT, 1, "the fewest ranks the global batch must split over", auto=False),
+    honoured("elasticity.max_gpus", Kind.INT, 10000, "the most ranks the global batch must split over", auto=False),
+    honoured("elasticity.min_time", Kind.INT, 0, "minutes a scheduler should run a size before scaling; checked "
+             "(>= 0), for the scheduler", auto=False),
+    honoured("elasticity.version", Kind.FLOAT, 0.2, "0.1: the batch from the bounds alone; 0.2: a world size "
+             "outside the valid ones gets a batch of its own", auto=False),
+    honoured("elasticity.prefer_larger_batch", Kind.BOOL, True, "ties go to the larger global batch (else the "
+             "smaller)", auto=False),
+    honoured("elasticity.ignore_non_elastic_batch_info", Kind.BOOL, False, "batch keys beside the block are "
+             "overridden (else refused, as DeepSpeed refuses them)", auto=False),
+    honoured("elasticity.num_gpus_per_node", Kind.INT, 1, "version 0.2 counts ranks by node", auto=False),
+    refused("elasticity.model_parallel_size", "elastic batch sizes for model-parallel groups", PARALLELISM, Kind.INT,
+            1),
+)
 
 ZEROKIT_TOP = (
     zerokit_key("max_consecutive_skipped_steps", Kind.INT, 20, "raise after this many optimizer steps in a row "
@@ -136,4 +158,4 @@ ZEROKIT_TOP = (
 )
 
 KEYS: tuple[Key, ...] = (block("zero_optimization", "ZeRO stage and its tuning"), *BATCH, *TRAINING, *PRECISION,
-                         *PARALLEL, *REMOVED, *ZEROKIT_TOP)
+                         *PARALLEL, *ELASTICITY, *REMOVED, *ZEROKIT_TOP)

@@ -242,18 +242,19 @@ LLAMAS = {"1b": LlamaConfig(), "tiny": LlamaConfig(vocab_size=64, hidden=32, n_l
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense bf16, the vendors' data sheets
 
 
-def throughput(settings: BenchSettings, device: torch.device, config: LlamaConfig, seq_len: int, batch_size: int,
-               steps: int) -> dict[str, Any]:
+def throughput(settings: BenchSettings, device: torch.device, names: list[str], config: LlamaConfig, seq_len: int,
+               batch_size: int, steps: int) -> dict[str, Any]:
     """benchmarks/llama.py's Llama (1.1B by default), bf16, on one GPU under each of FSDP2, zerokit stage 3 and
-    DeepSpeed stage 3 (where it imports): tokens/s over `steps` timed steps after 3, MFU against the card's dense bf16
-    peak, and peak MiB. Every contender starts from the same weights and sees the same batches."""
+    DeepSpeed stage 3 that `names` (the check's --only) holds and that imports: tokens/s over `steps` timed steps after
+    3, MFU against the card's dense bf16 peak, and peak MiB. Every contender starts from the same weights and sees the
+    same batches."""
     shape = BenchSettings(world_size=1, steps=steps, warmup=3, dtype="bf16", block_size=seq_len + 1,
                           vocab_size=config.vocab_size, batch_size=batch_size, bucket_bytes=settings.bucket_bytes)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     peak = next((tflops for name, tflops in PEAK_TFLOPS.items() if name in card), None)
     out: dict[str, Any] = {"model": f"benchmarks/llama.py {config}", "seq_len": seq_len, "batch_size": batch_size,
                            "peak_tflops": peak, "contenders": {}}
-    for name, contender in _available(THROUGHPUT):
+    for name, contender in _available(tuple(name for name in THROUGHPUT if name in names)):
         if contender.prepare is not None:  # DeepSpeed adopts the process group
             contender.prepare()
         torch.manual_seed(shape.seed)
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "peak": lambda: peaks([name for name in AT_PEAK if name in names], settings, device),
         "teardown": lambda: teardown(timeout=max(30.0, min(120.0, left() - 60))),
         "tests": lambda: cuda_tests(timeout=max(30.0, left() - 10), junit=args.out.with_suffix(".junit.xml")),
-        "throughput": lambda: throughput(settings, device, LLAMAS[args.throughput_model], args.throughput_seq,
+        "throughput": lambda: throughput(settings, device, names, LLAMAS[args.throughput_model], args.throughput_seq,
                                          args.throughput_batch, args.throughput_steps),
     }
     for part in [part for part in args.parts.split(",") if part]:

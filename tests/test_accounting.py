@@ -22,7 +22,8 @@ def expected_memory(case: Case, world_size: int, out: dict) -> dict[str, int]:
     piece's AdamW state is exp_avg + exp_avg_sq (fp32) and a 4-byte step count; padding has no state.
     Stages 0-2: frozen parameters are held whole by every rank. Stage 3: each unit's frozen parameters
     are one buffer padded to a multiple of N, of which a rank keeps its shard; persistent units (by
-    their trainable and frozen size) are also held whole. Stage 0's gradient buffer ends in one usage flag
+    their trainable and frozen size) are also held whole; the trainable shards are the masters in a 16-bit run with
+    both on the device. Stage 0's gradient buffer ends in one usage flag
     per trainable tensor (See [Note: parameters no rank used] in zerokit/stages/usage.py). After the step, no
     gradient is held (See gradients_at_boundary for what the last backward left)."""
     padded, pieces = out["layout_numel"], out["optimizer_pieces"]
@@ -34,7 +35,10 @@ def expected_memory(case: Case, world_size: int, out: dict) -> dict[str, int]:
     if case.stage == 3:
         trainable, frozen = out["unit_numel"], out["unit_frozen_numel"]
         persistent = [i for i in range(len(trainable)) if 0 < trainable[i] + frozen[i] < case.persistence_threshold]
-        held_params = padded // world_size + sum(trainable[i] for i in persistent)
+        # a 16-bit run's trainable shards are its fp32 masters, counted with them, where both stay on the device (See
+        # [Note: the shard is the fp32 master] in zerokit/flat/sharded.py)
+        masters_are_shards = case.dtype != "fp32" and case.offload_optimizer == "none" and case.offload_param == "none"
+        held_params = (0 if masters_are_shards else padded // world_size) + sum(trainable[i] for i in persistent)
         held_frozen = out["frozen_shard_numel"] + sum(frozen[i] for i in persistent)
     return {
         "parameters": param_bytes * (held_params + held_frozen),

@@ -27,8 +27,10 @@ peer, once.
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -50,6 +52,21 @@ def heartbeat_key(incident: str, rank: int) -> str:
     return f"zerokit/alive/{incident}/{rank}"
 
 
+_running: "weakref.WeakSet[Heartbeat]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Every heartbeat still running stops before the interpreter finalizes: an engine let go of without close()
+    leaves its thread running, and a daemon thread that finalization stops inside the store's C++ call aborts the
+    process ("terminate called without an active exception")."""
+    beats = list(_running)
+    for beat in beats:
+        beat.stopping.set()
+    for beat in beats:
+        beat.thread.join(timeout=2 * beat.period)
+
+
 class Heartbeat:
     """The thread that posts this rank's sign of life (See [Note: naming the rank that went silent])."""
 
@@ -61,6 +78,7 @@ class Heartbeat:
         self.beat()  # a sign before the first collective, so that a rank dead at its first one is named too
         self.thread = threading.Thread(target=self._run, name="zerokit-heartbeat", daemon=True)
         self.thread.start()
+        _running.add(self)
 
     def beat(self) -> bool:
         """Post one sign; False if the store failed (then the thread ends)."""

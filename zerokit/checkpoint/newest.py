@@ -26,7 +26,7 @@ from typing import Any
 from zerokit.checkpoint.commit import LATEST
 from zerokit.checkpoint.deepspeed_import import is_deepspeed_checkpoint
 from zerokit.checkpoint.load import checkpoint_directory
-from zerokit.checkpoint.manifest import MANIFEST, read_manifest
+from zerokit.checkpoint.manifest import MANIFEST, Manifest, read_manifest
 from zerokit.checkpoint.session import session_of
 from zerokit.runtime import logger
 
@@ -42,7 +42,7 @@ def newest_checkpoint(load_dir: str | os.PathLike) -> Path | None:
     named = _named_by_latest(load_dir)
     if named is not None:
         return named
-    found = {path: _saved_at(path) for path in complete_checkpoints(load_dir)}
+    found = {path: _saved_at(path, manifest) for path, manifest in complete_checkpoints(load_dir).items()}
     if not found:
         return None
     newest = max(found, key=found.__getitem__)
@@ -65,24 +65,23 @@ def _named_by_latest(load_dir: Path) -> Path | None:
     return None
 
 
-def complete_checkpoints(load_dir: Path) -> list[Path]:
-    """The zerokit checkpoints in `load_dir` whose manifest reads, in name order; staging directories never."""
-    found = []
-    for manifest in sorted(load_dir.glob(f"*/{MANIFEST}")):
-        directory = manifest.parent
+def complete_checkpoints(load_dir: Path) -> dict[Path, Manifest]:
+    """The zerokit checkpoints in `load_dir` whose manifest reads, with it, in name order; staging directories
+    never."""
+    found = {}
+    for path in sorted(load_dir.glob(f"*/{MANIFEST}")):
+        directory = path.parent
         if directory.name.startswith("."):  # `.<tag>.partial-<id>`, `.<tag>.replaced-<id>`: never committed here
             continue
         try:
-            read_manifest(directory)
+            found[directory] = read_manifest(directory)
         except ValueError as error:
             logger.warning(f"{directory}: not a complete checkpoint, passed over ({error})")
-            continue
-        found.append(directory)
     return found
 
 
-def _saved_at(directory: Path) -> tuple[int, int, float]:
-    progress = read_manifest(directory).progress
+def _saved_at(directory: Path, manifest: Manifest) -> tuple[int, int, float]:
+    progress = manifest.progress
     steps = progress.get("optimizer_step", 0) + progress.get("total_skips", 0)
     return steps, progress.get("micro_step", 0), (directory / MANIFEST).stat().st_mtime
 

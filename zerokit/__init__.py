@@ -14,6 +14,7 @@ _LAZY = {
     "LossScaling": "zerokit.config", "MixedPrecision": "zerokit.config", "Stage3Policy": "zerokit.config",
     "ZeroConfig": "zerokit.config", "load_config": "zerokit.config", "StepResult": "zerokit.precision",
     "plan": "zerokit.planner", "estimate": "zerokit.planner", "safetensors_init": "zerokit.stages.construction",
+    "Layout": "zerokit.layout",
 }
 __all__ = sorted(_LAZY)
 __getattr__ = lazy_names(__name__, _LAZY, globals())

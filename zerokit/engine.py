@@ -24,6 +24,7 @@ from zerokit.comm import Communicator
 from zerokit.config import ZeroConfig, engine_settings, hidden_size_of, load_config
 from zerokit.engine_state import engine_state_dict, load_engine_state, totals
 from zerokit.engine_blocks import grad_accum_dtype_lines, learning_rates, lr_schedules_for, optimizers_for
+from zerokit.layout import Layout, checked_layout
 from zerokit.masters import OptimizerPlan, optimizer_kind, trainable_groups
 from zerokit.activations import ActivationCheckpointer
 from zerokit.observe import EngineMonitor, collective_stats
@@ -45,15 +46,19 @@ Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
 class Engine:
     def __init__(self, model: nn.Module, optimizer: Optimizers | None, config: ZeroConfig,
                  device: torch.device | None = None, param_init: ParamInit | None = None,
-                 model_parameters: Iterable[Any] | None = None) -> None:
+                 model_parameters: Iterable[Any] | None = None, layout: Layout | None = None) -> None:
         """Built in the order a step's data flows: the process group, the model on its device, the stage
         (layout, flat buffers, masters; See ZeroStage.build), the reducer, then the hooks that drive them.
         `optimizer`: one torch optimizer, or a list of them, each over its own parameters (Muon for the
         hidden matrices beside AdamW for the rest, say); None: the config's `optimizer` block's, built over
-        `model_parameters` (default: the model's trainable parameters)."""
+        `model_parameters` (default: the model's trainable parameters). `layout`: the job's pipeline x data x tensor
+        mesh (See [Note: one layout, resolved once] in zerokit/layout.py); the engine shards over this rank's data
+        group. None: over every rank."""
         ensure_process_group()
+        self.layout = checked_layout(layout)
         # a logging one for comms_logger.verbose; a group of its own, whose waits have the config's deadline
-        self.comm = Communicator.create(config.comm_timeout_seconds, stats=collective_stats(config.comms_logger))
+        self.comm = Communicator.create(config.comm_timeout_seconds, stats=collective_stats(config.comms_logger),
+                                        parts=None if self.layout is None else self.layout.data_groups())
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         config = self.config = config.resolve(world_size=self.world_size, hidden_size=hidden_size_of(model))
         setup_lines = grad_accum_dtype_lines(config)
@@ -275,7 +280,7 @@ def _backward_ordered(model: nn.Module, groups: list[list[nn.Parameter]]) -> tup
 def initialize(model: nn.Module, optimizer: Optimizers | None = None,
                config: ZeroConfig | Mapping[str, Any] | str | Path | None = None,
                device: torch.device | None = None, param_init: ParamInit | None = None,
-               model_parameters: Iterable[Any] | None = None) -> Engine:
+               model_parameters: Iterable[Any] | None = None, layout: Layout | None = None) -> Engine:
     """Wrap `model` and `optimizer` (one, or a list each over its own parameters; `engine.optimizer` is
     then the list, rebuilt in the same order) for ZeRO training. `config` is a ZeroConfig, a DeepSpeed-style
     dict, or the path of a JSON file holding one. Joins torchrun's process group if there is one.
@@ -285,8 +290,9 @@ def initialize(model: nn.Module, optimizer: Optimizers | None = None,
     A model built on the meta device is materialised shard by shard at stage 3, with `param_init(module)`
     filling each module's parameters (default: its reset_parameters()); see zerokit/stages/construction.py.
     With the config's `resume` block the engine comes back at the newest complete checkpoint in resume.load_dir, if
-    there is one (See zerokit/checkpoint/newest.py); a loader tracked then (engine.data_position.track) resumes too."""
-    engine = Engine(model, optimizer, load_config(config), device, param_init, model_parameters)
+    there is one (See zerokit/checkpoint/newest.py); a loader tracked then (engine.data_position.track) resumes too.
+    `layout`: a zerokit.Layout of pipeline x data x tensor degrees; the engine shards over this rank's data group."""
+    engine = Engine(model, optimizer, load_config(config), device, param_init, model_parameters, layout)
     if engine.config.resume.load_dir is not None:
         resume_from_newest(engine, engine.config.resume.load_dir)
     return engine

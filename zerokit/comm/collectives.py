@@ -29,6 +29,17 @@ that was most of what stage 1 held beyond torch's ZeroRedundancyOptimizer at its
 of RSS in benchmarks/). There, each rank's slice of the output is broadcast in place from its owner
 instead: N broadcasts of 1/N each, in which every rank sends its own slice to the N-1 others, the same
 (N-1)/N of the output that a ring all-gather sends, so it is counted as the all-gather it is.
+
+[Note: groups made beside the siblings']
+torch's new_group is a collective over the whole job: every rank calls it, in the same order, with the same ranks,
+and the group is named by how many groups came before it. An engine over one data group of a layout (the replicas
+of one pipeline stage: See zerokit/layout.py) makes more groups as it builds (stage 3's gather twin, MiCS's
+splits, a gloo control group beside NCCL); if only its own ranks made them, the engines of the other stages would
+make theirs under the same names over other ranks, and the two would meet in the store and hang. So a
+Communicator knows its `siblings`, the global ranks of every group of its dimension, and each group it makes is
+made over the same positions of every sibling, on every rank, in one order: the engines of all stages, built
+together, make the same calls. An NCCL Communicator of a layout makes its gloo control group at once, not on first
+use, since the stages' engines first use it at different times.
 """
 
 from __future__ import annotations
@@ -64,11 +75,15 @@ class Communicator:
 
     def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None, *,
                  name: str = "shard", timeout_seconds: float | None = None, recorder: FlightRecorder | None = None,
-                 incident: str | None = None, owns_group: bool = False) -> None:
+                 incident: str | None = None, owns_group: bool = False,
+                 siblings: list[list[int]] | None = None) -> None:
         """Pass the `stats` of another Communicator to count two process groups as one. `timeout_seconds`:
         every wait's deadline (None: wait as long as the group does). `name` labels this group in reports.
-        `owns_group`: zerokit made `group` for this Communicator, and `close` destroys it."""
+        `owns_group`: zerokit made `group` for this Communicator, and `close` destroys it. `siblings`: the global ranks
+        of every group of this one's layout dimension, this one's included (See [Note: groups made beside the
+        siblings']); None: this group is the only one."""
         self.group = group
+        self.siblings = siblings or [dist.get_process_group_ranks(group or dist.group.WORLD)]
         self.owns_group = owns_group
         self.closed = False  # See `close`
         self.rank = dist.get_rank(group)
@@ -87,14 +102,25 @@ class Communicator:
         self._watcher, self._heartbeat = _threads(self, owns_recorder=recorder is None)
 
     @classmethod
-    def create(cls, timeout_seconds: float, stats: CommStats | None = None) -> "Communicator":
+    def create(cls, timeout_seconds: float, stats: CommStats | None = None,
+               parts: list[list[int]] | None = None) -> "Communicator":
         """The engine's: a new group over every rank whose own timeout is the deadline (See [Note: deadlines
-        on collectives]); the job's default group is left as the application set it."""
+        on collectives]); the job's default group is left as the application set it. `parts`: the groups of a
+        layout's dimension (global ranks, together every rank once; See zerokit/layout.py): a group over the part
+        that holds this rank, every part's made on every rank, in order, as torch's new_group requires."""
         backend = dist.get_backend()
         if backend == "fake":  # torch's fake back-end (shard arithmetic at sizes CI cannot spawn): nothing waits
             return cls(None, stats)
-        return cls(dist.new_group(timeout=_group_timeout(timeout_seconds, backend)), stats,
-                   timeout_seconds=timeout_seconds, owns_group=True)
+        timeout = _group_timeout(timeout_seconds, backend)
+        rank, mine = dist.get_rank(), None
+        for part in parts or [None]:
+            group = dist.new_group(part, timeout=timeout)
+            if part is None or rank in part:
+                mine = group
+        made = cls(mine, stats, timeout_seconds=timeout_seconds, owns_group=True, siblings=parts)
+        if parts and backend != "gloo":
+            made.control  # made now, while every sibling is here: See [Note: groups made beside the siblings']
+        return made
 
     def split(self, parts: list[list[int]], name: str, twin_of: "Communicator | None" = None) -> "Communicator":
         """A Communicator over the part of `parts` (lists of this group's ranks, together every rank once) that
@@ -102,17 +128,16 @@ class Communicator:
         new_group is a collective over the whole job, so each part's control group (See `control`) is made here too,
         where it needs a group of its own. `twin_of`: the Communicator of an earlier split of the same parts, whose
         control group this one shares, as `twin` does."""
-        members = dist.get_process_group_ranks(self.group or dist.group.WORLD)
         own_control = twin_of is None and self.backend not in ("gloo", "fake")
         mine = None
         for part in parts:
-            ranks = [members[rank] for rank in part]
-            group = self._new_group(ranks)
-            control = self._new_group(ranks, backend="gloo") if own_control else None
+            group = self._new_group(part)
+            control = self._new_group(part, backend="gloo") if own_control else None
             if self.rank in part:
-                mine = self._member(group, self.stats, name)
+                siblings = [[ranks[rank] for rank in part] for ranks in self.siblings]
+                mine = self._member(group, self.stats, name, siblings=siblings)
                 if control is not None:
-                    mine._control = self._member(control, CommStats(len(part)), "control")
+                    mine._control = self._member(control, CommStats(len(part)), "control", siblings=siblings)
         if mine is None:
             raise RuntimeError(f"rank {self.rank} is in none of the groups {parts} (an internal bug)")
         if twin_of is not None and twin_of._control is not None and twin_of._control.group is not twin_of.group:
@@ -145,21 +170,29 @@ class Communicator:
 
     def _sibling(self, name: str, backend: str | None, stats: CommStats) -> "Communicator":
         """A Communicator over a new group with the same ranks (`backend` None: this one's)."""
-        group = self._new_group(dist.get_process_group_ranks(self.group or dist.group.WORLD), backend)
-        return self._member(group, stats, name)
+        group = self._new_group(list(range(self.world_size)), backend)
+        return self._member(group, stats, name, siblings=self.siblings)
 
-    def _new_group(self, ranks: list[int], backend: str | None = None) -> dist.ProcessGroup:
-        """A new process group over `ranks` (global ranks) whose own timeout is this one's deadline. Every rank of the
-        job must call it, in the same order: torch's new_group is a collective over the whole job."""
+    def _new_group(self, part: list[int], backend: str | None = None) -> dist.ProcessGroup:
+        """A new process group over `part` (ranks of this group) whose own timeout is this one's deadline, and its
+        likes over the same positions of every sibling group (See [Note: groups made beside the siblings']); this
+        rank's, or torch's mark of a group it is not in. Every rank of the job must call it, in the same order:
+        torch's new_group is a collective over the whole job."""
         timeout = _group_timeout(self.timeout_seconds, backend or self.backend) if self.timeout_seconds else None
-        return dist.new_group(ranks, backend=backend, **({"timeout": timeout} if timeout else {}))
+        me, mine = dist.get_rank(), None
+        for ranks in self.siblings:
+            group = dist.new_group([ranks[rank] for rank in part], backend=backend,
+                                   **({"timeout": timeout} if timeout else {}))
+            if me in ranks:
+                mine = group
+        return mine
 
     def _member(self, group: dist.ProcessGroup | None, stats: CommStats, name: str,
-                owns_group: bool = True) -> "Communicator":
+                owns_group: bool = True, siblings: list[list[int]] | None = None) -> "Communicator":
         """A Communicator over `group` made for this one's engine: the same deadline, and failures reported with this
         one's (the same flight recorder and incident)."""
         return Communicator(group, stats, name=name, timeout_seconds=self.timeout_seconds, recorder=self.recorder,
-                            incident=self.incident, owns_group=owns_group)
+                            incident=self.incident, owns_group=owns_group, siblings=siblings)
 
     def close(self) -> None:
         """Destroy the process group zerokit made for this Communicator (and its control group, when that is a

@@ -1,0 +1,114 @@
+"""Who is grouped with whom: the job's ranks as a mesh of pipeline stages x data replicas x tensor ranks.
+
+[Note: one layout, resolved once]
+Pipeline and tensor parallelism add one question to every part of zerokit: which ranks does this collective go
+over? It is answered here and nowhere else. A Layout is three degrees (pipeline, data, tensor), checked once
+against the world size; every module that needs a group asks it for the rank lists of one dimension
+(`data_groups()`, `pipeline_groups()`, `tensor_groups()`) or for this rank's coordinates, and is handed them as
+plain values, as torchtitan's ParallelDims hands out its sub-meshes. Hybrid sharding (MiCS, hpZ) is the data
+dimension's inner shape and stays in EngineSettings: the engine shards over its data group as it shards over
+the world without a layout.
+
+Ranks are numbered as DeepSpeed's PipeModelDataParallelTopology numbers them (axes pipe, data, model, the last
+innermost), and as torch's DeviceMesh of shape (pipeline, data, tensor) does:
+    rank = (stage * data + replica) * tensor + tensor_index
+so the tensor group is consecutive ranks (one node, the per-layer all-reduces on its fastest links), a stage's
+data group stays inside a node where the node holds it, and the pipeline's stages fall across nodes, where only
+activations travel between them. A DeepSpeed pipeline script that shards its data by `grid.data_parallel_id`
+reads the same batches under zerokit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class Coordinates(NamedTuple):
+    stage: int
+    """The pipeline stage this rank runs."""
+    replica: int
+    """Its index in its data group: which data it reads, which shard of the model states it holds."""
+    tensor_index: int
+    """Its index in its tensor group: which piece of each split layer it computes."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    pipeline: int = 1
+    data: int = 1
+    tensor: int = 1
+
+    @classmethod
+    def resolve(cls, world_size: int, pipeline: int = 1, tensor: int = 1,
+                ranks_per_node: int | None = None) -> "Layout":
+        """The layout of `world_size` ranks with these pipeline and tensor degrees; the data degree is what they
+        leave. One line names the degree that does not fit, and what would."""
+        for name, degree in (("pipeline", pipeline), ("tensor", tensor)):
+            if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+                raise ValueError(f"the {name} degree must be a positive integer, got {degree!r}")
+        if world_size % (pipeline * tensor):
+            raise ValueError(f"{world_size} ranks do not split into {pipeline} pipeline stage(s) x {tensor} tensor "
+                             f"rank(s): the world size must be a multiple of pipeline x tensor = {pipeline * tensor}")
+        if ranks_per_node is not None and ranks_per_node % tensor:
+            raise ValueError(f"a tensor degree of {tensor} does not divide the {ranks_per_node} ranks of a node: "
+                             f"a tensor group must sit inside one node (accepted: a divisor of {ranks_per_node})")
+        return cls(pipeline=pipeline, data=world_size // (pipeline * tensor), tensor=tensor)
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline * self.data * self.tensor
+
+    def coordinates(self, rank: int) -> Coordinates:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a layout of {self.world_size} ranks")
+        stage, rest = divmod(rank, self.data * self.tensor)
+        replica, tensor_index = divmod(rest, self.tensor)
+        return Coordinates(stage, replica, tensor_index)
+
+    def rank_of(self, stage: int, replica: int, tensor_index: int = 0) -> int:
+        return (stage * self.data + replica) * self.tensor + tensor_index
+
+    def data_groups(self) -> list[list[int]]:
+        """The ranks that differ only in their replica: each holds a shard of one stage's piece of the model states;
+        ZeRO reduces, gathers and shards over them."""
+        return [[self.rank_of(s, r, t) for r in range(self.data)]
+                for s in range(self.pipeline) for t in range(self.tensor)]
+
+    def pipeline_groups(self) -> list[list[int]]:
+        """The ranks that differ only in their stage, in stage order: one pipeline, which passes activations."""
+        return [[self.rank_of(s, r, t) for s in range(self.pipeline)]
+                for r in range(self.data) for t in range(self.tensor)]
+
+    def tensor_groups(self) -> list[list[int]]:
+        """The ranks that differ only in their tensor index: the pieces of one stage's split layers."""
+        return [[self.rank_of(s, r, t) for t in range(self.tensor)]
+                for s in range(self.pipeline) for r in range(self.data)]
+
+    def group_of(self, groups: list[list[int]], rank: int) -> list[int]:
+        """The one of `groups` (a dimension's rank lists) that holds `rank`."""
+        return next(group for group in groups if rank in group)
+
+    def device_mesh(self, device_type: str):
+        """torch's DeviceMesh of this layout, with the dimensions named "pipeline", "data" and "tensor" (for
+        DTensor's tensor parallelism and torch's pipelining); every rank must call it, at the same point."""
+        from torch.distributed.device_mesh import init_device_mesh
+        return init_device_mesh(device_type, (self.pipeline, self.data, self.tensor),
+                                mesh_dim_names=("pipeline", "data", "tensor"))
+
+    def describe(self) -> str:
+        return f"{self.pipeline} pipeline stage(s) x {self.data} data replica(s) x {self.tensor} tensor rank(s)"
+
+
+def checked_layout(layout: Layout | None) -> Layout | None:
+    """`layout` as an engine takes it: one over the job's ranks (None: the engine shards over every rank)."""
+    if layout is None:
+        return None
+    import torch.distributed as dist
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a zerokit.Layout (Layout.resolve(world_size, pipeline=..., tensor=...)), "
+                        f"got {type(layout).__name__}")
+    if layout.world_size != dist.get_world_size():
+        raise ValueError(f"the layout ({layout.describe()}) has {layout.world_size} ranks but the job has "
+                         f"{dist.get_world_size()}: resolve it with Layout.resolve(world_size, ...)")
+    return layout

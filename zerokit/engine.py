@@ -11,8 +11,9 @@ its per-parameter view (stages/view.py).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence, Union
+from typing import Any, Iterable, Iterator, Mapping, Sequence, Union
 
 import torch
 from torch import nn
@@ -76,8 +77,10 @@ class Engine:
         self.safeguards = Safeguards(model, self.comm, config)  # zerokit/reliability: requires_grad, buffers
         self.loss_scaler, self.progress = make_loss_scaler(config.loss_scaling), Progress()
         self.data_position = DataPosition(self.rank)  # the loader whose position checkpoints save (.track(loader))
+        # the ranks of the other pipeline stages (with a pipeline layout), for the norm across them
+        self.stages_comm = _pipeline_comm(self.layout, config.comm_timeout_seconds)
         self.stepper = Stepper(self.stage, self.loss_scaler, self.lr_schedules, self.safeguards, config.gradient_clipping,
-                               config.max_consecutive_skipped_steps)
+                               config.max_consecutive_skipped_steps, other_stages=self.stages_comm)
         self.monitor = EngineMonitor(config, self)  # the observability keys; all off unless the config asks
         # See [Note: each engine checkpoints with its own settings] in zerokit/activations.py
         self.activations = ActivationCheckpointer(config.activation_checkpointing, self.comm.stats, self.device)
@@ -104,16 +107,37 @@ class Engine:
         gradient reductions this micro-step needs overlapped with it. average_window=False: of `loss` as it is
         (a caller that divided it already, as Hugging Face's Trainer does)."""
         self._refuse_if_closed("backward")
+        divisor = self.config.gradient_accumulation_steps if average_window else 1
+        scaled = loss * (self.loss_scaler.scale / divisor)
+        with self._micro_step([scaled], observed=loss):
+            scaled.backward()
+
+    @contextmanager
+    def external_backward(self, outputs: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Around one micro-step's backward that the caller runs itself, from `outputs` (the tensors it calls
+        autograd on): torch's pipeline schedules call autograd on a stage's outputs with the next stage's gradients,
+        not engine.backward. The engine arms the same reductions as backward() does (at stages 0-1, and stage 2 with
+        reduce_every_micro_step off, only at the window's last micro-step). The caller scales the loss itself, by
+        loss_scale() / gradient_accumulation_steps. See [Note: a pipeline stage's engine] in zerokit/pipeline/."""
+        self._refuse_if_closed("backward")
+        with self._micro_step(list(outputs), observed=None):
+            yield
+
+    def loss_scale(self) -> float:
+        """The factor a loss is multiplied by before backward: the fp16 loss scale (1 in fp32 and bf16)."""
+        return self.loss_scaler.scale
+
+    @contextmanager
+    def _micro_step(self, roots: list[torch.Tensor], observed: torch.Tensor | None) -> Iterator[None]:
+        """One micro-step's backward from `roots` (run inside), the reductions it needs armed before and flushed after."""
         self.safeguards.before_backward(self.progress.backward_since_step, self.progress.window_ended)
         final = self.at_boundary
         must_reduce = final or self.stage.reduces_every_micro_step
-        with self.monitor.backward(loss) as lap:  # observability (zerokit/observe): the loss, phase times, FLOPs
+        with self.monitor.backward(observed) as lap:  # observability (zerokit/observe): the loss, phase times, FLOPs
             self.stage.prepare_backward()
-            divisor = self.config.gradient_accumulation_steps if average_window else 1
-            scaled = loss * (self.loss_scaler.scale / divisor)
             if must_reduce:
-                self.reducer.arm(scaled, final=final)
-            scaled.backward()
+                self.reducer.arm(roots, final=final)
+            yield
             self.stage.end_of_autograd()  # stage 3: agree that every rank is done gathering
             lap("backward_inner")
             self.reducer.flush()
@@ -235,6 +259,8 @@ class Engine:
             close_checkpoints(self)
         finally:
             self.stage.close()
+            if self.stages_comm is not None:
+                self.stages_comm.close()
 
     def _refuse_if_closed(self, call: str) -> None:
         if self.closed:
@@ -267,6 +293,14 @@ def _build_stage(model: nn.Module, optimizer: Optimizers | None, model_parameter
     # are cast.
     model.to(dtype=config.precision.param_dtype)
     return stage, kinds
+
+
+def _pipeline_comm(layout: Layout | None, timeout_seconds: float) -> Communicator | None:
+    """A group over this rank's pipeline (its stage's ranks in the other stages), or None without a pipeline.
+    Every rank makes every pipeline's group, at the same point of building its engine."""
+    if layout is None or layout.pipeline == 1:
+        return None
+    return Communicator.create(timeout_seconds, parts=layout.pipeline_groups())
 
 
 def _backward_ordered(model: nn.Module, groups: list[list[nn.Parameter]]) -> tuple[list[nn.Parameter], list[int]]:

@@ -1,15 +1,26 @@
 """engine.step(): at an accumulation boundary, the global norm and overflow check, the loss scale's update, clipping,
 the optimizer step on the masters, publishing them, and the LR schedules; between boundaries, nothing but the
-report. `Progress` is where training stands, which a checkpoint restores beside the model states."""
+report. `Progress` is where training stands, which a checkpoint restores beside the model states.
+
+[Note: one norm across the pipeline]
+Under a pipeline each stage's engine holds the gradients of its own layers only, so its norm (over its data group:
+See [Note: one scalar decides overflow and norm] in precision.py) is one stage's. One more scalar all-reduce, of
+its square over the pipeline group, makes it the model's: clipping then scales every stage by one coefficient, as
+one process would, and an inf or nan on any stage or replica is a nan on every rank, so that every rank skips the
+step and halves the fp16 loss scale together. A replica's data group agrees on its norm before the sum, so the
+ranks of every pipeline group add the same values. (The square of a square root: float64, exact to ~1e-16.)
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from zerokit.comm import Communicator
 from zerokit.precision import DynamicLossScaler, NoLossScaler, StepResult, clip_coefficient, global_norm
 from zerokit.reliability import Safeguards
 from zerokit.stages import ZeroStage
@@ -45,9 +56,13 @@ class Stepper:
     """One engine's optimizer step. `lr_schedules` is the engine's own list (the drop-in adds to it)."""
 
     def __init__(self, stage: ZeroStage, loss_scaler: DynamicLossScaler | NoLossScaler, lr_schedules: list[Any],
-                 safeguards: Safeguards, gradient_clipping: float, max_consecutive_skips: int) -> None:
+                 safeguards: Safeguards, gradient_clipping: float, max_consecutive_skips: int,
+                 other_stages: Communicator | None = None) -> None:
+        """`other_stages`: the pipeline group, whose ranks hold the model's other stages (See [Note: one norm across
+        the pipeline]); None without a pipeline."""
         self.stage, self.loss_scaler, self.lr_schedules, self.safeguards = stage, loss_scaler, lr_schedules, safeguards
         self.gradient_clipping, self.max_consecutive_skips = gradient_clipping, max_consecutive_skips
+        self.other_stages = other_stages
 
     def step(self, progress: Progress) -> StepResult:
         """Step the optimizer if the last backward ended an accumulation window; report either way."""
@@ -82,14 +97,22 @@ class Stepper:
         used])."""
         comm, usage = self.stage.norm_comm, self.stage.usage
         if comm is None:
-            return global_norm(squares, None)
+            return self._across_stages(global_norm(squares, None))
         flags = usage.flags(torch.float64, comm.device)
         norm = global_norm(squares, comm, flags)  # over the shard group: its replicas hold the same shards
         replicas = self.stage.replica_comm
         if replicas is not None:  # but each replica's ranks used parameters of their own (See [Note: hybrid sharding])
             replicas.all_reduce(flags, op=dist.ReduceOp.SUM, purpose="which parameters each rank used, across replicas")
         usage.agree(flags)
-        return norm
+        return self._across_stages(norm)
+
+    def _across_stages(self, norm: float) -> float:
+        """The norm over every stage's gradients from this stage's. See [Note: one norm across the pipeline]."""
+        if self.other_stages is None:
+            return norm
+        squared = torch.tensor([norm * norm], dtype=torch.float64, device=self.other_stages.device)
+        self.other_stages.all_reduce(squared, op=dist.ReduceOp.SUM, purpose="the gradient norm across pipeline stages")
+        return math.sqrt(squared.item())
 
     def _skip(self, progress: Progress) -> StepResult:
         progress.consecutive_skips += 1

@@ -81,9 +81,10 @@ class EngineMonitor:
             self.timers.add("forward", self.timers.now() - started)
 
     @contextmanager
-    def backward(self, loss: torch.Tensor) -> Iterator[Lap]:
-        """Yields `lap(phase)`: the time since the previous lap (or the start) belongs to `phase`."""
-        if self.keeps_loss:
+    def backward(self, loss: torch.Tensor | None) -> Iterator[Lap]:
+        """Yields `lap(phase)`: the time since the previous lap (or the start) belongs to `phase`. `loss` None: a
+        backward the engine did not start (a pipeline schedule's), whose loss the caller reports."""
+        if self.keeps_loss and loss is not None:
             self.losses.append(loss.detach())
         timers = self.timers
         if timers is None and self.flops is None:

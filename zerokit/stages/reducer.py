@@ -11,6 +11,7 @@ by `flush()`, always in bucket order, so no rank waits for a collective another 
 from __future__ import annotations
 
 from collections import deque
+from typing import Sequence
 
 import torch
 
@@ -38,12 +39,12 @@ class BucketReducer:
         self.next_bucket = 0  # buckets before this one are launched
         self.launched_in_backward = 0  # how many were overlapped with backward (the rest waited for flush)
 
-    def arm(self, loss: torch.Tensor, final: bool) -> None:
-        """The coming backward of `loss` must reduce gradients (an accumulation boundary, or stage 2);
-        `final`: it ends the accumulation window."""
+    def arm(self, roots: Sequence[torch.Tensor], final: bool) -> None:
+        """The coming backward from `roots` (the loss; a pipeline stage's outputs) must reduce gradients (an
+        accumulation boundary, or stage 2); `final`: it ends the accumulation window."""
         self._reset()
         self.armed, self.final = True, final
-        used = params_in_graph(loss)
+        used = params_in_graph(roots)
         for param_id, index in self.index_of.items():
             if param_id not in used:
                 self.grad_ready(index)
@@ -110,11 +111,11 @@ class BucketReducer:
             self._launch_next()
 
 
-def params_in_graph(loss: torch.Tensor) -> set[int]:
-    """ids of the leaf tensors whose gradients backward of `loss` will produce."""
+def params_in_graph(roots: Sequence[torch.Tensor]) -> set[int]:
+    """ids of the leaf tensors whose gradients backward from `roots` will produce."""
     found: set[int] = set()
     seen: set = set()
-    stack = [loss.grad_fn]
+    stack = [root.grad_fn for root in roots]
     while stack:
         node = stack.pop()
         if node is None or node in seen:

@@ -1,0 +1,103 @@
+"""zerokit.pipeline: torch's pipeline schedules across stages, a zerokit engine over each stage's data group, against
+one process on the union of every replica's micro-batches (See [Note: what the pipeline reference computes] in
+zerokit/testing/pipeline.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from zerokit.testing.pipeline import PipeCase, reference, run_pipeline_cases
+from zerokit.testing.spawn import spawn
+
+# fp32: the same sums in another order, so rounding (rtol 1e-5); atol 1e-6 for weights near zero, whose Adam steps
+# differ by ~1e-8 (See optimizer_for).
+FP32 = {"rtol": 1e-5, "atol": 1e-6}
+
+TWO_BY_TWO = [
+    PipeCase("gpipe-zero0", stage=0, schedule="GPipe"),
+    PipeCase("1f1b-zero1", stage=1),
+    PipeCase("gpipe-zero2", stage=2, schedule="GPipe"),
+    PipeCase("1f1b-zero3", stage=3),
+    PipeCase("gpipe-zero3-gather-per-micro-batch", stage=3, schedule="GPipe", gathering="micro_batch"),
+    PipeCase("1f1b-zero2-bf16", stage=2, dtype="bf16"),
+    PipeCase("1f1b-zero1-fp16-overflow-on-one-rank", stage=1, dtype="fp16", overflow_at=(1, 0), steps=2),
+]
+
+
+@pytest.fixture(scope="module")
+def two_by_two() -> list[dict]:
+    """One spawn of 4 ranks (2 stages x 2 replicas) runs every case."""
+    return spawn(run_pipeline_cases, 4, TWO_BY_TWO, timeout=400)
+
+
+def _check_exact(case: PipeCase, ranks: list[dict], replicas: int, tolerance: dict) -> None:
+    expected = reference(case, replicas)
+    for rank, result in enumerate(ranks):
+        got = result[case.name]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]),
+                                   rtol=tolerance["rtol"], atol=0, msg=lambda m: f"rank {rank} losses: {m}")
+        torch.testing.assert_close(torch.tensor(got["norms"], dtype=torch.float64), torch.tensor(expected["norms"], dtype=torch.float64),
+                                   rtol=tolerance["rtol"], atol=0, msg=lambda m: f"rank {rank} norms: {m}")
+        for name, value in got["weights"].items():
+            torch.testing.assert_close(value, expected["weights"][name], **tolerance,
+                                       msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+@pytest.mark.parametrize("name", [c.name for c in TWO_BY_TWO if c.dtype == "fp32"])
+def test_a_pipeline_of_zero_stages_equals_one_process(two_by_two, name) -> None:
+    """2 stages x 2 replicas, 4 micro-batches a step (accumulation), clipping on every step: losses, the global norm
+    and every stage's final weights equal one process's."""
+    _check_exact(next(c for c in TWO_BY_TWO if c.name == name), two_by_two, 2, FP32)
+
+
+def test_bf16_stays_within_what_bf16_rounding_explains(two_by_two) -> None:
+    """bf16 compute (fp32 masters) against the fp32 reference: the losses to bf16's resolution of the logits (2^-8
+    relative, averaged over 256 tokens: measured 1.6e-4), the norm to 1%, and the weights within 2 x lr x steps:
+    Adam moves a weight by at most ~lr a step, and a bf16 gradient whose sign differs from fp32's (the tiny ones)
+    moves it the other way (measured: 0.0077 after 3 steps at lr 1e-2)."""
+    case = next(c for c in TWO_BY_TWO if c.dtype == "bf16")
+    expected = reference(case, 2)
+    for result in two_by_two:
+        got = result[case.name]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), rtol=1e-3, atol=0)
+        torch.testing.assert_close(torch.tensor(got["norms"], dtype=torch.float64), torch.tensor(expected["norms"], dtype=torch.float64),
+                                   rtol=1e-2, atol=0)
+        bound = 2 * 1e-2 * case.steps
+        worst = max((value - expected["weights"][name]).abs().max().item() for name, value in got["weights"].items())
+        assert worst < bound, f"bf16 weights differ by {worst:g} (bound {bound:g})"
+
+
+def test_an_overflow_on_one_stage_and_replica_skips_the_step_on_every_rank(two_by_two) -> None:
+    """fp16: an inf in stage 1's gradients on replica 0 only; every rank of both stages sees a nan norm and skips
+    step 0, then all step 1 with one norm."""
+    case = next(c for c in TWO_BY_TWO if c.overflow_at)
+    results = [r[case.name] for r in two_by_two]
+    assert all(r["skipped"] == [True, False] for r in results)
+    assert all(math.isnan(r["norms"][0]) for r in results)
+    assert len({r["norms"][1] for r in results}) == 1 and math.isfinite(results[0]["norms"][1])
+    assert len({tuple(r["scales"]) for r in results}) == 1
+
+
+@pytest.mark.parametrize("name", ["gpipe-zero0", "1f1b-zero1", "gpipe-zero2"])
+def test_stages_0_to_2_reduce_gradients_once_per_optimizer_step(two_by_two, name) -> None:
+    """4 micro-batches a step, yet each bucket is all-reduced once a step (gloo keeps the shard of an all-reduce): on
+    the data group, beside one scalar for the norm (stages 1-2) and, on the last stage, one for the reported loss."""
+    case = next(c for c in TWO_BY_TWO if c.name == name)
+    for rank, result in enumerate(two_by_two):
+        got = result[case.name]
+        norm = 1 if case.stage else 0
+        loss = 1 if got["stage"] == case.stages - 1 else 0
+        assert got["comm"]["all_reduce"]["calls"] == case.steps * (got["buckets"] + norm + loss), rank
+
+
+def test_stage3_gathers_once_per_step_or_per_micro_batch_as_set(two_by_two) -> None:
+    """"step" keeps a stage's units gathered through the step's micro-batches; "micro_batch" gathers each for every
+    micro-batch's forward and again for its backward: many times the gathers, for the memory of one unit."""
+    for result in two_by_two:
+        once = result["1f1b-zero3"]["comm"]["all_gather"]["calls"]
+        again = result["gpipe-zero3-gather-per-micro-batch"]["comm"]["all_gather"]["calls"]
+        assert once <= 2 * result["1f1b-zero3"]["buckets"] * 3  # at most the step's gather and the update's
+        assert again >= 4 * once

@@ -1,0 +1,57 @@
+"""What a pipeline is refused for, or warned about, before anything trains: each a one-line message naming the
+problem and what is accepted, raised identically on every rank (every rank checks the same arguments)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+from zerokit.layout import Layout
+
+SCHEDULES = ("GPipe", "1F1B")  # torch's single-stage-per-rank schedules whose backward is whole
+
+
+class BubbleWarning(UserWarning):
+    """Fewer micro-batches than stages: most of each step is the pipeline filling and draining."""
+
+
+def check_pipeline_arguments(layout: Layout, loss_fn: Callable[..., Any] | None, gathering: str) -> None:
+    from zerokit.pipeline.engine import GATHERINGS
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a zerokit.Layout (Layout.resolve(world_size, pipeline=...)), got "
+                        f"{type(layout).__name__}")
+    if layout.tensor != 1:
+        raise ValueError(f"a pipeline with tensor parallelism ({layout.describe()}) is not supported; accepted: "
+                         "Layout.resolve(world_size, pipeline=p) with tensor=1")
+    if loss_fn is None:
+        raise ValueError("a pipeline needs loss_fn(output, target), the last stage's loss of one micro-batch")
+    if gathering not in GATHERINGS:
+        raise ValueError(f"stage3_gathering={gathering!r} is not one of {GATHERINGS}")
+
+
+def schedule_class_of(schedule: str | type) -> type:
+    """torch's schedule class for a name ("GPipe", "1F1B") or the class itself, if it is one we drive."""
+    from torch.distributed import pipelining
+    classes = {"GPipe": pipelining.ScheduleGPipe, "1F1B": pipelining.Schedule1F1B}
+    if isinstance(schedule, str):
+        found = {name.lower(): cls for name, cls in classes.items()}.get(schedule.lower())
+    else:
+        found = schedule if schedule in classes.values() else None
+    if found is None:
+        name = schedule if isinstance(schedule, str) else getattr(schedule, "__name__", repr(schedule))
+        raise ValueError(f"the pipeline schedule {name!r} is not supported with zerokit engines; accepted: "
+                         f"{', '.join(SCHEDULES)} (torch's ScheduleGPipe, Schedule1F1B)")
+    return found
+
+
+def bubble_fraction(micro_batches: int, stages: int) -> float:
+    """The share of a GPipe/1F1B step each stage idles: (p - 1) / (m + p - 1)."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def warn_about_the_bubble(micro_batches: int, stages: int) -> None:
+    if micro_batches < stages:
+        warnings.warn(f"{micro_batches} micro-batch(es) per step on {stages} pipeline stages: the bubble is "
+                      f"{bubble_fraction(micro_batches, stages):.0%} of each step ((p-1)/(m+p-1)); use at least "
+                      f"{stages} micro-batches (gradient_accumulation_steps), several times that to keep it small",
+                      BubbleWarning, stacklevel=3)

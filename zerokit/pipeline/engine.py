@@ -1,0 +1,150 @@
+"""A pipeline of zerokit engines: this rank's stage of the model, under an engine over its stage's data group,
+driven by one of torch's schedules; one call trains one optimizer step.
+
+One step, in order: (stage 3, gathering "step": every unit of the stage gathered) -> the schedule's forwards and
+backwards over gradient_accumulation_steps micro-batches, each backward reduced as engine.backward would (See
+[Note: a pipeline stage's engine] in stage.py) -> the loss, as DeepSpeed's train_batch reports it -> engine.step():
+the norm and overflow agreed over every stage and replica (See [Note: one norm across the pipeline] in step.py),
+clipping, the optimizer on this rank's shards.
+
+[Note: stage 3 under a pipeline: gather once per step, or per micro-batch]
+A schedule runs m micro-batches per step through each stage, several of them in flight at once (1F1B holds up to
+p forwards before their backwards). Stage 3 can either gather a stage's parameters once for the whole step and
+keep them until the optimizer step ("step": ZeRO-3's sharded states with ZeRO-2's parameter memory during the
+step, as torchtitan runs FSDP2 under a pipeline, reshard_after_forward=False), or gather every unit for each
+micro-batch's forward and again for its backward, freeing it after each ("micro_batch": parameter memory of one
+unit, but 2m all-gathers of the stage's parameters per step instead of one). The planner prices both
+(zerokit/planner/pipeline.py); "step" is the default because a pipeline's m is large where the bubble is small.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable, Mapping, NamedTuple
+
+import torch
+from torch import nn
+
+from zerokit.engine import Engine, Optimizers, initialize as initialize_engine
+from zerokit.layout import Layout
+from zerokit.pipeline.stage import EngineStage
+from zerokit.precision import StepResult
+
+GATHERINGS = ("step", "micro_batch")  # See [Note: stage 3 under a pipeline: gather once per step, or per micro-batch]
+
+
+class PipelineStep(NamedTuple):
+    loss: torch.Tensor | None
+    """The step's mean loss over its micro-batches and replicas, on every rank (DeepSpeed's train_batch's);
+    None from eval steps without a loss function."""
+    result: StepResult
+    """The engine's report of the optimizer step (skipped, norm, loss scale, ...)."""
+
+
+class PipelineEngine:
+    """This rank's stage under a zerokit engine, driven by a torch schedule. Build it with zerokit.pipeline.initialize."""
+
+    def __init__(self, engine: Engine, layout: Layout, schedule_class: type, loss_fn: Callable[..., torch.Tensor],
+                 gathering: str) -> None:
+        self.engine, self.layout = engine, layout
+        self.stage_index, self.replica, _ = layout.coordinates(torch.distributed.get_rank())
+        self.num_stages = layout.pipeline
+        self.micro_batches = engine.config.gradient_accumulation_steps
+        self.loss_fn, self.gathering = loss_fn, gathering
+        self.stage = EngineStage(engine, self.stage_index, self.num_stages)
+        # id of what backward starts from -> the user's loss it came from (last stage; See _scaled_loss)
+        self._unscaled: dict[int, torch.Tensor] = {}
+        self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, as the user's loss_fn gave them
+        self.schedule = schedule_class(self.stage, self.micro_batches, loss_fn=self._scaled_loss, scale_grads=False)
+        self.eval_schedule = schedule_class(self.stage, self.micro_batches, loss_fn=None, scale_grads=False)
+
+    def is_first_stage(self) -> bool:
+        return self.stage_index == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    def _scaled_loss(self, output: Any, target: Any) -> torch.Tensor:
+        """What backward starts from: the user's loss of one micro-batch divided by the micro-batch count (the
+        window's average) and multiplied by the fp16 loss scale. The user's loss is kept for the report under the
+        result's id: torch's schedule also calls the loss function once on placeholder tensors, to learn the
+        gradients' shapes, and only the results it returns in `losses` are the micro-batches'."""
+        loss = self.loss_fn(output, target)
+        scaled = loss * (self.engine.loss_scale() / self.micro_batches)
+        self._unscaled[id(scaled)] = loss.detach().float()
+        return scaled
+
+    def train_step(self, inputs: Any = None, target: Any = None) -> PipelineStep:
+        """One optimizer step over this replica's batch: `inputs` (first stage; split along dim 0 into the micro-
+        batches) and `target` (last stage); the other stages pass nothing."""
+        keep = self.engine.config.stage == 3 and self.gathering == "step"
+        scaled: list[torch.Tensor] = []
+        with self.engine.unsharded() if keep else nullcontext():
+            self._run(self.schedule, inputs, target, scaled)
+        self._losses = [self._unscaled[id(loss)] for loss in scaled]
+        self._unscaled.clear()
+        loss = self._reported_loss()
+        return PipelineStep(loss, self.engine.step())
+
+    def eval_step(self, inputs: Any = None, target: Any = None) -> torch.Tensor:
+        """The mean loss of one batch, without gradients, on every rank (DeepSpeed's eval_batch)."""
+        self._losses = []
+        with torch.no_grad():
+            output = self._run(self.eval_schedule, inputs, None, None)
+            if self.is_last_stage():
+                chunks = output.chunk(self.micro_batches) if isinstance(output, torch.Tensor) else output
+                targets = target.chunk(self.micro_batches)
+                self._losses = [self.loss_fn(o, t).detach().float() for o, t in zip(chunks, targets)]
+        return self._reported_loss()
+
+    def _run(self, schedule: Any, inputs: Any, target: Any, losses: list | None) -> Any:
+        args = () if inputs is None or not self.is_first_stage() else (inputs,)
+        kwargs = {"target": target, "losses": losses} if self.is_last_stage() and target is not None else {}
+        return schedule.step(*args, **kwargs)
+
+    def _reported_loss(self) -> torch.Tensor:
+        """DeepSpeed's: the last stage's mean over the micro-batches, averaged over its data group, then broadcast
+        to every stage."""
+        loss = torch.zeros((), dtype=torch.float32, device=self.engine.comm.device)
+        if self.is_last_stage():
+            loss += torch.stack(self._losses).mean().to(loss.device)
+            self.engine.comm.all_reduce(loss, op=torch.distributed.ReduceOp.SUM, purpose="the step's loss, averaged "
+                                        "over the replicas")
+            loss /= self.engine.comm.world_size
+        self.engine.stages_comm.broadcast(loss, src=self.num_stages - 1, purpose="the step's loss, from the last stage")
+        return loss
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def reduced_once_per_step(config: Any) -> Any:
+    """The config with stage 2 reducing once per optimizer step, at the window's last micro-batch, unless it says
+    otherwise: a pipeline step has many micro-batches, and reducing each would send the stage's gradients m times
+    (stages 0-1 reduce once anyway; stage 3 must reduce every micro-batch, its gradients have nowhere else to go)."""
+    from zerokit.config import load_config, read_json_object
+    if isinstance(config, (str, Path)):
+        config = read_json_object(config, "config file")
+    if isinstance(config, Mapping):
+        zero = dict(config.get("zero_optimization") or {})
+        if zero.get("stage") == 2 and "reduce_every_micro_step" not in zero:
+            zero["reduce_every_micro_step"] = False
+            config = {**config, "zero_optimization": zero}
+    return load_config(config)
+
+
+def initialize(stage_module: nn.Module, optimizer: Optimizers | None, config: Any, layout: Layout,
+               schedule: str | type = "1F1B", loss_fn: Callable[..., torch.Tensor] | None = None,
+               stage3_gathering: str = "step", device: torch.device | None = None) -> PipelineEngine:
+    """This rank's stage (`stage_module`: the part of the model its pipeline stage runs, layout.coordinates(rank)
+    .stage) under a zerokit engine over its stage's data group, driven by torch's `schedule` ("GPipe", "1F1B", or
+    the class). The config's gradient_accumulation_steps is the schedule's micro-batch count. Every rank calls it at
+    the same point. `loss_fn(output, target)`: the last stage's loss of one micro-batch. `stage3_gathering`: "step"
+    or "micro_batch" (See [Note: stage 3 under a pipeline: gather once per step, or per micro-batch])."""
+    from zerokit.pipeline.checks import check_pipeline_arguments, schedule_class_of, warn_about_the_bubble
+    check_pipeline_arguments(layout, loss_fn, stage3_gathering)
+    schedule_class = schedule_class_of(schedule)
+    engine = initialize_engine(stage_module, optimizer, reduced_once_per_step(config), device=device, layout=layout)
+    warn_about_the_bubble(engine.config.gradient_accumulation_steps, layout.pipeline)
+    return PipelineEngine(engine, layout, schedule_class, loss_fn, stage3_gathering)

@@ -1,0 +1,52 @@
+"""This rank's pipeline stage as torch's schedules drive it, with a zerokit engine under it.
+
+[Note: a pipeline stage's engine]
+torch's schedules (ScheduleGPipe, Schedule1F1B) run a stage's backward themselves: the last stage calls autograd
+on the loss, the others on their outputs with the gradients the next stage sent back, one micro-batch at a time,
+interleaved with other micro-batches' forwards. They never call engine.backward. So the stage subclasses torch's
+PipelineStage at the one method every schedule's backward goes through (backward_maybe_with_nosync, where torch
+itself adapts DDP and FSDP) and wraps each micro-batch's backward in engine.external_backward(outputs): the engine
+arms its reductions exactly as engine.backward would, counting the schedule's micro-batches as the accumulation
+window's micro-steps (gradient_accumulation_steps = the schedule's micro-batch count), so at stages 0-1 (and 2 with
+reduce_every_micro_step off) the gradients are reduced once per optimizer step, at the window's last micro-batch,
+which is the schedule's `last_backward`. The loss is divided by the micro-batch count (and multiplied by the fp16
+loss scale) before the schedule's backward sees it, so the schedule's own scale_grads is off: it divides `.grad`,
+which ZeRO has already moved into its buckets.
+Zero-bubble schedules split backward into an input half and a weight half, and the weight half's gradients come
+outside this window; they are refused (PipelineStage's "input"/"weight" backward types).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.pipelining import PipelineStage
+from torch.utils._pytree import tree_flatten
+
+from zerokit.engine import Engine
+
+
+class EngineStage(PipelineStage):
+    """torch's PipelineStage over `engine.module`, whose backwards the engine reduces. See [Note: a pipeline stage's
+    engine]."""
+
+    def __init__(self, engine: Engine, stage_index: int, num_stages: int) -> None:
+        super().__init__(engine.module, stage_index, num_stages, engine.device, group=engine.stages_comm.group)
+        self.engine = engine
+
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+                                   ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
+        if backward_type != "full":
+            raise ValueError(f"a schedule that splits backward into input and weight halves ({backward_type!r}: the "
+                             "zero-bubble schedules) is not supported with a zerokit engine; accepted: ScheduleGPipe, "
+                             "Schedule1F1B")
+        roots = [t for t in tree_flatten(bwd_kwargs["stage_output"])[0]
+                 if isinstance(t, torch.Tensor) and t.requires_grad]
+        with self.engine.external_backward(roots):
+            result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if self.engine.progress.window_ended != last_backward:
+            raise RuntimeError(f"rank {self.engine.rank}: the schedule's last backward and the engine's accumulation "
+                               "window disagree (an internal bug: gradient_accumulation_steps must be the schedule's "
+                               "micro-batch count)")
+        return result

@@ -1,0 +1,167 @@
+"""Pipeline parity: a small language model cut into stages, trained by zerokit.pipeline on a layout of stages x
+replicas and, as the reference, whole in one process on the union of every replica's micro-batches.
+
+[Note: what the pipeline reference computes]
+One step of the pipeline job: replica r's batch (micro_batches x micro rows) is cut into its micro-batches, each
+runs through every stage, and the step's gradient is the mean of the micro-batch losses' gradients over the
+micro-batches (the loss divided by m) and the replicas (the data group's average). The reference runs every
+replica's micro-batches through the whole model in one process, backpropagates loss / (m x replicas) in fp32,
+clips by the global norm (squares summed in float64) and steps the same torch optimizer. The pipeline's partial
+sums come in another order, so fp32 agrees to rounding (rtol 1e-5), not bit for bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zerokit.testing.models import Block, TinyGPTConfig
+
+VOCAB, WIDTH, TIME = 67, 24, 8
+
+
+class Embed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.wpe = nn.Embedding(TIME, WIDTH)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device))
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(WIDTH)
+        self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(x))
+
+
+def layers(n_blocks: int = 4) -> list[nn.Module]:
+    """The model as a list of layers (embedding, blocks, head), the same values on every rank."""
+    torch.manual_seed(1234)
+    config = TinyGPTConfig(n_embd=WIDTH, n_head=2, block_size=TIME)
+    return [Embed(), *(Block(config) for _ in range(n_blocks)), Head()]
+
+
+def stage_module(all_layers: list[nn.Module], stage: int, stages: int) -> nn.Module:
+    """Stage `stage` of `stages`: a contiguous run of the layers, as even as they split."""
+    bounds = [round(i * len(all_layers) / stages) for i in range(stages + 1)]
+    return nn.Sequential(*copy.deepcopy(all_layers[bounds[stage]:bounds[stage + 1]]))
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def batch(replica: int, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replica `replica`'s tokens at `step`: (inputs, targets), each (rows, TIME)."""
+    tokens = torch.randint(0, VOCAB, (rows, TIME + 1), generator=torch.Generator().manual_seed(100 * step + replica))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+@dataclass(frozen=True)
+class PipeCase:
+    name: str
+    stage: int
+    schedule: str = "1F1B"
+    stages: int = 2
+    dtype: str = "fp32"
+    micro_batches: int = 4
+    micro: int = 2  # rows per micro-batch
+    steps: int = 3
+    clip: float = 0.05  # small enough that every step clips
+    gathering: str = "step"
+    n_blocks: int = 4
+    # fp16: (stage, replica) whose first step's gradients are made inf (None: none are)
+    overflow_at: tuple[int, int] | None = None
+
+    def config(self) -> dict:
+        zero = {"stage": self.stage, "reduce_bucket_bytes": 8192}
+        if self.stage == 3:
+            zero.update(stage3_min_unit_params=1000, stage3_param_persistence_threshold=0)
+        precision = {"bf16": {"enabled": True}} if self.dtype == "bf16" else {}
+        if self.dtype == "fp16":
+            precision = {"fp16": {"enabled": True, "initial_scale_power": 8}}
+        return {"zero_optimization": zero, "comm_timeout_seconds": 60, "gradient_clipping": self.clip,
+                "train_micro_batch_size_per_gpu": self.micro, "gradient_accumulation_steps": self.micro_batches,
+                **precision}
+
+
+def optimizer_for(module: nn.Module) -> torch.optim.Optimizer:
+    # eps 1e-5, not 1e-8: the key bias of attention has an exactly zero gradient (softmax ignores a constant added to
+    # every score of a query), which fp32 leaves as noise of ~1e-10 that differs with the order of the sums; Adam
+    # with eps 1e-8 turns that noise into steps of lr size, and the comparison into one of noise. With 1e-5 such a
+    # step is ~1e-7, while the real gradients (1e-4 and up) are stepped as before.
+    return torch.optim.AdamW(module.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-5)
+
+
+def run_pipeline_cases(rank: int, world_size: int, cases: list[PipeCase], stages_of: dict[str, int] | None = None
+                       ) -> dict[str, dict]:
+    """Every case on these ranks (each with its own engines, built by all ranks together): per case, the losses
+    each step reported and this rank's stage's final weights."""
+    import zerokit.pipeline
+    from zerokit.layout import Layout
+    results = {}
+    for case in cases:
+        layout = Layout.resolve(world_size, pipeline=case.stages)
+        stage, replica, _ = layout.coordinates(rank)
+        module = stage_module(layers(case.n_blocks), stage, case.stages)
+        if case.overflow_at == (stage, replica):
+            poison = module[0].register_full_backward_pre_hook(lambda m, grad: (torch.full_like(grad[0], math.inf),))
+        pipe = zerokit.pipeline.initialize(module, optimizer_for(module), case.config(), layout,
+                                           schedule=case.schedule, loss_fn=lm_loss, stage3_gathering=case.gathering)
+        losses, norms, skipped, scales = [], [], [], []
+        for step in range(case.steps):
+            inputs, target = batch(replica, step, case.micro * case.micro_batches)
+            done = pipe.train_step(inputs, target)
+            if case.overflow_at == (stage, replica) and step == 0:
+                poison.remove()
+            losses.append(done.loss.item())
+            norms.append(done.result.grad_norm)
+            skipped.append(done.result.skipped)
+            scales.append(done.result.loss_scale)
+        weights = {f"{stage}.{name}": value.float() for name, value in pipe.engine.full_state_dict().items()}
+        results[case.name] = {"losses": losses, "norms": norms, "weights": weights, "stage": stage,
+                              "skipped": skipped, "scales": scales, "comm": pipe.engine.comm_stats(),
+                              "buckets": len(pipe.engine.stage.layout.buckets)}
+        pipe.close()
+    return results
+
+
+def reference(case: PipeCase, replicas: int) -> dict:
+    """See [Note: what the pipeline reference computes]: losses, norms and every stage's final weights."""
+    all_layers = layers(case.n_blocks)
+    stages = [stage_module(all_layers, s, case.stages) for s in range(case.stages)]
+    model = nn.Sequential(*stages)
+    optimizers = [optimizer_for(s) for s in stages]  # one per stage: the same param groups as the engines'
+    losses, norms = [], []
+    for step in range(case.steps):
+        total = 0.0
+        for replica in range(replicas):
+            inputs, target = batch(replica, step, case.micro * case.micro_batches)
+            for x, y in zip(inputs.chunk(case.micro_batches), target.chunk(case.micro_batches)):
+                loss = lm_loss(model(x), y)
+                (loss / (case.micro_batches * replicas)).backward()
+                total += loss.item() / (case.micro_batches * replicas)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+        coefficient = min(1.0, case.clip / (norm + 1e-6)) if case.clip else 1.0
+        for g in grads:
+            g.mul_(coefficient)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+        norms.append(norm)
+    weights = {f"{s}.{name}": value.detach().clone() for s, module in enumerate(stages)
+               for name, value in module.state_dict().items()}
+    return {"losses": losses, "norms": norms, "weights": weights}

@@ -101,3 +101,15 @@ def test_stage3_gathers_once_per_step_or_per_micro_batch_as_set(two_by_two) -> N
         again = result["gpipe-zero3-gather-per-micro-batch"]["comm"]["all_gather"]["calls"]
         assert once <= 2 * result["1f1b-zero3"]["buckets"] * 3  # at most the step's gather and the update's
         assert again >= 4 * once
+
+
+def test_three_stages_on_one_replica_equal_one_process() -> None:
+    """3 stages (two layers each) on 3 ranks, ZeRO-1 over a data group of one: only the pipeline distributes."""
+    case = PipeCase("3x1-1f1b-zero1", stage=1, stages=3, micro_batches=3, steps=2)
+    _check_exact(case, spawn(run_pipeline_cases, 3, [case], timeout=300), 1, FP32)
+
+
+def test_two_stages_of_three_replicas_equal_one_process() -> None:
+    """2 stages x 3 replicas on 6 ranks, ZeRO-3: shards of 3, whose sizes do not divide evenly."""
+    case = PipeCase("2x3-1f1b-zero3", stage=3, steps=2)
+    _check_exact(case, spawn(run_pipeline_cases, 6, [case], timeout=400), 3, FP32)

@@ -13,8 +13,9 @@ Launch with torchrun (the deepspeed launcher is out of scope). For frameworks th
 (Hugging Face Trainer, accelerate, Lightning), install() (aliases.py) makes `import deepspeed` resolve here.
 What each module covers: start.py (initialize,
 add_config_arguments), distributed.py (init_distributed), engine.py (the engine's DeepSpeed methods), comm.py,
-accelerator.py, zero.py (Init, GatheredParameters), utils.py, ops/adam.py. Pipeline parallelism, MoE layers,
-the inference engine and DeepSpeed's kernels are refused in one line naming them.
+accelerator.py, zero.py (Init, GatheredParameters), utils.py, ops/adam.py, pipe.py (PipelineModule: pipeline
+parallelism at ZeRO 0-3). MoE layers, the inference engine and DeepSpeed's kernels are refused in one line naming
+them.
 """
 
 from zerokit.deepspeed import checkpointing, comm, zero
@@ -32,8 +33,7 @@ from zerokit.deepspeed import checkpoint, ops, runtime, utils  # noqa: E402,F401
 __version__ = distribution_version()  # DeepSpeed's version with zerokit's as its local part (frameworks read it)
 
 OUT_OF_SCOPE = {
-    "PipelineModule": "pipeline parallelism", "PipelineEngine": "pipeline parallelism",
-    "pipe": "pipeline parallelism", "moe": "MoE layers with expert parallelism",
+    "moe": "MoE layers with expert parallelism",
     "init_inference": "DeepSpeed's inference engine (generate inside engine.unsharded() instead)",
     "InferenceEngine": "DeepSpeed's inference engine", "tp_model_init": "tensor parallelism",
     "DeepSpeedHybridEngine": "DeepSpeed's RLHF hybrid engine",
@@ -44,6 +44,9 @@ OUT_OF_SCOPE = {
 
 
 def __getattr__(name: str):
+    if name in ("PipelineModule", "pipe"):  # deepspeed.PipelineModule, as DeepSpeed exports it; imported on first use
+        import zerokit.deepspeed.pipe as pipe
+        return pipe if name == "pipe" else pipe.PipelineModule
     if name in OUT_OF_SCOPE:
         raise ImportError(f"deepspeed.{name} is not offered by zerokit: {OUT_OF_SCOPE[name]} is out of scope")
     raise AttributeError(f"module 'zerokit.deepspeed' has no attribute {name!r}")

@@ -107,6 +107,12 @@ def check_local_rank(args: Any) -> int:
     return local_rank
 
 
+def _is_pipeline_module(model: nn.Module) -> bool:
+    import sys
+    pipe = sys.modules.get("zerokit.deepspeed.pipe")  # not imported: no PipelineModule was built
+    return pipe is not None and isinstance(model, pipe.PipelineModule)
+
+
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
                model_parameters: Iterable[Any] | None = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
@@ -132,6 +138,14 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         model_parameters = list(model_parameters)  # a generator is read once; the optimizer may need it again
     if optimizer is not None and not isinstance(optimizer, (torch.optim.Optimizer, list, tuple)):
         optimizer = optimizer(model_parameters if model_parameters is not None else model.parameters())
+    if _is_pipeline_module(model):  # DeepSpeed returns its PipelineEngine for one (See zerokit/deepspeed/pipe.py)
+        from zerokit.deepspeed.pipe_engine import PipelineEngine
+        if lr_scheduler is not None or training_data is not None:
+            raise ValueError("deepspeed.initialize(model=PipelineModule, lr_scheduler=/training_data=) is not offered "
+                             "by zerokit: use the config's scheduler block, and pass train_batch(data_iter)")
+        given = config_dict(source)  # the dict, so that stage 2 reduces once a step unless it says otherwise
+        pipeline = PipelineEngine(model, optimizer, given or typed, model_parameters=model_parameters)
+        return pipeline, pipeline.optimizer, None, pipeline.engine.lr_scheduler
     engine = DeepSpeedEngine(model, optimizer, typed, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
                              collate_fn=collate_fn, param_init=param_init, given_config=config_dict(source))
     if training_data is not None:

@@ -99,7 +99,9 @@ class PipelineEngine:
         return self._reported_loss()
 
     def _run(self, schedule: Any, inputs: Any, target: Any, losses: list | None) -> Any:
-        args = () if inputs is None or not self.is_first_stage() else (inputs,)
+        """A tuple of inputs goes to the first stage as that many arguments, each split into the micro-batches."""
+        args = () if inputs is None or not self.is_first_stage() else (
+            tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
         kwargs = {"target": target, "losses": losses} if self.is_last_stage() and target is not None else {}
         return schedule.step(*args, **kwargs)
 

@@ -33,4 +33,23 @@ def set_z3_leaf_modules(model: Any, leaf_module_classes: list[Any]) -> list[Any]
                      "config instead, zero_optimization.stage3_unit_classes")
 
 
-__all__ = ["logger", "log_dist", "set_z3_leaf_modules"]
+class RepeatingLoader:
+    """DeepSpeed's: iterate a loader for ever, starting it again when it ends (pipeline scripts' train_batch
+    iterators)."""
+
+    def __init__(self, loader: Iterable[Any]) -> None:
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> "RepeatingLoader":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)
+
+
+__all__ = ["logger", "log_dist", "set_z3_leaf_modules", "RepeatingLoader"]

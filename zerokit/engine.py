@@ -89,6 +89,7 @@ class Engine:
         log_startup(self.stage, config.startup_log_lines() + setup_lines, config.warnings)
         self.preemption = PreemptionWatcher(config.preemption, self.comm, self.save_checkpoint)
         self.closed = False
+        self._deferred = False  # a window's last backward left its reductions to reduce_deferred()
         close_at_exit(self)  # See [Note: leaving at exit] in runtime.py
 
     # --- the training loop ----------------------------------------------------------------------
@@ -113,26 +114,45 @@ class Engine:
             scaled.backward()
 
     @contextmanager
-    def external_backward(self, outputs: Sequence[torch.Tensor]) -> Iterator[None]:
+    def external_backward(self, outputs: Sequence[torch.Tensor], defer_reduction: bool = False) -> Iterator[None]:
         """Around one micro-step's backward that the caller runs itself, from `outputs` (the tensors it calls
         autograd on): torch's pipeline schedules call autograd on a stage's outputs with the next stage's gradients,
         not engine.backward. The engine arms the same reductions as backward() does (at stages 0-1, and stage 2 with
         reduce_every_micro_step off, only at the window's last micro-step). The caller scales the loss itself, by
-        loss_scale() / gradient_accumulation_steps. See [Note: a pipeline stage's engine] in zerokit/pipeline/."""
+        loss_scale() / gradient_accumulation_steps. defer_reduction: the window's last micro-step leaves its
+        gradients accumulated, for the caller to change (a tied weight's, summed across stages) before
+        reduce_deferred() reduces them; stages that reduce every micro-step cannot. See [Note: a pipeline stage's
+        engine] in zerokit/pipeline/stage.py."""
         self._refuse_if_closed("backward")
-        with self._micro_step(list(outputs), observed=None):
+        if defer_reduction and self.stage.reduces_every_micro_step:
+            raise ValueError(f"ZeRO stage {self.config.stage} reduces every micro-step's gradients, so a window's "
+                             "reduction cannot be deferred; accepted: stages 0-1, and 2 with reduce_every_micro_step "
+                             "false")
+        with self._micro_step(list(outputs), observed=None, defer=defer_reduction):
             yield
+
+    def reduce_deferred(self) -> None:
+        """The reductions that external_backward(defer_reduction=True) left at a window's end: every bucket, now."""
+        if not self._deferred:
+            raise RuntimeError(f"rank {self.rank}: reduce_deferred() without a deferred window (an internal bug)")
+        self._deferred = False
+        self.reducer.arm_accumulated()
+        self.reducer.flush()
+        self.stage.finish_backward()
 
     def loss_scale(self) -> float:
         """The factor a loss is multiplied by before backward: the fp16 loss scale (1 in fp32 and bf16)."""
         return self.loss_scaler.scale
 
     @contextmanager
-    def _micro_step(self, roots: list[torch.Tensor], observed: torch.Tensor | None) -> Iterator[None]:
-        """One micro-step's backward from `roots` (run inside), the reductions it needs armed before and flushed after."""
+    def _micro_step(self, roots: list[torch.Tensor], observed: torch.Tensor | None, defer: bool = False
+                    ) -> Iterator[None]:
+        """One micro-step's backward from `roots` (run inside), the reductions it needs armed before and flushed
+        after; `defer`: at the window's end, not yet (See reduce_deferred)."""
         self.safeguards.before_backward(self.progress.backward_since_step, self.progress.window_ended)
         final = self.at_boundary
-        must_reduce = final or self.stage.reduces_every_micro_step
+        deferred = defer and final
+        must_reduce = (final or self.stage.reduces_every_micro_step) and not deferred
         with self.monitor.backward(observed) as lap:  # observability (zerokit/observe): the loss, phase times, FLOPs
             self.stage.prepare_backward()
             if must_reduce:
@@ -142,7 +162,9 @@ class Engine:
             lap("backward_inner")
             self.reducer.flush()
             lap("backward_reduce")
-            self.stage.finish_backward()
+            if not deferred:
+                self.stage.finish_backward()
+        self._deferred = deferred
         self.progress.micro_step += 1
         self.progress.backward_since_step = True
         self.progress.window_ended = final

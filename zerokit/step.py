@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from zerokit.comm import Communicator
-from zerokit.precision import DynamicLossScaler, NoLossScaler, StepResult, clip_coefficient, global_norm
+from zerokit.precision import (DynamicLossScaler, NoLossScaler, StepResult, clip_coefficient, global_norm,
+                               square_sum)
 from zerokit.reliability import Safeguards
 from zerokit.stages import ZeroStage
 
@@ -63,6 +64,13 @@ class Stepper:
         self.stage, self.loss_scaler, self.lr_schedules, self.safeguards = stage, loss_scaler, lr_schedules, safeguards
         self.gradient_clipping, self.max_consecutive_skips = gradient_clipping, max_consecutive_skips
         self.other_stages = other_stages
+        self.counted_elsewhere: frozenset[int] = frozenset()  # See exclude_from_norm
+
+    def exclude_from_norm(self, param_indices: set[int]) -> None:
+        """Leave these parameters (indices in stage.flat.params) out of this rank's share of the global norm: copies
+        of a weight tied across pipeline stages, counted on the first stage that holds it (as DeepSpeed counts a
+        tied weight once: ds_pipe_replicated)."""
+        self.counted_elsewhere = frozenset(param_indices)
 
     def step(self, progress: Progress) -> StepResult:
         """Step the optimizer if the last backward ended an accumulation window; report either way."""
@@ -74,7 +82,7 @@ class Stepper:
         if not progress.window_ended:
             return self._result(progress, boundary=False, stepped=False, norm=None, clipped=False)
         stage, masters = self.stage, self.stage.masters
-        norm = self._norm_and_usage(masters.unscaled_square_sum(self.loss_scaler.scale))
+        norm = self._norm_and_usage(masters.unscaled_square_sum(self.loss_scaler.scale) - self._squares_elsewhere())
         overflow = norm != norm  # nan: some gradient was inf or nan on some rank
         self.loss_scaler.update(overflow)
         if overflow:
@@ -105,6 +113,13 @@ class Stepper:
             replicas.all_reduce(flags, op=dist.ReduceOp.SUM, purpose="which parameters each rank used, across replicas")
         usage.agree(flags)
         return self._across_stages(norm)
+
+    def _squares_elsewhere(self) -> float:
+        """This rank's sum of squares of the (unscaled) gradients of the parameters counted on another stage."""
+        if not self.counted_elsewhere:
+            return 0.0
+        return square_sum([piece.param.grad for pieces in self.stage.masters.pieces for piece in pieces
+                           if piece.param_index in self.counted_elsewhere and piece.param.grad is not None])
 
     def _across_stages(self, norm: float) -> float:
         """The norm over every stage's gradients from this stage's. See [Note: one norm across the pipeline]."""

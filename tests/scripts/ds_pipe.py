@@ -63,13 +63,15 @@ def main() -> None:
     parser.add_argument("--partition", default="parameters")
     parser.add_argument("--checkpoint_interval", type=int, default=0)
     parser.add_argument("--tied", action="store_true")
+    parser.add_argument("--seed_layers", action="store_true")
     parser.add_argument("--out", required=True)
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(1234)
     model = PipelineModule(layers=layers(args.tied), num_stages=args.stages, loss_fn=loss_fn,
-                           partition_method=args.partition, activation_checkpoint_interval=args.checkpoint_interval)
+                           partition_method=args.partition, activation_checkpoint_interval=args.checkpoint_interval,
+                           seed_layers=args.seed_layers)
     engine, _, _, _ = deepspeed.initialize(args=args, model=model,
                                            model_parameters=[p for p in model.parameters() if p.requires_grad])
     grid = engine.grid
@@ -82,7 +84,7 @@ def main() -> None:
     losses = [engine.train_batch(data_iter).item() for _ in range(args.steps)]
     evaluated = engine.eval_batch(iter(loader)).item()
     write_result(args.out, torch.distributed.get_rank(), {
-        "losses": losses, "eval": evaluated, "stage": engine.stage_id, "parts": list(model.parts),
+        "losses": losses, "eval": evaluated, "stage": engine.stage_id, "parts": [int(p) for p in model.parts],
         "first": engine.is_first_stage(), "last": engine.is_last_stage()})
 
 

@@ -178,6 +178,24 @@ class PipelineModule(nn.Module):
         self.tied_weight_attrs: dict[str, list[str]] = {}
         self.forward_funcs: list[Callable] = []
         self._build()
+        self.tied_weights = self._index_tied_modules()  # See [Note: a tied weight's gradient across stages]
+
+    def _index_tied_modules(self) -> list["TiedWeight"]:
+        """Each tied key held by more than one stage: a group per replica over those stages (made on every rank, in
+        DeepSpeed's order: keys sorted, then replicas), and this rank's copies of its weights."""
+        from zerokit.pipeline.tied import TiedWeight
+        mine = []
+        for key, stages in sorted(self.tied_keys_by_stage().items()):
+            if len(stages) < 2:
+                continue
+            for replica in range(self.layout.data):
+                ranks = [self.layout.rank_of(stage, replica) for stage in stages]
+                group = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    module = self.tied_modules[key]
+                    mine += [TiedWeight(key, _recursive_getattr(module, attr), group, ranks)
+                             for attr in self.tied_weight_attrs[key]]
+        return mine
 
     def _build(self) -> None:
         for layer_idx in range(self._local_start, self._local_stop):
@@ -253,6 +271,12 @@ class PipelineModule(nn.Module):
                 if owner not in stages.setdefault(layer.key, []):
                     stages[layer.key].append(owner)
         return stages
+
+
+def _recursive_getattr(module: nn.Module, name: str) -> Any:
+    for part in name.split("."):
+        module = getattr(module, part)
+    return module
 
 
 def _checkpoint(function: Callable, *args: Any) -> Any:

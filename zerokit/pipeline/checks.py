@@ -29,6 +29,21 @@ def check_pipeline_arguments(layout: Layout, loss_fn: Callable[..., Any] | None,
         raise ValueError(f"stage3_gathering={gathering!r} is not one of {GATHERINGS}")
 
 
+def check_tied(config: Any, tied: list) -> None:
+    """Weights tied across stages are summed where gradients accumulate whole (See [Note: a tied weight's gradient
+    across stages] in zerokit/pipeline/tied.py)."""
+    if not tied:
+        return
+    keys = sorted({t.key for t in tied})
+    if config.stage == 3:
+        raise ValueError(f"weights tied across pipeline stages ({', '.join(keys)}) are not supported at ZeRO-3, whose "
+                         "gradient shards do not line up across stages; accepted: ZeRO stages 0-2, or the tied "
+                         "layers on one stage")
+    if config.stage == 2 and config.reduce_every_micro_step:
+        raise ValueError(f"weights tied across pipeline stages ({', '.join(keys)}) need ZeRO-2 to reduce once per "
+                         "step; accepted: zero_optimization.reduce_every_micro_step false (the pipeline's default)")
+
+
 def schedule_class_of(schedule: str | type) -> type:
     """torch's schedule class for a name ("GPipe", "1F1B") or the class itself, if it is one we drive."""
     from torch.distributed import pipelining

@@ -29,6 +29,7 @@ from torch import nn
 from zerokit.engine import Engine, Optimizers, initialize as initialize_engine
 from zerokit.layout import Layout
 from zerokit.pipeline.stage import EngineStage
+from zerokit.pipeline.tied import TiedWeight, TiedWeights
 from zerokit.precision import StepResult
 
 GATHERINGS = ("step", "micro_batch")  # See [Note: stage 3 under a pipeline: gather once per step, or per micro-batch]
@@ -46,13 +47,15 @@ class PipelineEngine:
     """This rank's stage under a zerokit engine, driven by a torch schedule. Build it with zerokit.pipeline.initialize."""
 
     def __init__(self, engine: Engine, layout: Layout, schedule_class: type, loss_fn: Callable[..., torch.Tensor],
-                 gathering: str) -> None:
-        self.engine, self.layout = engine, layout
+                 gathering: str, tied: TiedWeights) -> None:
+        self.engine, self.layout, self.tied = engine, layout, tied
         self.stage_index, self.replica, _ = layout.coordinates(torch.distributed.get_rank())
         self.num_stages = layout.pipeline
         self.micro_batches = engine.config.gradient_accumulation_steps
         self.loss_fn, self.gathering = loss_fn, gathering
-        self.stage = EngineStage(engine, self.stage_index, self.num_stages)
+        self.stage = EngineStage(engine, self.stage_index, self.num_stages, defer_reduction=bool(tied))
+        index_of = {id(param): index for index, param in enumerate(engine.stage.flat.params)}
+        engine.stepper.exclude_from_norm({index_of[id(t.weight)] for t in tied.counted_elsewhere()})
         # id of what backward starts from -> the user's loss it came from (last stage; See _scaled_loss)
         self._unscaled: dict[int, torch.Tensor] = {}
         self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, as the user's loss_fn gave them
@@ -82,6 +85,9 @@ class PipelineEngine:
         scaled: list[torch.Tensor] = []
         with self.engine.unsharded() if keep else nullcontext():
             self._run(self.schedule, inputs, target, scaled)
+        if self.tied:  # See [Note: a tied weight's gradient across stages] in tied.py
+            self.tied.sum_gradients()
+            self.engine.reduce_deferred()
         self._losses = [self._unscaled[id(loss)] for loss in scaled]
         self._unscaled.clear()
         loss = self._reported_loss()
@@ -114,10 +120,13 @@ class PipelineEngine:
             self.engine.comm.all_reduce(loss, op=torch.distributed.ReduceOp.SUM, purpose="the step's loss, averaged "
                                         "over the replicas")
             loss /= self.engine.comm.world_size
-        self.engine.stages_comm.broadcast(loss, src=self.num_stages - 1, purpose="the step's loss, from the last stage")
+        if self.engine.stages_comm is not None:
+            self.engine.stages_comm.broadcast(loss, src=self.num_stages - 1, purpose="the step's loss, from the last "
+                                              "stage")
         return loss
 
     def close(self) -> None:
+        self.tied.close()
         self.engine.close()
 
 
@@ -138,15 +147,23 @@ def reduced_once_per_step(config: Any) -> Any:
 
 def initialize(stage_module: nn.Module, optimizer: Optimizers | None, config: Any, layout: Layout,
                schedule: str | type = "1F1B", loss_fn: Callable[..., torch.Tensor] | None = None,
-               stage3_gathering: str = "step", device: torch.device | None = None) -> PipelineEngine:
+               stage3_gathering: str = "step", device: torch.device | None = None,
+               tied: list[TiedWeight] | None = None) -> PipelineEngine:
     """This rank's stage (`stage_module`: the part of the model its pipeline stage runs, layout.coordinates(rank)
     .stage) under a zerokit engine over its stage's data group, driven by torch's `schedule` ("GPipe", "1F1B", or
     the class). The config's gradient_accumulation_steps is the schedule's micro-batch count. Every rank calls it at
     the same point. `loss_fn(output, target)`: the last stage's loss of one micro-batch. `stage3_gathering`: "step"
-    or "micro_batch" (See [Note: stage 3 under a pipeline: gather once per step, or per micro-batch])."""
-    from zerokit.pipeline.checks import check_pipeline_arguments, schedule_class_of, warn_about_the_bubble
+    or "micro_batch" (See [Note: stage 3 under a pipeline: gather once per step, or per micro-batch]). `tied`: this
+    stage's copies of weights tied across stages, with their groups (See [Note: a tied weight's gradient across
+    stages] in tied.py); the copies take the first stage's values here."""
+    from zerokit.pipeline.checks import (check_pipeline_arguments, check_tied, schedule_class_of,
+                                         warn_about_the_bubble)
     check_pipeline_arguments(layout, loss_fn, stage3_gathering)
     schedule_class = schedule_class_of(schedule)
-    engine = initialize_engine(stage_module, optimizer, reduced_once_per_step(config), device=device, layout=layout)
+    config = reduced_once_per_step(config)
+    check_tied(config, tied or [])
+    tied_weights = TiedWeights(tied or [], config.comm_timeout_seconds)
+    tied_weights.synchronize()  # before the engine copies the weights into its masters
+    engine = initialize_engine(stage_module, optimizer, config, device=device, layout=layout)
     warn_about_the_bubble(engine.config.gradient_accumulation_steps, layout.pipeline)
-    return PipelineEngine(engine, layout, schedule_class, loss_fn, stage3_gathering)
+    return PipelineEngine(engine, layout, schedule_class, loss_fn, stage3_gathering, tied_weights)

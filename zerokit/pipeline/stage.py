@@ -31,9 +31,12 @@ class EngineStage(PipelineStage):
     """torch's PipelineStage over `engine.module`, whose backwards the engine reduces. See [Note: a pipeline stage's
     engine]."""
 
-    def __init__(self, engine: Engine, stage_index: int, num_stages: int) -> None:
-        super().__init__(engine.module, stage_index, num_stages, engine.device, group=engine.stages_comm.group)
-        self.engine = engine
+    def __init__(self, engine: Engine, stage_index: int, num_stages: int, defer_reduction: bool = False) -> None:
+        """defer_reduction: the window's last backward leaves its gradients for the caller to reduce after the
+        schedule (See [Note: a tied weight's gradient across stages] in tied.py)."""
+        group = engine.stages_comm.group if engine.stages_comm is not None else None  # None: one stage, no p2p
+        super().__init__(engine.module, stage_index, num_stages, engine.device, group=group)
+        self.engine, self.defer_reduction = engine, defer_reduction
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
                                    ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
@@ -43,7 +46,7 @@ class EngineStage(PipelineStage):
                              "Schedule1F1B")
         roots = [t for t in tree_flatten(bwd_kwargs["stage_output"])[0]
                  if isinstance(t, torch.Tensor) and t.requires_grad]
-        with self.engine.external_backward(roots):
+        with self.engine.external_backward(roots, defer_reduction=self.defer_reduction):
             result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if self.engine.progress.window_ended != last_backward:
             raise RuntimeError(f"rank {self.engine.rank}: the schedule's last backward and the engine's accumulation "

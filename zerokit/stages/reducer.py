@@ -49,6 +49,14 @@ class BucketReducer:
             if param_id not in used:
                 self.grad_ready(index)
 
+    def arm_accumulated(self) -> None:
+        """Reduce the gradients a whole window accumulated, after its backwards (Engine.reduce_deferred): every
+        parameter is complete now; which ones were used, the hooks marked as their gradients came."""
+        self._reset()
+        self.armed, self.final = True, True
+        for index in range(len(self.ready)):
+            self.grad_ready(index)
+
     def grad_arrived(self, param_index: int) -> None:
         """A gradient hook: params[param_index] got its gradient for this backward."""
         self.stage.usage.mark(param_index)

@@ -94,3 +94,21 @@ def test_a_deepspeed_pipeline_script_trains_on_zerokit_at_every_stage_as_deepspe
     reference = _losses(tmp_path / "alone")[0]
     for losses in _losses(tmp_path / "zero3"):
         assert losses == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs DeepSpeed to compare with")
+def test_layers_are_cut_into_stages_as_deepspeed_cuts_them() -> None:
+    """partition_method 'parameters' and 'type:' (partition_balanced) and 'uniform': DeepSpeed's own arithmetic."""
+    import random
+
+    from deepspeed.runtime import utils as ds_utils
+
+    from zerokit.deepspeed.pipe import partition_balanced, partition_uniform
+    generator = random.Random(0)
+    for _ in range(200):
+        weights = [generator.choice([0, 1, 5, 100, 1000, generator.randint(0, 10**6)])
+                   for _ in range(generator.randint(1, 12))]
+        parts = generator.randint(1, 6)
+        assert partition_balanced(weights, parts) == [int(p) for p in ds_utils.partition_balanced(weights, parts)]
+        assert partition_uniform(len(weights), parts) == [int(p) for p in ds_utils.partition_uniform(len(weights),
+                                                                                                      parts)]

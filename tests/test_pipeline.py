@@ -9,7 +9,10 @@ import math
 import pytest
 import torch
 
-from zerokit.testing.pipeline import PipeCase, reference, run_pipeline_cases
+from zerokit.layout import Layout
+from zerokit.pipeline import BubbleWarning
+from zerokit.pipeline.checks import schedule_class_of, warn_about_the_bubble
+from zerokit.testing.pipeline import PipeCase, reference, run_cases_and_refusals, run_pipeline_cases
 from zerokit.testing.spawn import spawn
 
 # fp32: the same sums in another order, so rounding (rtol 1e-5); atol 1e-6 for weights near zero, whose Adam steps
@@ -30,7 +33,7 @@ TWO_BY_TWO = [
 @pytest.fixture(scope="module")
 def two_by_two() -> list[dict]:
     """One spawn of 4 ranks (2 stages x 2 replicas) runs every case."""
-    return spawn(run_pipeline_cases, 4, TWO_BY_TWO, timeout=400)
+    return spawn(run_cases_and_refusals, 4, TWO_BY_TWO, timeout=400)
 
 
 def _check_exact(case: PipeCase, ranks: list[dict], replicas: int, tolerance: dict) -> None:
@@ -113,3 +116,29 @@ def test_two_stages_of_three_replicas_equal_one_process() -> None:
     """2 stages x 3 replicas on 6 ranks, ZeRO-3: shards of 3, whose sizes do not divide evenly."""
     case = PipeCase("2x3-1f1b-zero3", stage=3, steps=2)
     _check_exact(case, spawn(run_pipeline_cases, 6, [case], timeout=400), 3, FP32)
+
+
+def test_a_stage_that_does_not_accept_the_previous_ones_output_is_refused_on_every_rank(two_by_two) -> None:
+    messages = {result["refused_shapes"] for result in two_by_two}
+    assert len(messages) == 1
+    message = messages.pop()
+    assert message.startswith("pipeline stage 1 does not accept stage 0's output of shape(s) [(2, 8, 24)]: ")
+    assert "\n" not in message
+
+
+def test_fewer_micro_batches_than_stages_warns_naming_the_bubble() -> None:
+    with pytest.warns(BubbleWarning, match=r"^2 micro-batch\(es\) per step on 4 pipeline stages: the bubble is 60% "):
+        warn_about_the_bubble(2, 4)
+
+
+def test_what_a_pipeline_cannot_be_is_refused_in_one_line() -> None:
+    with pytest.raises(ValueError, match=r"^6 ranks do not split into 4 pipeline stage\(s\)"):
+        Layout.resolve(6, pipeline=4)
+    with pytest.raises(ValueError, match=r"^the pipeline schedule 'ScheduleInterleavedZeroBubble' is not supported "
+                                         r"with zerokit engines; accepted: GPipe, 1F1B"):
+        from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+        schedule_class_of(ScheduleInterleavedZeroBubble)
+    from zerokit.deepspeed.pipe import partition
+    with pytest.raises(ValueError, match=r"^3 pipeline stages for 2 layers: every stage needs a layer; accepted: at "
+                                         r"most 2 stages$"):
+        partition([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)], 3, "uniform")

@@ -11,7 +11,7 @@ its per-parameter view (stages/view.py).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence, Union
 
@@ -110,26 +110,20 @@ class Engine:
         self._refuse_if_closed("backward")
         divisor = self.config.gradient_accumulation_steps if average_window else 1
         scaled = loss * (self.loss_scaler.scale / divisor)
-        with self._micro_step([scaled], observed=loss):
+        with _micro_step(self, [scaled], observed=loss):
             scaled.backward()
 
-    @contextmanager
-    def external_backward(self, outputs: Sequence[torch.Tensor], defer_reduction: bool = False) -> Iterator[None]:
-        """Around one micro-step's backward that the caller runs itself, from `outputs` (the tensors it calls
-        autograd on): torch's pipeline schedules call autograd on a stage's outputs with the next stage's gradients,
-        not engine.backward. The engine arms the same reductions as backward() does (at stages 0-1, and stage 2 with
-        reduce_every_micro_step off, only at the window's last micro-step). The caller scales the loss itself, by
-        loss_scale() / gradient_accumulation_steps. defer_reduction: the window's last micro-step leaves its
-        gradients accumulated, for the caller to change (a tied weight's, summed across stages) before
-        reduce_deferred() reduces them; stages that reduce every micro-step cannot. See [Note: a pipeline stage's
-        engine] in zerokit/pipeline/stage.py."""
+    def external_backward(self, outputs: Sequence[torch.Tensor], defer_reduction: bool = False
+                          ) -> AbstractContextManager[None]:
+        """Around one micro-step's backward that the caller runs from `outputs` itself (torch's pipeline schedules),
+        with backward()'s reductions; the caller scales the loss by loss_scaler.scale / gradient_accumulation_steps.
+        defer_reduction: the window's last micro-step leaves its gradients for reduce_deferred(). See [Note: a
+        pipeline stage's engine] in zerokit/pipeline/stage.py."""
         self._refuse_if_closed("backward")
         if defer_reduction and self.stage.reduces_every_micro_step:
-            raise ValueError(f"ZeRO stage {self.config.stage} reduces every micro-step's gradients, so a window's "
-                             "reduction cannot be deferred; accepted: stages 0-1, and 2 with reduce_every_micro_step "
-                             "false")
-        with self._micro_step(list(outputs), observed=None, defer=defer_reduction):
-            yield
+            raise ValueError(f"ZeRO stage {self.config.stage} reduces every micro-step, so a window's reduction "
+                             "cannot be deferred; accepted: stages 0-1, and 2 with reduce_every_micro_step false")
+        return _micro_step(self, list(outputs), observed=None, defer=defer_reduction)
 
     def reduce_deferred(self) -> None:
         """The reductions that external_backward(defer_reduction=True) left at a window's end: every bucket, now."""
@@ -139,35 +133,6 @@ class Engine:
         self.reducer.arm_accumulated()
         self.reducer.flush()
         self.stage.finish_backward()
-
-    def loss_scale(self) -> float:
-        """The factor a loss is multiplied by before backward: the fp16 loss scale (1 in fp32 and bf16)."""
-        return self.loss_scaler.scale
-
-    @contextmanager
-    def _micro_step(self, roots: list[torch.Tensor], observed: torch.Tensor | None, defer: bool = False
-                    ) -> Iterator[None]:
-        """One micro-step's backward from `roots` (run inside), the reductions it needs armed before and flushed
-        after; `defer`: at the window's end, not yet (See reduce_deferred)."""
-        self.safeguards.before_backward(self.progress.backward_since_step, self.progress.window_ended)
-        final = self.at_boundary
-        deferred = defer and final
-        must_reduce = (final or self.stage.reduces_every_micro_step) and not deferred
-        with self.monitor.backward(observed) as lap:  # observability (zerokit/observe): the loss, phase times, FLOPs
-            self.stage.prepare_backward()
-            if must_reduce:
-                self.reducer.arm(roots, final=final)
-            yield
-            self.stage.end_of_autograd()  # stage 3: agree that every rank is done gathering
-            lap("backward_inner")
-            self.reducer.flush()
-            lap("backward_reduce")
-            if not deferred:
-                self.stage.finish_backward()
-        self._deferred = deferred
-        self.progress.micro_step += 1
-        self.progress.backward_since_step = True
-        self.progress.window_ended = final
 
     def step(self) -> StepResult:
         """Step the optimizer if this micro-step ended an accumulation window; report either way."""
@@ -295,6 +260,32 @@ class Engine:
 
     def eval(self) -> "Engine":
         return self.train(False)
+
+
+@contextmanager
+def _micro_step(engine: Engine, roots: list[torch.Tensor], observed: torch.Tensor | None, defer: bool = False
+                ) -> Iterator[None]:
+    """One micro-step's backward from `roots` (run inside), the reductions it needs armed before and flushed
+    after; `defer`: at the window's end, not yet (See Engine.reduce_deferred)."""
+    engine.safeguards.before_backward(engine.progress.backward_since_step, engine.progress.window_ended)
+    final = engine.at_boundary
+    deferred = defer and final
+    must_reduce = (final or engine.stage.reduces_every_micro_step) and not deferred
+    with engine.monitor.backward(observed) as lap:  # observability (zerokit/observe): the loss, phase times, FLOPs
+        engine.stage.prepare_backward()
+        if must_reduce:
+            engine.reducer.arm(roots, final=final)
+        yield
+        engine.stage.end_of_autograd()  # stage 3: agree that every rank is done gathering
+        lap("backward_inner")
+        engine.reducer.flush()
+        lap("backward_reduce")
+        if not deferred:
+            engine.stage.finish_backward()
+    engine._deferred = deferred
+    engine.progress.micro_step += 1
+    engine.progress.backward_since_step = True
+    engine.progress.window_ended = final
 
 
 def _build_stage(model: nn.Module, optimizer: Optimizers | None, model_parameters: Iterable[Any] | None,

@@ -89,11 +89,17 @@ def test_requested_micro_batch_that_fits_nowhere_is_shrunk():
     assert any("fits nowhere" in n for n in p.notes)
 
 
-def test_pipeline_allows_stages_0_and_1_only():
+def test_pipeline_allows_every_stage_as_zerokit_pipeline_trains_them():
+    """zerokit.pipeline trains ZeRO 0-3 under a pipeline (DeepSpeed 0-1); with the stages across the 2 nodes and
+    ZeRO inside each, only activations cross: a micro-batch's (b, s, hidden) bf16 forward and its gradient back."""
     p = plan(make_scenario("llama2-13b", seq_len=4096, nodes=2, pp=2, grad_accum=8))
-    assert [e.stage for e in p.stages] == [0, 1]
-    with pytest.raises(ValueError, match="incompatible with pipeline parallelism"):
-        estimate(make_scenario("llama2-13b", nodes=2, pp=2), 2)
+    assert [e.stage for e in p.stages] == [0, 1, 2, 3]
+    held = {stage: estimate(make_scenario("llama2-13b", nodes=2, pp=2, grad_accum=8), stage).memory.total
+            for stage in (1, 2, 3)}
+    assert held[3] < held[2] < held[1]
+    across = estimate(make_scenario("llama2-13b", nodes=2, pp=2, grad_accum=8, seq_len=4096), 3).comm.cross_node_bytes
+    activation = 1 * 4096 * 5120 * 2  # micro-batch x sequence x hidden, bf16
+    assert across == 8 * activation  # each GPU sends 8 micro-batches' activations forward, or their gradients back
 
 
 def test_hybrid_layouts_on_paper_for_several_nodes():

@@ -237,10 +237,11 @@ def scenario_from_args(args: argparse.Namespace):
         _model(args), device=device, calibration=_calibration(args, _model(args)),
         backend=args.backend or ("gloo" if args.gpu == "cpu" else "nccl"), optimizer_seconds_per_element=per_element,
         gpu=args.gpu, gpus_per_node=args.gpus_per_node, nodes=args.nodes, precision=args.dtype,
+        # under a pipeline stage 2 reduces once per optimizer step, as zerokit.pipeline does by default
         optimizer=args.optimizer, seq_len=args.seq_len, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
         checkpointing="none" if args.checkpointing == "auto" else args.checkpointing, attention=args.attention,
         reduce_dtype=args.reduce_dtype, bucket_bytes=int(args.bucket_mib * 2**20), overlap_comm=not args.no_overlap,
-        reduce_every_micro_step=not args.reduce_once_per_step, trainable_fraction=args.trainable_fraction,
+        reduce_every_micro_step=not (args.reduce_once_per_step or args.pp > 1), trainable_fraction=args.trainable_fraction,
         lora_rank=args.lora_rank, lora_targets=targets, tp=args.tp, pp=args.pp, replicas=args.replicas,
         secondary=args.hpz,
         mfu=args.mfu, bandwidth_efficiency=args.bandwidth_efficiency, overhead_bytes=int(args.overhead_gb * GB),

@@ -379,12 +379,5 @@ def partition_balanced(weights: list[int], num_parts: int) -> list[int]:
     return parts[::-1]
 
 
-def __getattr__(name: str):
-    if name == "PipelineEngine":
-        from zerokit.deepspeed.pipe_engine import PipelineEngine
-        return PipelineEngine
-    raise AttributeError(f"module 'zerokit.deepspeed.pipe' has no attribute {name!r}")
-
-
 __all__ = ["LayerSpec", "TiedLayerSpec", "PipelineModule", "ProcessTopology", "PipeDataParallelTopology",
            "PipeModelDataParallelTopology", "PipelineParallelGrid", "partition_balanced", "partition_uniform"]

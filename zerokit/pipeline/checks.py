@@ -8,7 +8,8 @@ from typing import Any, Callable
 
 from zerokit.layout import Layout
 
-SCHEDULES = ("GPipe", "1F1B")  # torch's single-stage-per-rank schedules whose backward is whole
+SCHEDULES = ("GPipe", "1F1B")
+GATHERINGS = ("step", "micro_batch")  # See [Note: stage 3 under a pipeline: gather once per step, or per micro-batch]
 
 
 class BubbleWarning(UserWarning):
@@ -16,7 +17,6 @@ class BubbleWarning(UserWarning):
 
 
 def check_pipeline_arguments(layout: Layout, loss_fn: Callable[..., Any] | None, gathering: str) -> None:
-    from zerokit.pipeline.engine import GATHERINGS
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a zerokit.Layout (Layout.resolve(world_size, pipeline=...)), got "
                         f"{type(layout).__name__}")
@@ -46,7 +46,7 @@ def check_tied(config: Any, tied: list) -> None:
 
 def schedule_class_of(schedule: str | type) -> type:
     """torch's schedule class for a name ("GPipe", "1F1B") or the class itself, if it is one we drive."""
-    from torch.distributed import pipelining
+    from torch.distributed import pipelining  # here: it imports torch._dynamo (See pipeline/stage.py)
     classes = {"GPipe": pipelining.ScheduleGPipe, "1F1B": pipelining.Schedule1F1B}
     if isinstance(schedule, str):
         found = {name.lower(): cls for name, cls in classes.items()}.get(schedule.lower())
@@ -70,3 +70,43 @@ def warn_about_the_bubble(micro_batches: int, stages: int) -> None:
                       f"{bubble_fraction(micro_batches, stages):.0%} of each step ((p-1)/(m+p-1)); use at least "
                       f"{stages} micro-batches (gradient_accumulation_steps), several times that to keep it small",
                       BubbleWarning, stacklevel=3)
+
+
+def check_stage_shapes(engine: Any, stage_index: int, num_stages: int, first_inputs: Any) -> None:
+    """Before the first step: each stage runs one forward (no gradients) on what the stage before it outputs for the
+    first micro-batch, stage after stage, and every rank learns the outcome. A stage that does not accept its
+    input (a width the next stage's first layer was not built for, say) is then one ValueError naming both stages
+    and the shapes, on every rank, before anything trains, instead of an error on one rank while the others wait
+    for it in the schedule's point-to-point exchanges until the group's timeout."""
+    import torch
+    import torch.distributed as dist
+    group = engine.stages_comm.group
+    ranks = dist.get_process_group_ranks(group)
+    received = first_inputs
+    for sender in range(num_stages):
+        message: list[Any] = [None]
+        if stage_index == sender:
+            message = [_probe(engine.module, received, sender)]
+        # Python objects, once, at start-up: a pickled broadcast on the pipeline group (nothing in comm/ sends objects)
+        dist.broadcast_object_list(message, src=ranks[sender], group=group)
+        outcome, value = message[0]
+        if outcome == "error":
+            raise ValueError(value)
+        if stage_index == sender + 1:
+            received = tuple(torch.zeros(shape, dtype=dtype, device=engine.device) for shape, dtype in value)
+
+
+def _probe(module: Any, inputs: Any, stage: int) -> tuple[str, Any]:
+    import torch
+    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+    try:
+        with torch.no_grad():
+            output = module(*args)
+    except Exception as error:  # the user's module, any error: reported on every rank as one line
+        source = "the first micro-batch's inputs" if stage == 0 else f"stage {stage - 1}'s output"
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return "error", (f"pipeline stage {stage} does not accept {source} of shape(s) {shapes}: {reason}; accepted: "
+                         f"the shapes its first layer was built for")
+    outputs = output if isinstance(output, (tuple, list)) else (output,)
+    return "ok", [(tuple(t.shape), t.dtype) for t in outputs if isinstance(t, torch.Tensor)]

@@ -28,11 +28,12 @@ from torch import nn
 
 from zerokit.engine import Engine, Optimizers, initialize as initialize_engine
 from zerokit.layout import Layout
-from zerokit.pipeline.stage import EngineStage
+from zerokit.pipeline.checks import (check_pipeline_arguments, check_stage_shapes, check_tied, schedule_class_of,
+                                     warn_about_the_bubble)
+from zerokit.pipeline.stage import engine_stage
 from zerokit.pipeline.tied import TiedWeight, TiedWeights
 from zerokit.precision import StepResult
 
-GATHERINGS = ("step", "micro_batch")  # See [Note: stage 3 under a pipeline: gather once per step, or per micro-batch]
 
 
 class PipelineStep(NamedTuple):
@@ -53,12 +54,13 @@ class PipelineEngine:
         self.num_stages = layout.pipeline
         self.micro_batches = engine.config.gradient_accumulation_steps
         self.loss_fn, self.gathering = loss_fn, gathering
-        self.stage = EngineStage(engine, self.stage_index, self.num_stages, defer_reduction=bool(tied))
+        self.stage = engine_stage(engine, self.stage_index, self.num_stages, defer_reduction=bool(tied))
         index_of = {id(param): index for index, param in enumerate(engine.stage.flat.params)}
         engine.stepper.exclude_from_norm({index_of[id(t.weight)] for t in tied.counted_elsewhere()})
         # id of what backward starts from -> the user's loss it came from (last stage; See _scaled_loss)
         self._unscaled: dict[int, torch.Tensor] = {}
         self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, as the user's loss_fn gave them
+        self._shapes_checked = False  # See check_stage_shapes
         self.schedule = schedule_class(self.stage, self.micro_batches, loss_fn=self._scaled_loss, scale_grads=False)
         self.eval_schedule = schedule_class(self.stage, self.micro_batches, loss_fn=None, scale_grads=False)
 
@@ -74,13 +76,14 @@ class PipelineEngine:
         result's id: torch's schedule also calls the loss function once on placeholder tensors, to learn the
         gradients' shapes, and only the results it returns in `losses` are the micro-batches'."""
         loss = self.loss_fn(output, target)
-        scaled = loss * (self.engine.loss_scale() / self.micro_batches)
+        scaled = loss * (self.engine.loss_scaler.scale / self.micro_batches)
         self._unscaled[id(scaled)] = loss.detach().float()
         return scaled
 
     def train_step(self, inputs: Any = None, target: Any = None) -> PipelineStep:
         """One optimizer step over this replica's batch: `inputs` (first stage; split along dim 0 into the micro-
         batches) and `target` (last stage); the other stages pass nothing."""
+        self._check_shapes(inputs)
         keep = self.engine.config.stage == 3 and self.gathering == "step"
         scaled: list[torch.Tensor] = []
         with self.engine.unsharded() if keep else nullcontext():
@@ -96,6 +99,7 @@ class PipelineEngine:
     def eval_step(self, inputs: Any = None, target: Any = None) -> torch.Tensor:
         """The mean loss of one batch, without gradients, on every rank (DeepSpeed's eval_batch)."""
         self._losses = []
+        self._check_shapes(inputs)
         with torch.no_grad():
             output = self._run(self.eval_schedule, inputs, None, None)
             if self.is_last_stage():
@@ -103,6 +107,17 @@ class PipelineEngine:
                 targets = target.chunk(self.micro_batches)
                 self._losses = [self.loss_fn(o, t).detach().float() for o, t in zip(chunks, targets)]
         return self._reported_loss()
+
+    def _check_shapes(self, inputs: Any) -> None:
+        """Once, before the first step: every stage accepts what the one before it outputs (See check_stage_shapes)."""
+        if self._shapes_checked or self.num_stages == 1:
+            return
+        first = None
+        if self.is_first_stage():
+            parts = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+            first = tuple(part.tensor_split(self.micro_batches)[0] for part in parts)
+        check_stage_shapes(self.engine, self.stage_index, self.num_stages, first)
+        self._shapes_checked = True
 
     def _run(self, schedule: Any, inputs: Any, target: Any, losses: list | None) -> Any:
         """A tuple of inputs goes to the first stage as that many arguments, each split into the micro-batches."""
@@ -156,8 +171,6 @@ def initialize(stage_module: nn.Module, optimizer: Optimizers | None, config: An
     or "micro_batch" (See [Note: stage 3 under a pipeline: gather once per step, or per micro-batch]). `tied`: this
     stage's copies of weights tied across stages, with their groups (See [Note: a tied weight's gradient across
     stages] in tied.py); the copies take the first stage's values here."""
-    from zerokit.pipeline.checks import (check_pipeline_arguments, check_tied, schedule_class_of,
-                                         warn_about_the_bubble)
     check_pipeline_arguments(layout, loss_fn, stage3_gathering)
     schedule_class = schedule_class_of(schedule)
     config = reduced_once_per_step(config)

@@ -18,38 +18,51 @@ outside this window; they are refused (PipelineStage's "input"/"weight" backward
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import torch
-from torch.distributed.pipelining import PipelineStage
 from torch.utils._pytree import tree_flatten
 
 from zerokit.engine import Engine
 
 
-class EngineStage(PipelineStage):
+def engine_stage(engine: Engine, stage_index: int, num_stages: int, defer_reduction: bool = False) -> Any:
     """torch's PipelineStage over `engine.module`, whose backwards the engine reduces. See [Note: a pipeline stage's
-    engine]."""
+    engine]. defer_reduction: the window's last backward leaves its gradients for the caller to reduce after the
+    schedule (See [Note: a tied weight's gradient across stages] in tied.py)."""
+    return _engine_stage_class()(engine, stage_index, num_stages, defer_reduction)
 
-    def __init__(self, engine: Engine, stage_index: int, num_stages: int, defer_reduction: bool = False) -> None:
-        """defer_reduction: the window's last backward leaves its gradients for the caller to reduce after the
-        schedule (See [Note: a tied weight's gradient across stages] in tied.py)."""
-        group = engine.stages_comm.group if engine.stages_comm is not None else None  # None: one stage, no p2p
-        super().__init__(engine.module, stage_index, num_stages, engine.device, group=group)
-        self.engine, self.defer_reduction = engine, defer_reduction
 
-    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
-                                   ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
-        if backward_type != "full":
-            raise ValueError(f"a schedule that splits backward into input and weight halves ({backward_type!r}: the "
-                             "zero-bubble schedules) is not supported with a zerokit engine; accepted: ScheduleGPipe, "
-                             "Schedule1F1B")
-        roots = [t for t in tree_flatten(bwd_kwargs["stage_output"])[0]
-                 if isinstance(t, torch.Tensor) and t.requires_grad]
-        with self.engine.external_backward(roots, defer_reduction=self.defer_reduction):
-            result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        if self.engine.progress.window_ended != last_backward:
-            raise RuntimeError(f"rank {self.engine.rank}: the schedule's last backward and the engine's accumulation "
-                               "window disagree (an internal bug: gradient_accumulation_steps must be the schedule's "
-                               "micro-batch count)")
-        return result
+@cache
+def _engine_stage_class() -> type:
+    """Made on first use: torch.distributed.pipelining imports torch._dynamo, which zerokit does not need otherwise."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class EngineStage(PipelineStage):
+        def __init__(self, engine: Engine, stage_index: int, num_stages: int, defer_reduction: bool) -> None:
+            group = engine.stages_comm.group if engine.stages_comm is not None else None  # None: one stage, no p2p
+            super().__init__(engine.module, stage_index, num_stages, engine.device, group=group)
+            self.engine, self.defer_reduction = engine, defer_reduction
+
+        def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+                                       ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
+            _refuse_split_backward(backward_type)
+            roots = [t for t in tree_flatten(bwd_kwargs["stage_output"])[0]
+                     if isinstance(t, torch.Tensor) and t.requires_grad]
+            with self.engine.external_backward(roots, defer_reduction=self.defer_reduction):
+                result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            if self.engine.progress.window_ended != last_backward:
+                raise RuntimeError(f"rank {self.engine.rank}: the schedule's last backward and the engine's "
+                                   "accumulation window disagree (an internal bug: gradient_accumulation_steps must "
+                                   "be the schedule's micro-batch count)")
+            return result
+
+    return EngineStage
+
+
+def _refuse_split_backward(backward_type: str) -> None:
+    if backward_type != "full":
+        raise ValueError(f"a schedule that splits backward into input and weight halves ({backward_type!r}: the "
+                         "zero-bubble schedules) is not supported with a zerokit engine; accepted: ScheduleGPipe, "
+                         "Schedule1F1B")

@@ -8,7 +8,9 @@
            optimizer -> NVMe (stage >= 1); + parameters -> NVMe (stage 3)
     if nothing fits: say what was closest and how many GPUs stage 3 would need
     then: the largest micro-batch that fits the chosen configuration
-Stages above 1 are skipped under pipeline parallelism. The first configuration that fits is the
+Under pipeline parallelism every stage is tried, as zerokit.pipeline trains them (DeepSpeed's PipelineEngine
+refuses ZeRO-2 and ZeRO-3); stage 2 then reduces once per optimizer step, and stage 3 is priced gathering per
+micro-batch, the upper bound of zerokit.pipeline's two settings. The first configuration that fits is the
 pick; the reasons quote the numbers of everything tried before it.
 
 [Note: hybrid sharding in the tree]
@@ -66,8 +68,8 @@ def gb(n: float) -> str:
 
 
 def allowed_stages(layout: Layout) -> tuple[int, ...]:
-    """Stages above 1 are skipped under pipeline parallelism; hpZ asked for is stage 3 only."""
-    return (0, 1) if layout.pp > 1 else (3,) if layout.secondary > 1 else STAGES
+    """hpZ asked for is stage 3 only; under a pipeline every stage (zerokit.pipeline trains ZeRO 0-3)."""
+    return (3,) if layout.secondary > 1 else STAGES
 
 
 def hybrid_layouts(scenario: Scenario, stage: int) -> tuple[Layout, ...]:

@@ -332,8 +332,11 @@ def model_parallel(model: ModelSpec, training: Training, layout: Layout, groups:
         calls = m * per_block * math.ceil(arch.n_layers / layout.pp)
         out.append(_collective("all_reduce", groups["tp"], "critical", calls, calls * activation, e))
     if layout.pp > 1:
+        # each micro-batch's activation goes forward and its gradient back across each of the p - 1 boundaries: a GPU
+        # sends 2m(p-1)/p of them on average (the first stage m forward, the last m back, the others 2m)
         elements = math.ceil(activation / layout.tp)
-        out.append(_collective("send_recv", groups["pp"], "critical", 2 * m, 2 * m * elements, e))
+        sent = round(2 * m * elements * (layout.pp - 1) / layout.pp)
+        out.append(_collective("send_recv", groups["pp"], "critical", 2 * m, sent, e))
     return out
 
 

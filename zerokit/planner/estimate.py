@@ -125,9 +125,6 @@ class Estimate:
 def _validate(scenario: Scenario, stage: int, offload: Offload) -> None:
     if isinstance(stage, bool) or stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
-    if scenario.layout.pp > 1 and stage > 1:
-        raise ValueError(f"stage {stage} with pipeline parallelism is not supported (DeepSpeed: ZeRO-2 and "
-                         "ZeRO-3 are incompatible with pipeline parallelism); use stage 0 or 1")
     if offload.optimizer != "none" and stage == 0:
         raise ValueError("optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 keeps a full optimizer per rank)")
     if offload.params != "none" and stage != 3:

@@ -165,3 +165,30 @@ def reference(case: PipeCase, replicas: int) -> dict:
     weights = {f"{s}.{name}": value.detach().clone() for s, module in enumerate(stages)
                for name, value in module.state_dict().items()}
     return {"losses": losses, "norms": norms, "weights": weights}
+
+
+def refused_shapes(rank: int, world_size: int) -> str:
+    """2 stages whose second expects a width the first does not output: the error every rank raises (nothing
+    trains)."""
+    import zerokit.pipeline
+    from zerokit.layout import Layout
+    layout = Layout.resolve(world_size, pipeline=2)
+    stage, replica, _ = layout.coordinates(rank)
+    torch.manual_seed(0)
+    module = nn.Sequential(Embed()) if stage == 0 else nn.Sequential(nn.Linear(WIDTH + 8, VOCAB))
+    before = [p.detach().clone() for p in module.parameters()]
+    pipe = zerokit.pipeline.initialize(module, optimizer_for(module), PipeCase("refused", stage=1).config(), layout,
+                                       loss_fn=lm_loss)
+    try:
+        pipe.train_step(*batch(replica, 0, 8))
+        message = "trained"
+    except ValueError as error:
+        message = str(error)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, pipe.engine.full_state_dict().values()))
+    pipe.close()
+    return message if unchanged else "weights changed: " + message
+
+
+def run_cases_and_refusals(rank: int, world_size: int, cases: list[PipeCase]) -> dict:
+    """run_pipeline_cases, then refused_shapes, in one spawn."""
+    return {**run_pipeline_cases(rank, world_size, cases), "refused_shapes": refused_shapes(rank, world_size)}

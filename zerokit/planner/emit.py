@@ -23,14 +23,22 @@ class Emitted:
 
 
 def _data_parallel_only(result: Estimate, target: str) -> None:
+    """A pipeline's config is the ZeRO config of each stage's data group (zerokit.pipeline, deepspeed.pipe: the stage
+    count is the model code's); tensor parallelism, and FSDP under a pipeline, stay on paper."""
     layout = result.scenario.layout
-    if layout.tp > 1 or layout.pp > 1:
+    if layout.tp > 1 or (layout.pp > 1 and target == "fsdp"):
         raise ValueError(f"--emit {target} writes data-parallel configs; the layout {layout.name} is on paper only "
-                         "(tensor and pipeline parallelism are set up in model code: Megatron, torch pipelining)")
+                         "(tensor parallelism, and FSDP under a pipeline, are set up in model code: Megatron, torch "
+                         "pipelining)")
 
 
 def _notes(result: Estimate, target: str) -> tuple[str, ...]:
     notes = list(_hybrid_notes(result, target))
+    pp = result.scenario.layout.pp
+    if pp > 1:
+        notes.append(f"pipeline of {pp} stages, gradient_accumulation_steps = micro-batches per step: "
+                     f"zerokit.pipeline.initialize(stage_module, optimizer, config, Layout.resolve(world, pipeline={pp})) "
+                     f"or deepspeed.pipe.PipelineModule(layers, num_stages={pp}) with zerokit.deepspeed")
     if result.training.checkpointing == "full":
         notes.append("activation checkpointing is not a config key: wrap each transformer block, e.g. "
                      "model.gradient_checkpointing_enable() (Hugging Face) or torch.utils.checkpoint "

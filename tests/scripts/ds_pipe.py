@@ -7,7 +7,8 @@ tests/test_deepspeed_pipe.py changes to run it on zerokit.
 """
 
 import argparse
-import json
+import resource
+import time
 
 import torch
 import torch.nn.functional as F
@@ -81,11 +82,17 @@ def main() -> None:
                                  rank=grid.get_data_parallel_id(), shuffle=False)
     loader = DataLoader(pairs, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler)
     data_iter = iter(deepspeed.utils.RepeatingLoader(loader))
-    losses = [engine.train_batch(data_iter).item() for _ in range(args.steps)]
+    losses, seconds = [], []
+    for _ in range(args.steps):
+        started = time.perf_counter()
+        losses.append(engine.train_batch(data_iter).item())
+        seconds.append(time.perf_counter() - started)
     evaluated = engine.eval_batch(iter(loader)).item()
     write_result(args.out, torch.distributed.get_rank(), {
         "losses": losses, "eval": evaluated, "stage": engine.stage_id, "parts": [int(p) for p in model.parts],
-        "first": engine.is_first_stage(), "last": engine.is_last_stage()})
+        "first": engine.is_first_stage(), "last": engine.is_last_stage(), "step_seconds": seconds,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "comm": engine.comm_stats() if hasattr(engine, "comm_stats") else None})
 
 
 if __name__ == "__main__":

@@ -115,6 +115,10 @@ class PipelineEngine:
     def get_lr(self) -> list[float]:
         return self.engine.get_lr()
 
+    def comm_stats(self) -> dict[str, Any]:
+        """zerokit's: this rank's collectives and the activations it sent (zerokit.pipeline.PipelineEngine.comm_stats)."""
+        return self.pipe.comm_stats()
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters, whole, on CPU."""
         return self.engine.full_state_dict()

@@ -140,6 +140,11 @@ class PipelineEngine:
                                               "stage")
         return loss
 
+    def comm_stats(self) -> dict[str, Any]:
+        """The stage engine's collectives (engine.comm_stats()), and the bytes of activations and their gradients
+        this rank sent to its neighbouring stages (torch's point-to-point sends, counted as the schedule makes them)."""
+        return {**self.engine.comm_stats(), "pipeline_sends": {"bytes": self.stage.sent_bytes}}
+
     def close(self) -> None:
         self.tied.close()
         self.engine.close()

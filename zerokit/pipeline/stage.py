@@ -44,6 +44,17 @@ def _engine_stage_class() -> type:
             group = engine.stages_comm.group if engine.stages_comm is not None else None  # None: one stage, no p2p
             super().__init__(engine.module, stage_index, num_stages, engine.device, group=group)
             self.engine, self.defer_reduction = engine, defer_reduction
+            self.sent_bytes = 0  # activations and their gradients sent to the neighbouring stages, since start
+
+        def get_fwd_send_ops(self, fwd_chunk_id: int) -> list:
+            return self._counted(super().get_fwd_send_ops(fwd_chunk_id))
+
+        def get_bwd_send_ops(self, bwd_chunk_id: int) -> list:
+            return self._counted(super().get_bwd_send_ops(bwd_chunk_id))
+
+        def _counted(self, ops: list) -> list:
+            self.sent_bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+            return ops
 
         def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
                                        ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:

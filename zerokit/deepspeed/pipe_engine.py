@@ -19,8 +19,8 @@ from zerokit.pipeline import initialize as initialize_pipeline
 
 
 class PipelineEngine:
-    def __init__(self, module: PipelineModule, optimizer: Any, config: ZeroConfig | dict, model_parameters: Any = None
-                 ) -> None:
+    def __init__(self, module: PipelineModule, optimizer: Any, config: ZeroConfig | dict, model_parameters: Any = None,
+                 training_data: Any = None, collate_fn: Any = None) -> None:
         if model_parameters is not None and optimizer is not None:
             model_parameters = None  # the optimizer already holds them
         self.module = module
@@ -36,6 +36,11 @@ class PipelineEngine:
         self.data_iterator: Iterator | None = None
         self.batch_fn = None
         self.last_result = None
+        self.training_dataloader = None
+        if training_data is not None:  # DeepSpeed's: the replica's share, in order, repeated for ever
+            self.training_dataloader = _replica_loader(training_data, self.grid, self.train_micro_batch_size_per_gpu(),
+                                                       collate_fn)
+            self.data_iterator = iter(self.training_dataloader)
 
     # --- DeepSpeed's pipeline calls ------------------------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -132,6 +137,17 @@ class PipelineEngine:
 
     def destroy(self) -> None:
         self.pipe.close()
+
+
+def _replica_loader(data: Any, grid: PipelineParallelGrid, micro_batch: int, collate_fn: Any) -> Any:
+    """As DeepSpeed's PipelineEngine builds it from training_data: a DistributedSampler over the data-parallel
+    replicas (shuffle=False), micro-batches, a RepeatingLoader."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from zerokit.deepspeed.utils import RepeatingLoader
+    sampler = DistributedSampler(data, num_replicas=grid.get_data_parallel_world_size(),
+                                 rank=grid.get_data_parallel_id(), shuffle=False)
+    return RepeatingLoader(DataLoader(data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn))
 
 
 def _output_is_the_loss(output: torch.Tensor, labels: Any) -> torch.Tensor:

@@ -140,12 +140,13 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         optimizer = optimizer(model_parameters if model_parameters is not None else model.parameters())
     if _is_pipeline_module(model):  # DeepSpeed returns its PipelineEngine for one (See zerokit/deepspeed/pipe.py)
         from zerokit.deepspeed.pipe_engine import PipelineEngine
-        if lr_scheduler is not None or training_data is not None:
-            raise ValueError("deepspeed.initialize(model=PipelineModule, lr_scheduler=/training_data=) is not offered "
-                             "by zerokit: use the config's scheduler block, and pass train_batch(data_iter)")
+        if lr_scheduler is not None:
+            raise ValueError("deepspeed.initialize(model=PipelineModule, lr_scheduler=) is not offered by zerokit: use "
+                             "the config's scheduler block")
         given = config_dict(source)  # the dict, so that stage 2 reduces once a step unless it says otherwise
-        pipeline = PipelineEngine(model, optimizer, given or typed, model_parameters=model_parameters)
-        return pipeline, pipeline.optimizer, None, pipeline.engine.lr_scheduler
+        pipeline = PipelineEngine(model, optimizer, given or typed, model_parameters=model_parameters,
+                                  training_data=training_data, collate_fn=collate_fn)
+        return pipeline, pipeline.optimizer, pipeline.training_dataloader, pipeline.engine.lr_scheduler
     engine = DeepSpeedEngine(model, optimizer, typed, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
                              collate_fn=collate_fn, param_init=param_init, given_config=config_dict(source))
     if training_data is not None:

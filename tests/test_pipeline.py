@@ -12,7 +12,7 @@ import torch
 from zerokit.layout import Layout
 from zerokit.pipeline import BubbleWarning
 from zerokit.pipeline.checks import schedule_class_of, warn_about_the_bubble
-from zerokit.testing.pipeline import PipeCase, reference, run_cases_and_refusals, run_pipeline_cases
+from zerokit.testing.pipeline import PipeCase, reference, run_cases_refusals_and_resume, run_pipeline_cases
 from zerokit.testing.spawn import spawn
 
 # fp32: the same sums in another order, so rounding (rtol 1e-5); atol 1e-6 for weights near zero, whose Adam steps
@@ -31,9 +31,10 @@ TWO_BY_TWO = [
 
 
 @pytest.fixture(scope="module")
-def two_by_two() -> list[dict]:
+def two_by_two(tmp_path_factory) -> list[dict]:
     """One spawn of 4 ranks (2 stages x 2 replicas) runs every case."""
-    return spawn(run_cases_and_refusals, 4, TWO_BY_TWO, timeout=400)
+    directory = str(tmp_path_factory.mktemp("pipeline-checkpoint"))
+    return spawn(run_cases_refusals_and_resume, 4, TWO_BY_TWO, directory, timeout=400)
 
 
 def _check_exact(case: PipeCase, ranks: list[dict], replicas: int, tolerance: dict) -> None:
@@ -142,3 +143,10 @@ def test_what_a_pipeline_cannot_be_is_refused_in_one_line() -> None:
     with pytest.raises(ValueError, match=r"^3 pipeline stages for 2 layers: every stage needs a layer; accepted: at "
                                          r"most 2 stages$"):
         partition([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)], 3, "uniform")
+
+
+def test_a_pipeline_checkpoint_resumes_exactly(two_by_two) -> None:
+    """Every stage saves with its replicas (stage<s>/ under the directory); new engines that load it take the next
+    step as the run that went straight on did, bit for bit."""
+    for result in two_by_two:
+        assert result["resume"]["resumed"] == result["resume"]["straight"][2]

@@ -29,9 +29,19 @@ if TYPE_CHECKING:
 class CheckpointGroup:
     """All ranks, over gloo, for small Python objects. See [Note: a process group of its own]."""
 
-    def __init__(self) -> None:
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.group = dist.new_group(backend="gloo") if self.world_size > 1 else None
+    def __init__(self, parts: list[list[int]] | None = None) -> None:
+        """`parts`: a layout's data groups (an engine of one pipeline stage saves with its stage's replicas only):
+        a group over each, made on every rank in order (torch's new_group is a collective over the job); None: every
+        rank."""
+        members = list(range(dist.get_world_size()))
+        if parts is None:
+            self.group = dist.new_group(backend="gloo") if len(members) > 1 else None
+        else:
+            for ranks in parts:
+                group = dist.new_group(ranks, backend="gloo")
+                if dist.get_rank() in ranks:
+                    members, self.group = ranks, group if len(ranks) > 1 else None
+        self.rank, self.world_size = members.index(dist.get_rank()), len(members)
 
     def close(self) -> None:
         """Destroy the group and let go of it (See [Note: leaving at exit] in zerokit/runtime.py)."""
@@ -130,7 +140,8 @@ _SESSIONS: "weakref.WeakKeyDictionary[Checkpointed, Session]" = weakref.WeakKeyD
 def session_of(engine: Checkpointed) -> Session:
     """The engine's checkpoint session, made at its first save or load (a collective: every rank calls it)."""
     if engine not in _SESSIONS:
-        _SESSIONS[engine] = Session(CheckpointGroup())
+        layout = getattr(engine, "layout", None)  # See zerokit/layout.py: a pipeline stage's engine saves its stage
+        _SESSIONS[engine] = Session(CheckpointGroup(layout.data_groups() if layout is not None else None))
     return _SESSIONS[engine]
 
 

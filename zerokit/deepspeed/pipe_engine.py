@@ -128,12 +128,14 @@ class PipelineEngine:
         """This stage's parameters, whole, on CPU."""
         return self.engine.full_state_dict()
 
-    def save_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("engine.save_checkpoint() of a pipeline is not offered by zerokit yet: save each "
-                                  "stage's engine.full_state_dict() instead")
+    def save_checkpoint(self, save_dir: Any, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True) -> bool:
+        """Each stage's zerokit checkpoint under save_dir/stage<s> (zerokit.pipeline's save_checkpoint); not
+        DeepSpeed's layer files."""
+        return self.pipe.save_checkpoint(save_dir, tag, client_state)
 
-    def load_checkpoint(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("engine.load_checkpoint() of a pipeline is not offered by zerokit yet")
+    def load_checkpoint(self, load_dir: Any, tag: str | None = None, **ignored: Any) -> tuple[str, dict | None]:
+        return self.pipe.load_checkpoint(load_dir, tag)
 
     def destroy(self) -> None:
         self.pipe.close()

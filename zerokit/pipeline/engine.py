@@ -140,6 +140,17 @@ class PipelineEngine:
                                               "stage")
         return loss
 
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None,
+                        client_state: dict[str, Any] | None = None) -> bool:
+        """Every stage saves its engine's checkpoint under save_dir/stage<s>/tag, with its replicas (every rank calls
+        it): each is a zerokit checkpoint, loadable at any data degree and ZeRO stage of a pipeline with the same
+        stages."""
+        return self.engine.save_checkpoint(Path(save_dir) / f"stage{self.stage_index}", tag, client_state)
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None) -> tuple[str, dict[str, Any] | None]:
+        """The inverse of save_checkpoint, for a pipeline with the same stages (any replicas, any ZeRO stage)."""
+        return self.engine.load_checkpoint(Path(load_dir) / f"stage{self.stage_index}", tag)
+
     def comm_stats(self) -> dict[str, Any]:
         """The stage engine's collectives (engine.comm_stats()), and the bytes of activations and their gradients
         this rank sent to its neighbouring stages (torch's point-to-point sends, counted as the schedule makes them)."""

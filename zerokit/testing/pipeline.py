@@ -192,3 +192,36 @@ def refused_shapes(rank: int, world_size: int) -> str:
 def run_cases_and_refusals(rank: int, world_size: int, cases: list[PipeCase]) -> dict:
     """run_pipeline_cases, then refused_shapes, in one spawn."""
     return {**run_pipeline_cases(rank, world_size, cases), "refused_shapes": refused_shapes(rank, world_size)}
+
+
+def resumed(rank: int, world_size: int, directory: str) -> dict[str, list[float]]:
+    """ZeRO-2, 1F1B: 3 steps straight, and 2 steps, a save, then new engines (a fresh model) that load it and take
+    the third: the third step's loss either way."""
+    import zerokit.pipeline
+    from zerokit.layout import Layout
+    case = PipeCase("resume", stage=2)
+    layout = Layout.resolve(world_size, pipeline=2)
+    stage, replica, _ = layout.coordinates(rank)
+
+    def build():
+        module = stage_module(layers(case.n_blocks), stage, 2)
+        return zerokit.pipeline.initialize(module, optimizer_for(module), case.config(), layout, loss_fn=lm_loss)
+
+    def step(pipe, index: int) -> float:
+        return pipe.train_step(*batch(replica, index, case.micro * case.micro_batches)).loss.item()
+
+    first = build()
+    straight = [step(first, index) for index in range(2)]
+    first.save_checkpoint(directory, tag="two")
+    straight.append(step(first, 2))
+    first.close()
+    second = build()
+    second.load_checkpoint(directory, tag="two")
+    again = step(second, 2)
+    second.close()
+    return {"straight": straight, "resumed": again}
+
+
+def run_cases_refusals_and_resume(rank: int, world_size: int, cases: list[PipeCase], directory: str) -> dict:
+    """run_cases_and_refusals, then resumed, in one spawn."""
+    return {**run_cases_and_refusals(rank, world_size, cases), "resume": resumed(rank, world_size, directory)}

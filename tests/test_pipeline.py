@@ -150,3 +150,11 @@ def test_a_pipeline_checkpoint_resumes_exactly(two_by_two) -> None:
     step as the run that went straight on did, bit for bit."""
     for result in two_by_two:
         assert result["resume"]["resumed"] == result["resume"]["straight"][2]
+
+
+def test_stages_cut_by_torchs_tracer_train_as_stages_cut_by_hand() -> None:
+    """torch's pipeline() tracer's stage modules (a GraphModule each) under zerokit engines: the same losses as the
+    same layers cut by hand, on 2 ranks."""
+    from zerokit.testing.pipeline import traced_and_hand_split
+    for result in spawn(traced_and_hand_split, 2, timeout=200):
+        assert result["traced"] == result["hand"]

@@ -225,3 +225,28 @@ def resumed(rank: int, world_size: int, directory: str) -> dict[str, list[float]
 def run_cases_refusals_and_resume(rank: int, world_size: int, cases: list[PipeCase], directory: str) -> dict:
     """run_cases_and_refusals, then resumed, in one spawn."""
     return {**run_cases_and_refusals(rank, world_size, cases), "resume": resumed(rank, world_size, directory)}
+
+
+def traced_and_hand_split(rank: int, world_size: int) -> dict[str, list[float]]:
+    """2 stages x 1 replica at ZeRO-1: the stage modules from torch's pipeline() tracer (split before layer 3),
+    and the same cut by hand; each run's losses."""
+    import zerokit.pipeline
+    from torch.distributed.pipelining import SplitPoint, pipeline
+    from zerokit.layout import Layout
+    layout = Layout.resolve(world_size, pipeline=2)
+    stage, replica, _ = layout.coordinates(rank)
+    case = PipeCase("traced", stage=1)
+    losses = {}
+    for name in ("traced", "hand"):
+        if name == "traced":
+            example = batch(0, 0, case.micro)[0]
+            traced = pipeline(nn.Sequential(*layers(case.n_blocks)), mb_args=(example,),
+                              split_spec={"3": SplitPoint.BEGINNING})
+            module = traced.get_stage_module(stage)
+        else:
+            module = stage_module(layers(case.n_blocks), stage, 2)
+        pipe = zerokit.pipeline.initialize(module, optimizer_for(module), case.config(), layout, loss_fn=lm_loss)
+        losses[name] = [pipe.train_step(*batch(replica, step, case.micro * case.micro_batches)).loss.item()
+                        for step in range(2)]
+        pipe.close()
+    return losses

@@ -1,4 +1,5 @@
-"""zerokit's pipeline at ZeRO-1/2/3 beside DeepSpeed's PipelineModule (ZeRO-1), on 4 CPU ranks (2 stages x 2
+"""zerokit's pipeline at ZeRO-1/2/3 beside DeepSpeed's PipelineModule (ZeRO-1) and torch pipelining + FSDP2
+(benchmarks/torch_pipe_fsdp.py), on 4 CPU ranks (2 stages x 2
 replicas, gloo), the same script (tests/scripts/ds_pipe.py), model, data and config: step time (median of the
 steps after the first two), peak RSS per rank (the process's ru_maxrss), and, for zerokit, the bytes each rank
 sends across the simulated nodes per step (2 ranks a node: a stage is a node), from its own counts: the
@@ -45,6 +46,19 @@ def run(script: Path, stage: int, steps: int, directory: Path, zerokit: bool) ->
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
 
 
+def run_torch(steps: int, directory: Path) -> list[dict]:
+    """benchmarks/torch_pipe_fsdp.py: the same layers, cut the same way, each stage under FSDP2 (its own seed and
+    initialisation: its loss is not comparable to the others', and it clips each stage by its own norm)."""
+    out = directory / "out-torch"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(ROOT)]), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+               str(ROOT / "benchmarks" / "torch_pipe_fsdp.py"), "--steps", str(steps), "--out", str(out)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-4000:])
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(4)]
+
+
 def row(name: str, ranks: list[dict]) -> str:
     step = statistics.median(s for r in ranks for s in r["step_seconds"][2:])
     rss = max(r["peak_rss_mib"] for r in ranks)
@@ -54,7 +68,7 @@ def row(name: str, ranks: list[dict]) -> str:
         sent = [(r["comm"]["pipeline_sends"]["bytes"] + r["comm"].get("cross_node", {}).get("bytes", 0))
                 / len(r["step_seconds"]) for r in ranks]
         across = f"{sum(sent) / len(sent) / 2**10:.1f}"
-    return f"| {name} | {step * 1000:.0f} | {rss:.0f} | {across} | {ranks[0]['losses'][-1]:.6f} |"
+    return f"| {name} | {step * 1000:.0f} | {rss:.0f} | {across} | {ranks[-1]['losses'][-1]:.6f} |"
 
 
 def main() -> None:
@@ -73,6 +87,7 @@ def main() -> None:
                                                                           directory, zerokit=False)))
         for stage in (1, 2, 3):
             lines.append(row(f"zerokit pipeline, ZeRO-{stage}", run(switched, stage, args.steps, directory, True)))
+        lines.append(row("torch pipelining (Schedule1F1B) + FSDP2", run_torch(args.steps, directory)))
     print("\n".join(lines))
     if args.out:
         Path(args.out).write_text("\n".join(lines) + "\n")

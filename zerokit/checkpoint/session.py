@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from zerokit.checkpoint.checkpointed import Checkpointed
+from zerokit.tiers.pinned import host_buffer
 
 if TYPE_CHECKING:
     from zerokit.checkpoint.collect import SaveEntry
@@ -101,7 +102,7 @@ class HostBuffers:
             gpu = any(source.device.type == "cuda" for source in entry.sources)
             on_gpu |= gpu
             if buffer is None or buffer.numel() != spec.numel or buffer.dtype != spec.dtype:
-                buffer = torch.empty(spec.numel, dtype=spec.dtype, pin_memory=gpu)
+                buffer = host_buffer(spec.numel, dtype=spec.dtype, pin=gpu)  # See zerokit/tiers/pinned.py
             offset = 0
             for source in entry.sources:
                 buffer[offset:offset + source.numel()].copy_(source.reshape(-1), non_blocking=gpu)

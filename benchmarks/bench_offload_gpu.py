@@ -115,6 +115,7 @@ def build_model(args: argparse.Namespace, family: str, stage: int, offload: bool
     """The model, and the micro-batch, sequence length and vocabulary its batches have. The Llama is built on the
     meta device for zerokit's stage 3 (materialised unit by unit where its shards live) and inside DeepSpeed's
     zero.Init (partitioned as it is built), so that neither needs the whole fp32 model in host memory first."""
+    torch.manual_seed(0)  # every contender starts from the same weights (where it builds them alike)
     if args.model == "gpt":
         from benchmarks.gpu_check import parse_args as check_args, settings_of
         from benchmarks.workload import make_model

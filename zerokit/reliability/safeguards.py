@@ -25,7 +25,8 @@ def check_at_start(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
     problem: ValueError | None = None
     try:
         refuse_wrapped(model)
-        refuse_nothing_to_train(model)
+        if optimizers:  # none: an engine that runs forward only (See zerokit/forward_only.py)
+            refuse_nothing_to_train(model)
         refuse_fullgraph_around_units(model, config)
         refuse_misnumbered_node(config.ranks_per_node or ranks_per_node_from_launcher(comm.world_size), comm.rank)
     except ValueError as error:

@@ -55,6 +55,7 @@ from zerokit.deepspeed.config_queries import ConfigQueries
 from zerokit.deepspeed.module_view import ModuleView
 from zerokit.deepspeed.config_view import EngineConfig
 from zerokit.deepspeed.data import training_loader
+from zerokit.deepspeed.zero3_params import answer_ds_status, give_back_class, offer_parameter_offload
 from zerokit.engine import Engine
 from zerokit.precision import StepResult
 from zerokit.reliability.compiled import compile_model
@@ -151,6 +152,10 @@ class DeepSpeedEngine(ConfigQueries, ModuleView, Engine):
         self._mirror = HyperparameterMirror([(user, twin) for user, twin in zip(users, self.view.optimizers)
                                              if isinstance(user, torch.optim.Optimizer) and user is not twin])
         self._client_schedule = self._attach(lr_scheduler, optimizer)
+        # what DeepSpeed's callers (TRL) read off a ZeRO-3 model: See zerokit/deepspeed/zero3_params.py
+        self._answering_ds_status = answer_ds_status(model) if self.config.stage == 3 else []
+        if self.config.stage == 3 and self.optimizer is not None:
+            offer_parameter_offload(self.optimizer)
 
     def _attach(self, scheduler: Any, given: Any) -> ClientSchedule | None:
         if scheduler is None:
@@ -326,6 +331,13 @@ class DeepSpeedEngine(ConfigQueries, ModuleView, Engine):
 
     def reload_states(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("engine.reload_states() is out of scope for zerokit: nothing is offloaded to bring back")
+
+    def close(self) -> None:
+        """Engine.close(), and the model's parameters get back the class they had (See [Note: ds_status is read
+        from the tensor] in zerokit/deepspeed/zero3_params.py)."""
+        give_back_class(self._answering_ds_status)
+        self._answering_ds_status = []
+        super().close()
 
     def destroy(self) -> None:
         """DeepSpeed's name for close()."""

@@ -6,7 +6,8 @@ function and a reference model, and an SFT job with packing, on a tiny Llama and
     torchrun --nproc_per_node 2 -m zerokit.deepspeed.install trl_jobs.py ... --deepspeed ds.json       # zerokit
     torchrun --nproc_per_node 2 trl_jobs.py ... --deepspeed ds.json                                    # DeepSpeed
 
-`--jobs dpo,grpo` runs several jobs one after the other in one launch (a launch costs seconds). Each rank writes
+`--jobs dpo,grpo` runs several jobs one after the other in one launch (a launch costs seconds); the job `generate`
+samples from a ZeRO-3 engine both ways TRL generates, beside the same model in one process. Each rank writes
 DIR/<job>/rank{r}.json: the Trainer's per-step logs (loss, grad norm, and the job's own metrics), what engine
 trained the policy and what engine holds the reference model, and, with --resume-at, the same job resumed from the
 checkpoint of that step.
@@ -118,12 +119,11 @@ def dpo_trainer(args: argparse.Namespace, output_dir: str):
                       processing_class=tokenizer())
 
 
-def grpo_trainer(args: argparse.Namespace, output_dir: str):
+def grpo_trainer(args: argparse.Namespace, output_dir: str, gather_for_generation: bool = True):
     from trl import GRPOConfig, GRPOTrainer
 
     config = GRPOConfig(**common_arguments(args, output_dir), beta=0.1, num_generations=2,
-                        max_completion_length=6, temperature=1.0,
-                        ds3_gather_for_generation=not args.layer_by_layer)
+                        max_completion_length=6, temperature=1.0, ds3_gather_for_generation=gather_for_generation)
     # the model as a local path: GRPO builds its reference model from it (under ZeRO-3, inside zero.Init)
     return GRPOTrainer(model=args.pretrained, reward_funcs=letters_a, args=config, train_dataset=prompt_data(),
                        processing_class=tokenizer())
@@ -138,7 +138,14 @@ def sft_trainer(args: argparse.Namespace, output_dir: str):
     return SFTTrainer(model=model, args=config, train_dataset=text_data(), processing_class=tokenizer())
 
 
-TRAINERS = {"dpo": dpo_trainer, "grpo": grpo_trainer, "sft": sft_trainer}
+def grpo_layer_by_layer_trainer(args: argparse.Namespace, output_dir: str):
+    """GRPO generating through ZeRO-3's own gathers, unit by unit for every token (ds3_gather_for_generation=False)."""
+    return grpo_trainer(args, output_dir, gather_for_generation=False)
+
+
+TRAINERS = {"dpo": dpo_trainer, "grpo": grpo_trainer, "sft": sft_trainer,
+            "grpo_layer_by_layer": grpo_layer_by_layer_trainer}
+RESUMABLE = ("dpo", "grpo", "sft")
 
 
 def logged_steps(trainer) -> list[dict[str, float]]:
@@ -157,6 +164,15 @@ def engine_facts(engine) -> dict:
     return facts
 
 
+def loaded_difference(engine, pretrained: str) -> float:
+    """Largest difference between the weights a zerokit engine holds and the pretrained file's."""
+    from safetensors.torch import load_file
+
+    saved = load_file(str(Path(pretrained) / "model.safetensors"))
+    held = engine.full_state_dict()
+    return max((held[name].float() - tensor.float()).abs().max().item() for name, tensor in saved.items())
+
+
 def run(job: str, args: argparse.Namespace, output_dir: str, resume: str | None = None) -> dict:
     if args.deepspeed:
         import deepspeed
@@ -168,12 +184,55 @@ def run(job: str, args: argparse.Namespace, output_dir: str, resume: str | None 
     reference = getattr(trainer, "ref_model", None)
     if reference is not None:
         result["reference"] = engine_facts(reference)
+        if hasattr(reference, "full_state_dict"):  # built by from_pretrained (under zero.Init at ZeRO-3), never trained
+            result["reference"]["loaded_difference"] = loaded_difference(reference, args.pretrained)
     return result
+
+
+def generation_checks(pretrained: str) -> dict:
+    """Samples from the model in this process, then from a ZeRO-3 engine over it (under the drop-in), both ways TRL
+    generates: every parameter gathered with GatheredParameters around TRL's remove_hooks/add_hooks
+    (unwrap_model_for_generation), and layer by layer through the engine's own gathers
+    (ds3_gather_for_generation=False), with the same seed each time."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+    from trl.models.utils import add_hooks, remove_hooks
+
+    deepspeed.init_distributed()
+    rank = int(os.environ.get("RANK", 0))
+    model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.float32)
+    prompts = torch.randint(len(SPECIAL), model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(rank))
+
+    def sample(module: torch.nn.Module, **options) -> list[list[int]]:
+        torch.manual_seed(1234)
+        return module.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, max_new_tokens=8,
+                               pad_token_id=0, **options).tolist()
+
+    one_process = sample(model)
+    config = {"zero_optimization": {"stage": 3, "stage3_min_unit_params": 1000,
+                                    "stage3_param_persistence_threshold": 100},
+              "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                      config=config)
+    engine.eval()
+    gathers = engine.comm_stats()["all_gather"]["calls"]
+    with deepspeed.zero.GatheredParameters(engine.parameters()):
+        remove_hooks(engine)
+        gathered = sample(engine.module)
+        add_hooks(engine)
+    gathers_gathered = engine.comm_stats()["all_gather"]["calls"] - gathers
+    layer_by_layer = sample(engine.module, synced_gpus=True)  # ranks that finish early keep stepping with the others
+    gathers_layer = engine.comm_stats()["all_gather"]["calls"] - gathers - gathers_gathered
+    status = {name: p.ds_status.name for name, p in engine.module.named_parameters()}
+    engine.close()
+    return {"one_process": one_process, "gathered": gathered, "layer_by_layer": layer_by_layer,
+            "gathers": [gathers_gathered, gathers_layer], "status": status,
+            "class_back": all(type(p) is torch.nn.Parameter for p in model.parameters())}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--jobs", required=True, help="comma-separated: dpo, grpo, sft")
+    parser.add_argument("--jobs", required=True, help="comma-separated: dpo, grpo, sft, grpo_layer_by_layer, generate")
     parser.add_argument("--out", required=True)
     parser.add_argument("--pretrained", required=True)
     parser.add_argument("--deepspeed", default=None, help="a DeepSpeed config (JSON path); none: plain DDP")
@@ -181,15 +240,18 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--bf16", action="store_true", help="TRL's default; fp32 without it")
-    parser.add_argument("--layer-by-layer", action="store_true", help="GRPO: ds3_gather_for_generation=False")
     parser.add_argument("--resume-at", type=int, default=0,
                         help="checkpoint at this step, then train again resumed from it in a second Trainer")
     args = parser.parse_args()
     rank = int(os.environ.get("RANK", 0))
     for job in args.jobs.split(","):
         out = Path(args.out) / job
+        if job == "generate":
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"rank{rank}.json").write_text(json.dumps(generation_checks(args.pretrained)))
+            continue
         result = {"run": run(job, args, str(out / "checkpoints"))}
-        if args.resume_at:
+        if args.resume_at and job in RESUMABLE:
             checkpoint = out / "checkpoints" / f"checkpoint-{args.resume_at}"
             result["resumed"] = run(job, args, str(out / "checkpoints"), resume=str(checkpoint))
         out.mkdir(parents=True, exist_ok=True)

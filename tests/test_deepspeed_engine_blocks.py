@@ -84,7 +84,7 @@ def test_optimizer_mistakes_are_one_line(one_process) -> None:
         zerokit.initialize(model, torch.optim.AdamW(model.parameters()), {"optimizer": {"type": "AdamW"}})
     assert str(both.value).startswith("initialize() got an optimizer and the config has an 'optimizer' block")
     neither = zerokit.initialize(model, config={"zero_optimization": {"stage": 1}})  # forward only (issue 36)
-    assert neither.forward_only and neither.optimizer is None
+    assert neither.optimizer is None and neither.safeguards.forward_only is not None
 
 
 def test_state_dict_carries_the_schedule(one_process) -> None:

@@ -24,7 +24,6 @@ from zerokit.comm import Communicator
 from zerokit.config import ZeroConfig, engine_settings, hidden_size_of, load_config
 from zerokit.engine_state import engine_state_dict, load_engine_state, totals
 from zerokit.engine_blocks import grad_accum_dtype_lines, learning_rates, lr_schedules_for, optimizers_for
-from zerokit import forward_only
 from zerokit.masters import OptimizerPlan, optimizer_kind, trainable_groups
 from zerokit.activations import ActivationCheckpointer
 from zerokit.observe import EngineMonitor, collective_stats
@@ -64,17 +63,12 @@ class Engine:
         self.settings = engine_settings(config, self.world_size, self.comm.backend)
         self.stage, kinds = _build_stage(model, optimizer, model_parameters, param_init, config, self.settings,
                                          self.comm, self.device)
-        # None: forward only (See [Note: an engine without an optimizer] in zerokit/forward_only.py)
-        self.forward_only = not self.stage.masters.optimizers
-        self.optimizer = None if self.forward_only else self.stage.optimizer
+        self.optimizer = self.stage.optimizer if self.stage.masters.optimizers else None  # None: forward only
         self.view = ParameterView(self.stage, model, kinds)  # See [Note: a per-parameter view of the stage]
         self.lr_schedules = lr_schedules_for(config, self.stage.masters.optimizers)  # See zerokit/engine_blocks.py
         self.reducer = BucketReducer(self.stage)
         self._hooks = install_hooks(self.stage, self.reducer)
-        if self.forward_only:
-            self._hooks += forward_only.refuse_gradients(model)
-            setup_lines += forward_only.startup_lines(model)
-        self.safeguards = Safeguards(model, self.comm, config)  # zerokit/reliability: requires_grad, buffers
+        self.safeguards = Safeguards(model, self.comm, config, forward_only=self.optimizer is None)  # reliability/
         self.loss_scaler, self.progress = make_loss_scaler(config.loss_scaling), Progress()
         self.data_position = DataPosition(self.rank)  # the loader whose position checkpoints save (.track(loader))
         self.stepper = Stepper(self.stage, self.loss_scaler, self.lr_schedules, self.safeguards, config.gradient_clipping,
@@ -84,8 +78,7 @@ class Engine:
         self.activations = ActivationCheckpointer(config.activation_checkpointing, self.comm.stats, self.device)
         self.activations.checkpoint_modules(self.stage.recomputed_modules())
         setup_lines += self.activations.startup_lines()
-        warnings = (*config.warnings, *(forward_only.trainable_warnings(model) if self.forward_only else []))
-        log_startup(self.stage, config.startup_log_lines() + setup_lines, warnings)
+        log_startup(self.stage, config.startup_log_lines() + setup_lines, config.warnings)
         self.preemption = PreemptionWatcher(config.preemption, self.comm, self.save_checkpoint)
         self.closed = False
         close_at_exit(self)  # See [Note: leaving at exit] in runtime.py
@@ -106,7 +99,6 @@ class Engine:
         gradient reductions this micro-step needs overlapped with it. average_window=False: of `loss` as it is
         (a caller that divided it already, as Hugging Face's Trainer does)."""
         self._refuse_if_closed("backward")
-        self._refuse_if_forward_only("backward")
         self.safeguards.before_backward(self.progress.backward_since_step, self.progress.window_ended)
         final = self.at_boundary
         must_reduce = final or self.stage.reduces_every_micro_step
@@ -129,7 +121,6 @@ class Engine:
     def step(self) -> StepResult:
         """Step the optimizer if this micro-step ended an accumulation window; report either way."""
         self._refuse_if_closed("step")
-        self._refuse_if_forward_only("step")
         with self.monitor.step() as done:  # observability (zerokit/observe): step time, logs, monitors
             result = done(self.stepper.step(self.progress))
         self.preemption.after_step(result)  # a signal any rank got: save and exit (See [Note: preemption])
@@ -244,10 +235,6 @@ class Engine:
         if self.closed:
             raise RuntimeError(f"engine.{call}() after engine.close() (or destroy()): a closed engine has no hooks or "
                                "process groups; build a new one with zerokit.initialize to train again")
-
-    def _refuse_if_forward_only(self, call: str) -> None:
-        if self.forward_only:
-            raise forward_only.refused(call, self.module)
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)

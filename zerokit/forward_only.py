@@ -33,6 +33,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from zerokit.runtime import configure_logging
+
 logger = logging.getLogger("zerokit")
 
 
@@ -45,6 +47,31 @@ def refused(call: str, model: nn.Module) -> RuntimeError:
     """The one-line error for a training call on a forward-only engine."""
     return RuntimeError(f"engine.{call}() on {engine_name(model)}: it runs forward only (a reference or reward "
                         "model); pass an optimizer to initialize(), or an 'optimizer' block in the config, to train")
+
+
+class ForwardOnlyGuard:
+    """What an engine without an optimizer adds to the training loop's safeguards (zerokit/reliability): says at
+    start what it is (and, as a warning, that requires_grad parameters train nothing), refuses backward() and
+    step(), and raises where autograd computes a gradient for one of its parameters. See [Note: an engine without
+    an optimizer]."""
+
+    def __init__(self, model: nn.Module, rank: int) -> None:
+        self.model = model
+        self.handles = refuse_gradients(model)
+        if rank == 0:
+            configure_logging()
+            for line in startup_lines(model):
+                logger.info(line)
+            for line in trainable_warnings(model):
+                logger.warning(line)
+
+    def refuse(self, call: str) -> None:
+        raise refused(call, self.model)
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
 
 def startup_lines(model: nn.Module) -> list[str]:
@@ -77,4 +104,4 @@ def _refuse_gradient(engine: str, name: str, grad: torch.Tensor) -> None:
                        "outputs under torch.no_grad() (or detach them), or pass an optimizer to train it")
 
 
-__all__ = ["engine_name", "refused", "startup_lines", "trainable_warnings", "refuse_gradients"]
+__all__ = ["ForwardOnlyGuard", "engine_name", "refused", "startup_lines", "trainable_warnings", "refuse_gradients"]

@@ -101,7 +101,7 @@ def letters_a(completions: list[str], **_: object) -> list[float]:
 
 
 def common_arguments(args: argparse.Namespace, output_dir: str) -> dict:
-    return dict(output_dir=output_dir, use_cpu=True, deepspeed=args.deepspeed, per_device_train_batch_size=2,
+    return dict(output_dir=output_dir, use_cpu=True, deepspeed=args.deepspeed, per_device_train_batch_size=args.batch,
                 gradient_accumulation_steps=args.accumulation, max_steps=args.steps, learning_rate=args.lr,
                 logging_steps=1, save_strategy="steps" if args.resume_at else "no",
                 save_steps=args.resume_at or 500, report_to=[], seed=0, disable_tqdm=True,
@@ -160,7 +160,7 @@ def engine_facts(engine) -> dict:
         facts["stage"] = engine.config.stage
         facts["comm_calls"] = {kind: counts["calls"] for kind, counts in engine.comm_stats().items()}
         facts["memory"] = engine.memory_stats()
-        facts["forward_only"] = engine.forward_only
+        facts["forward_only"] = engine.optimizer is None  # an engine without an optimizer runs forward only
     return facts
 
 
@@ -237,6 +237,7 @@ def main() -> None:
     parser.add_argument("--pretrained", required=True)
     parser.add_argument("--deepspeed", default=None, help="a DeepSpeed config (JSON path); none: plain DDP")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=2, help="per rank (one process with twice it: the same samples)")
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--bf16", action="store_true", help="TRL's default; fp32 without it")

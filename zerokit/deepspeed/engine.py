@@ -55,7 +55,6 @@ from zerokit.deepspeed.config_queries import ConfigQueries
 from zerokit.deepspeed.module_view import ModuleView
 from zerokit.deepspeed.config_view import EngineConfig
 from zerokit.deepspeed.data import training_loader
-from zerokit.deepspeed.zero3_params import answer_ds_status, give_back_class, offer_parameter_offload
 from zerokit.engine import Engine
 from zerokit.precision import StepResult
 from zerokit.reliability.compiled import compile_model
@@ -138,8 +137,7 @@ class DeepSpeedEngine(ConfigQueries, ModuleView, Engine):
                  given_config: dict[str, Any] | None = None) -> None:
         self._given_config = dict(given_config or {})  # before Engine sets self.config; See the config property
         super().__init__(model, optimizer, config, param_init=param_init, model_parameters=model_parameters)
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.global_rank = self.rank
+        self.local_rank, self.global_rank = int(os.environ.get("LOCAL_RANK", 0)), self.rank
         self.micro_steps = 0
         self.collate_fn = collate_fn
         self.training_dataloader: torch.utils.data.DataLoader | None = None
@@ -152,10 +150,7 @@ class DeepSpeedEngine(ConfigQueries, ModuleView, Engine):
         self._mirror = HyperparameterMirror([(user, twin) for user, twin in zip(users, self.view.optimizers)
                                              if isinstance(user, torch.optim.Optimizer) and user is not twin])
         self._client_schedule = self._attach(lr_scheduler, optimizer)
-        # what DeepSpeed's callers (TRL) read off a ZeRO-3 model: See zerokit/deepspeed/zero3_params.py
-        self._answering_ds_status = answer_ds_status(model) if self.config.stage == 3 else []
-        if self.config.stage == 3 and self.optimizer is not None:
-            offer_parameter_offload(self.optimizer)
+        self.show_zero3_names()  # what DeepSpeed's callers (TRL) read off a ZeRO-3 model (ModuleView)
 
     def _attach(self, scheduler: Any, given: Any) -> ClientSchedule | None:
         if scheduler is None:
@@ -331,13 +326,6 @@ class DeepSpeedEngine(ConfigQueries, ModuleView, Engine):
 
     def reload_states(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("engine.reload_states() is out of scope for zerokit: nothing is offloaded to bring back")
-
-    def close(self) -> None:
-        """Engine.close(), and the model's parameters get back the class they had (See [Note: ds_status is read
-        from the tensor] in zerokit/deepspeed/zero3_params.py)."""
-        give_back_class(self._answering_ds_status)
-        self._answering_ds_status = []
-        super().close()
 
     def destroy(self) -> None:
         """DeepSpeed's name for close()."""

@@ -221,3 +221,13 @@ def test_requires_grad_parameters_are_said_once_at_start(ranks: list[dict]) -> N
 
 def test_it_loads_a_trained_engines_checkpoint_without_optimizer_state(ranks: list[dict]) -> None:
     assert all(out["loaded"] for out in ranks)
+
+
+def test_a_released_placeholder_is_not_whole() -> None:
+    """What ds_status reads (zerokit/deepspeed/zero3_params.py): a parameter released to a one-element placeholder
+    broadcast to its shape is not whole, a view of a larger buffer is, whatever its size."""
+    from zerokit.deepspeed.zero3_params import is_whole
+
+    placeholder, buffer = torch.full((1,), float("nan")), torch.zeros(10)
+    assert not is_whole(placeholder.expand(3, 2)) and not is_whole(placeholder.expand(1))
+    assert is_whole(buffer[:6].view(3, 2)) and is_whole(buffer[6:7]) and is_whole(torch.zeros(3, 2))

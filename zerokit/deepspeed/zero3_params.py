@@ -12,7 +12,8 @@ gives its model's parameters the class ZeroParameter, nn.Parameter with a read-o
 looks at the parameter's storage; no state is added to the parameter, isinstance(p, nn.Parameter) holds,
 state_dict() returns plain tensors, and engine.close() gives the parameters their class back. (torch changes a
 parameter's class in place the same way: nn.UninitializedParameter becomes nn.Parameter when materialised.) A
-one-element parameter reads as AVAILABLE even when released: its placeholder has the size of its values.
+one-element parameter's placeholder has the size of its values, so it reads as AVAILABLE only as a view of a
+larger buffer, which a released one never is.
 
 [Note: the hooks TRL removes around generation]
 TRL's unwrap_model_for_generation gathers every parameter with GatheredParameters, then calls remove_hooks(engine)
@@ -43,8 +44,11 @@ class ZeroParamStatus(Enum):
 
 def is_whole(param: torch.Tensor) -> bool:
     """The parameter holds its full values: its storage has room for them (a released one is a one-element
-    placeholder broadcast to its shape). See [Note: ds_status is read from the tensor]."""
-    return param.untyped_storage().nbytes() >= param.numel() * param.element_size()
+    placeholder broadcast to its shape). A one-element parameter must be a view of a larger buffer (its unit's, or
+    stages 0-2's flat buffer): alone in one element's storage it cannot be told from a placeholder. See [Note:
+    ds_status is read from the tensor]."""
+    held, own = param.untyped_storage().nbytes(), param.numel() * param.element_size()
+    return held >= own and (param.numel() > 1 or held > own)
 
 
 class ZeroParameter(nn.Parameter):

@@ -55,12 +55,12 @@ class ForwardOnlyGuard:
     step(), and raises where autograd computes a gradient for one of its parameters. See [Note: an engine without
     an optimizer]."""
 
-    def __init__(self, model: nn.Module, rank: int) -> None:
+    def __init__(self, model: nn.Module, rank: int, scheduler_given: bool = False) -> None:
         self.model = model
         self.handles = refuse_gradients(model)
         if rank == 0:
             configure_logging()
-            for line in startup_lines(model):
+            for line in startup_lines(model, scheduler_given):
                 logger.info(line)
             for line in trainable_warnings(model):
                 logger.warning(line)
@@ -74,11 +74,14 @@ class ForwardOnlyGuard:
         self.handles = []
 
 
-def startup_lines(model: nn.Module) -> list[str]:
-    """The start-up log's line for a forward-only engine."""
+def startup_lines(model: nn.Module, scheduler_given: bool = False) -> list[str]:
+    """The start-up log's lines for a forward-only engine."""
     count = sum(1 for _ in model.parameters())
-    return [f"no optimizer and no 'optimizer' block: {engine_name(model)} runs forward only; its {count} "
-            "parameters are held as frozen ones (no masters, gradients or optimizer state)"]
+    lines = [f"no optimizer and no 'optimizer' block: {engine_name(model)} runs forward only; its {count} "
+             "parameters are held as frozen ones (no masters, gradients or optimizer state)"]
+    if scheduler_given:
+        lines.append("the config's 'scheduler' block has no optimizer to schedule in an engine without one: ignored")
+    return lines
 
 
 def trainable_warnings(model: nn.Module) -> list[str]:

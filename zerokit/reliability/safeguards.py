@@ -51,7 +51,7 @@ class Safeguards:
         self.trainable = TrainableGuard(model)
         self.buffers = BufferSync(model, comm, config.broadcast_buffers)
         self.accumulation = config.gradient_accumulation_steps
-        self.forward_only = ForwardOnlyGuard(model, comm.rank) if forward_only else None
+        self.forward_only = ForwardOnlyGuard(model, comm.rank, config.scheduler is not None) if forward_only else None
 
     def before_backward(self, backward_since_step: bool, window_ended: bool) -> None:
         if self.forward_only is not None:

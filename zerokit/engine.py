@@ -68,12 +68,12 @@ class Engine:
         self.settings = engine_settings(config, self.world_size, self.comm.backend)
         self.stage, kinds = _build_stage(model, optimizer, model_parameters, param_init, config, self.settings,
                                          self.comm, self.device)
-        self.optimizer = self.stage.optimizer
+        self.optimizer = self.stage.optimizer if self.stage.masters.optimizers else None  # None: forward only
         self.view = ParameterView(self.stage, model, kinds)  # See [Note: a per-parameter view of the stage]
         self.lr_schedules = lr_schedules_for(config, self.stage.masters.optimizers)  # See zerokit/engine_blocks.py
         self.reducer = BucketReducer(self.stage)
         self._hooks = install_hooks(self.stage, self.reducer)
-        self.safeguards = Safeguards(model, self.comm, config)  # zerokit/reliability: requires_grad, buffers
+        self.safeguards = Safeguards(model, self.comm, config, forward_only=self.optimizer is None)  # reliability/
         self.loss_scaler, self.progress = make_loss_scaler(config.loss_scaling), Progress()
         self.data_position = DataPosition(self.rank)  # the loader whose position checkpoints save (.track(loader))
         self.stepper = Stepper(self.stage, self.loss_scaler, self.lr_schedules, self.safeguards, config.gradient_clipping,
@@ -258,7 +258,8 @@ def _build_stage(model: nn.Module, optimizer: Optimizers | None, model_parameter
     kinds = [optimizer_kind(o, config.optimizer_kinds, config.allow_untested_optimizer) for o in optimizers]
     check_at_start(model, optimizers, config, comm, device)  # before any collective on the model
     construction = place_model(model, optimizers, param_init, config.stage, device, comm)
-    groups, refs = trainable_groups(model, optimizers, kinds)
+    # no optimizer: nothing trains, every parameter is held as a frozen one (See zerokit/forward_only.py)
+    groups, refs = trainable_groups(model, optimizers, kinds) if optimizers else ([], [])
     params, group_of_param = _backward_ordered(model, groups)
     plan = OptimizerPlan(tuple(optimizers), tuple(refs))
     extra = {"construction": construction} if construction is not None else {}

@@ -51,6 +51,7 @@ class Stepper:
 
     def step(self, progress: Progress) -> StepResult:
         """Step the optimizer if the last backward ended an accumulation window; report either way."""
+        self.safeguards.before_step()  # an engine without an optimizer refuses
         if not progress.backward_since_step:
             raise RuntimeError("engine.step() was called without an engine.backward() since the last step; "
                                "call engine.backward(loss) once before each engine.step()")

@@ -36,6 +36,8 @@ from zerokit.settings import EngineSettings
 from zerokit.stages import STAGES, BucketReducer, ZeroStage, install_hooks
 from zerokit.stages.base import memory_by_tier
 from zerokit.step import Progress, Stepper
+from zerokit.tensor.setup import batch_ranks, parallelize, tensor_layout
+from zerokit.tensor.setup import startup_lines as tensor_startup_lines
 from zerokit.stages.construction import ParamInit, place_model
 from zerokit.stages.view import ParameterView
 
@@ -55,13 +57,17 @@ class Engine:
         mesh (See [Note: one layout, resolved once] in zerokit/layout.py); the engine shards over this rank's data
         group. None: over every rank."""
         ensure_process_group()
-        self.layout = checked_layout(layout)
+        # See zerokit/tensor/setup.py: the config's tensor degree, the model split by its plan, the tensor group
+        self.layout = checked_layout(tensor_layout(layout, config))
+        hidden_size = hidden_size_of(model)
+        self.tensor, optimizer, model_parameters = parallelize(model, self.layout, config, optimizer, model_parameters)
         # a logging one for comms_logger.verbose; a group of its own, whose waits have the config's deadline
         self.comm = Communicator.create(config.comm_timeout_seconds, stats=collective_stats(config.comms_logger),
                                         parts=None if self.layout is None else self.layout.data_groups())
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        config = self.config = config.resolve(world_size=self.world_size, hidden_size=hidden_size_of(model))
-        setup_lines = grad_accum_dtype_lines(config)
+        config = self.config = config.resolve(world_size=batch_ranks(self.layout, config, self.world_size),
+                                              hidden_size=hidden_size)
+        setup_lines = grad_accum_dtype_lines(config) + tensor_startup_lines(self.layout, config, self.tensor)
         self.device = device or default_device()
         self.module = model
         # See [Note: one place for each engine decision] in zerokit/settings.py
@@ -77,7 +83,7 @@ class Engine:
         self.loss_scaler, self.progress = make_loss_scaler(config.loss_scaling), Progress()
         self.data_position = DataPosition(self.rank)  # the loader whose position checkpoints save (.track(loader))
         self.stepper = Stepper(self.stage, self.loss_scaler, self.lr_schedules, self.safeguards, config.gradient_clipping,
-                               config.max_consecutive_skipped_steps)
+                               config.max_consecutive_skipped_steps, self.tensor)
         self.monitor = EngineMonitor(config, self)  # the observability keys; all off unless the config asks
         # See [Note: each engine checkpoints with its own settings] in zerokit/activations.py
         self.activations = ActivationCheckpointer(config.activation_checkpointing, self.comm.stats, self.device)
@@ -235,6 +241,8 @@ class Engine:
             close_checkpoints(self)
         finally:
             self.stage.close()
+            if self.tensor is not None:
+                self.tensor.close()
 
     def _refuse_if_closed(self, call: str) -> None:
         if self.closed:

@@ -3,7 +3,6 @@
     import zerokit.deepspeed as deepspeed                  # was: import deepspeed
     import zerokit.deepspeed.comm as dist                  # was: import deepspeed.comm as dist
     from zerokit.deepspeed.accelerator import get_accelerator
-from zerokit.deepspeed.autotp import tp_model_init
 
     parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
     engine, optimizer, loader, scheduler = deepspeed.initialize(args=parser.parse_args(), model=model,
@@ -22,6 +21,7 @@ the inference engine and DeepSpeed's kernels are refused in one line naming them
 from zerokit.deepspeed import checkpointing, comm, zero
 from zerokit.deepspeed.accelerator import get_accelerator
 from zerokit.deepspeed.aliases import distribution_version, install
+from zerokit.deepspeed.autotp import tp_model_init
 from zerokit.deepspeed.distributed import init_distributed
 from zerokit.deepspeed.engine import DeepSpeedEngine
 from zerokit.deepspeed.start import add_config_arguments, initialize

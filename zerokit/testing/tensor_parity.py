@@ -5,12 +5,18 @@ replica's batch, as DeepSpeed's AutoTP requires."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 
 import torch
 
 from zerokit.layout import Layout
 from zerokit.testing.parity import Case, engine_config, forward_loss, make_batch, make_model, make_optimizer
+
+
+AUTOTP_CASE = Case("ds-autotp", stage=2, model="hf-llama-untied", steps=3, clip=0.05, accumulation=2)
+"""What tests/scripts/ds_autotp.py trains under DeepSpeed and the drop-in alike: DeepSpeed's AutoTP + ZeRO-2, with
+clipping and accumulation."""
 
 
 def tensor_config(case: Case, tensor: int) -> dict:
@@ -21,15 +27,37 @@ def tensor_config(case: Case, tensor: int) -> dict:
             "train_micro_batch_size_per_gpu": case.micro_batch}
 
 
-def run_tensor_engine(rank: int, world_size: int, case: Case, tensor: int) -> dict:
-    """One rank's side of a tensor-parallel parity case: losses (step, replica, loss), step results, this rank's
-    pieces of the parameters (full_state_dict), and the split dimension of each piece by name."""
-    import zerokit
+def deepspeed_config(case: Case, tensor: int) -> dict:
+    """The case as a config DeepSpeed 0.19.8 itself reads (no zerokit keys): for the drop-in and for DeepSpeed."""
+    return {"train_micro_batch_size_per_gpu": case.micro_batch, "gradient_accumulation_steps": case.accumulation,
+            "gradient_clipping": case.clip, "zero_optimization": {"stage": case.stage},
+            "tensor_parallel": {"autotp_size": tensor}, "zero_allow_untested_optimizer": True,
+            **({"bf16": {"enabled": True}} if case.dtype == "bf16" else {})}
 
+
+def start_engine(model: torch.nn.Module, case: Case, tensor: int, route: str, config: dict | None):
+    """zerokit.initialize with the case's config; or, route "deepspeed", the Hugging Face Trainer's path through the
+    drop-in: deepspeed.tp_model_init, the optimizer built over the whole model, deepspeed.initialize."""
+    if route == "zerokit":
+        import zerokit
+        return zerokit.initialize(model, make_optimizer(case, model), config or tensor_config(case, tensor))
+    import zerokit.deepspeed as deepspeed
+    os.environ["LOCAL_RANK"] = str(torch.distributed.get_rank())  # as torchrun sets it: one node
+    config = config or deepspeed_config(case, tensor)
+    dtype = torch.bfloat16 if case.dtype == "bf16" else torch.float32
+    model = deepspeed.tp_model_init(model, tp_size=tensor, dtype=dtype, config=config)
+    return deepspeed.initialize(model=model, optimizer=make_optimizer(case, model), config=config)[0]
+
+
+def run_tensor_engine(rank: int, world_size: int, case: Case, tensor: int, route: str = "zerokit",
+                      config: dict | None = None) -> dict:
+    """One rank's side of a tensor-parallel parity case: losses (step, replica, loss), step results, this rank's
+    pieces of the parameters (full_state_dict), and the split dimension of each piece by name. `route`: see
+    start_engine; `config`: a DeepSpeed-style dict instead of the case's."""
     layout = Layout.resolve(world_size, tensor=tensor)
     _, replica, tensor_index = layout.coordinates(rank)
     model = make_model(case)
-    engine = zerokit.initialize(model, make_optimizer(case, model), tensor_config(case, tensor))
+    engine = start_engine(model, case, tensor, route, config)
     losses, results = [], []
     for step in range(case.steps):
         for micro in range(case.accumulation):
@@ -49,9 +77,11 @@ def run_tensor_engine(rank: int, world_size: int, case: Case, tensor: int) -> di
     return out
 
 
-def run_tensor_cases(rank: int, world_size: int, cases: list[Case], tensor: int) -> dict[str, dict]:
-    """Every case on this rank, one after another: one spawn serves a whole sweep."""
-    return {case.name: run_tensor_engine(rank, world_size, case, tensor) for case in cases}
+def run_tensor_cases(rank: int, world_size: int, runs: list[tuple[Case, str, dict | None]],
+                     tensor: int) -> dict[str, dict]:
+    """Every (case, route, config) on this rank, one after another: one spawn serves a whole sweep."""
+    return {case.name: run_tensor_engine(rank, world_size, case, tensor, route, config)
+            for case, route, config in runs}
 
 
 def piece_of(whole: torch.Tensor, dim: int | None, tensor: int, tensor_index: int) -> torch.Tensor:

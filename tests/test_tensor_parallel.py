@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from zerokit.layout import Layout
 from zerokit.testing.parity import Case, run_reference
 from zerokit.testing.spawn import spawn
 from zerokit.testing.tensor_parity import AUTOTP_CASE, deepspeed_config, piece_of, run_tensor_cases
@@ -58,11 +59,14 @@ RUNS = [  # (case, route, config): route "deepspeed" is the Hugging Face Trainer
     (Case("stage2-fp16-overflow", 2, model=LLAMA, dtype="fp16", steps=4, clip=0.05, initial_scale_power=20),
      "zerokit", None),
     (Case("llama-factory", 2, model=LLAMA, steps=2, clip=1.0), "deepspeed", LLAMA_FACTORY_FILLED),
+    # torch's own tensor parallelism (parallelize_module on the layout's tensor mesh), handed to zerokit.initialize
+    (Case("torch-tp-stage1", 1, model=LLAMA, steps=3, clip=0.05), "torch", None),
+    (Case("torch-tp-stage3", 3, model=LLAMA, steps=3, clip=0.05), "torch", None),
 ]
 CASES = {case.name: case for case, _, _ in RUNS}
 BOUNDS = {"fp16": 5e-2}  # update error (bf16: its own error against fp32); losses rtol 5e-4
 
-BAD = [  # (what, config given to initialize, model sizes) -> the one line every rank must raise
+BAD = [  # (what, config given to initialize, model sizes or a torch plan) -> the one line every rank must raise
     ("degree of the ranks", {"tensor_parallel": {"autotp_size": 3}}, {},
      "4 ranks do not split into 1 pipeline stage(s) x 3 tensor rank(s)"),
     ("degree of a node", {"tensor_parallel": {"autotp_size": 4}, "ranks_per_node": 2}, {},
@@ -72,6 +76,11 @@ BAD = [  # (what, config given to initialize, model sizes) -> the one line every
     ("degree of a layer", {"tensor_parallel": {"autotp_size": 2}}, {"intermediate_size": 63},
      "a tensor degree of 2 does not divide the 63 outputs of model.layers.0.mlp.gate_proj, which the plan splits "
      "column-wise (accepted: 1, 3, 7, 9, 21, 63)"),
+    ("sequence-parallel layout", {}, {"plan": "sequence"},
+     "model.layers.0.mlp.up_proj: a DTensor linear with weight placements Shard(dim=0) and layouts"),
+    ("a vocabulary-split embedding", {}, {"plan": "embedding"},
+     "model.embed_tokens.weight is a DTensor outside a ColwiseParallel/RowwiseParallel linear (placements "
+     "Shard(dim=0)): ZeRO cannot shard it"),
 ]
 
 
@@ -81,23 +90,40 @@ def run_all(rank: int, world_size: int) -> dict:
 
 
 def refusal(config: dict, sizes: dict) -> tuple[str, bool]:
-    """What initialize raises on this rank for `config` and a Llama of these sizes, and whether the model is
-    untouched (nothing split, nothing trained)."""
+    """What initialize raises on this rank for `config` and a Llama of these sizes (or parallelized by a torch plan),
+    and whether the model is untouched (nothing split, nothing trained)."""
+    sizes = dict(sizes)
     import transformers
 
     import zerokit
     torch.manual_seed(0)
+    plan = sizes.pop("plan", None)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
         "vocab_size": 68, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16, **sizes}))
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    layout = None
+    if plan is not None:  # torch's route: parallelized by the user, a layout passed
+        layout = Layout.resolve(WORLD, tensor=TENSOR)
+        torch_plan(model, layout.device_mesh("cpu")["tensor"], plan)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()} if plan is None else {}
     try:
-        zerokit.initialize(model, torch.optim.AdamW(model.parameters()), config)
+        zerokit.initialize(model, torch.optim.AdamW(model.parameters()), config, layout=layout)
     except ValueError as error:
         after = dict(model.named_parameters())
         untouched = before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
         return str(error), untouched
     return "", False
+
+
+def torch_plan(model, mesh, plan: str) -> None:
+    """A plan zerokit refuses: "sequence": an MLP input projection whose output is sharded on the sequence
+    dimension; "embedding": a vocabulary-split embedding (torchtitan's)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    if plan == "sequence":
+        parallelize_module(model, mesh, {"model.layers.0.mlp.up_proj": ColwiseParallel(output_layouts=Shard(1))})
+    else:
+        parallelize_module(model, mesh, {"model.embed_tokens": RowwiseParallel()})
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +214,7 @@ def test_a_degree_that_does_not_fit_is_refused_in_one_line_on_every_rank(ranks, 
     for out in ranks:
         message, untouched = out["bad"][index]
         assert message.startswith(expected) and "\n" not in message, message
-        assert untouched
+        assert untouched or not BAD[index][1]  # torch's route: the model came split already
 
 
 def test_the_llama_factory_autotp_config_trains(ranks) -> None:

@@ -86,8 +86,8 @@ def split_model(model: nn.Module, splits: list[Split], comm: Communicator) -> di
         parent_name, _, child = split.name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, child)
-        replacement = (ColumnParallelLinear(linear, comm, split.gather_output) if split.how == COLUMN
-                       else RowParallelLinear(linear, comm))
+        replacement = (ColumnParallelLinear.split(linear, comm, split.gather_output) if split.how == COLUMN
+                       else RowParallelLinear.split(linear, comm))
         setattr(parent, child, replacement)
         for name in ("weight", "bias"):
             whole, piece = getattr(linear, name), getattr(replacement, name)

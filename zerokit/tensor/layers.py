@@ -86,13 +86,24 @@ class ColumnParallelLinear(nn.Module):
     split_dims = {"weight": 0, "bias": 0}
     """The dimension each parameter is split on (for consolidating a checkpoint to full tensors)."""
 
-    def __init__(self, linear: nn.Linear, comm: Communicator, gather_output: bool = False) -> None:
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, comm: Communicator,
+                 gather_output: bool = False) -> None:
+        """`weight` (out_features / t, in_features) and `bias` (out_features / t): this rank's pieces."""
         super().__init__()
         self.comm, self.gather_output = comm, gather_output
-        self.in_features, self.out_features = linear.in_features, linear.out_features // comm.world_size
-        self.weight = nn.Parameter(_piece(linear.weight, 0, comm), requires_grad=linear.weight.requires_grad)
-        self.bias = None if linear.bias is None else nn.Parameter(_piece(linear.bias, 0, comm),
-                                                                  requires_grad=linear.bias.requires_grad)
+        self.out_features, self.in_features = weight.shape
+        self.weight, self.bias = weight, bias
+
+    @classmethod
+    def split(cls, linear: nn.Linear, comm: Communicator, gather_output: bool = False) -> "ColumnParallelLinear":
+        """This tensor rank's piece of a whole linear."""
+        bias = None if linear.bias is None else _piece(linear.bias, 0, comm)
+        return cls(_piece(linear.weight, 0, comm), bias, comm, gather_output)
+
+    @classmethod
+    def from_piece(cls, local: nn.Linear, comm: Communicator, gather_output: bool = False) -> "ColumnParallelLinear":
+        """A linear that holds this rank's piece already (a DTensor linear's local tensors: See torch_tp.py)."""
+        return cls(local.weight, local.bias, comm, gather_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in_features), whole on every tensor rank
         out = F.linear(_CopyToTensorGroup.apply(x, self.comm), self.weight, self.bias)  # (..., out_features / t)
@@ -109,12 +120,23 @@ class RowParallelLinear(nn.Module):
 
     split_dims = {"weight": 1}
 
-    def __init__(self, linear: nn.Linear, comm: Communicator) -> None:
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, comm: Communicator) -> None:
+        """`weight` (out_features, in_features / t): this rank's piece; `bias` (out_features): replicated, the same
+        on every tensor rank."""
         super().__init__()
         self.comm = comm
-        self.in_features, self.out_features = linear.in_features // comm.world_size, linear.out_features
-        self.weight = nn.Parameter(_piece(linear.weight, 1, comm), requires_grad=linear.weight.requires_grad)
-        self.bias = linear.bias  # replicated: the same on every tensor rank
+        self.out_features, self.in_features = weight.shape
+        self.weight, self.bias = weight, bias
+
+    @classmethod
+    def split(cls, linear: nn.Linear, comm: Communicator) -> "RowParallelLinear":
+        """This tensor rank's piece of a whole linear (its bias whole)."""
+        return cls(_piece(linear.weight, 1, comm), linear.bias, comm)
+
+    @classmethod
+    def from_piece(cls, local: nn.Linear, comm: Communicator) -> "RowParallelLinear":
+        """A linear that holds this rank's piece already (See torch_tp.py)."""
+        return cls(local.weight, local.bias, comm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (..., in_features / t), this rank's slice
         out = _SumOverTensorGroup.apply(F.linear(x, self.weight), self.comm)  # (..., out_features), whole
@@ -128,9 +150,10 @@ class RowParallelLinear(nn.Module):
 SPLIT_LINEARS = (ColumnParallelLinear, RowParallelLinear)
 
 
-def _piece(whole: torch.Tensor, dim: int, comm: Communicator) -> torch.Tensor:
+def _piece(whole: nn.Parameter, dim: int, comm: Communicator) -> nn.Parameter:
     """This tensor rank's contiguous piece of `whole` along `dim` (a copy: the whole tensor can go)."""
-    return whole.detach().chunk(comm.world_size, dim=dim)[comm.rank].clone()
+    piece = whole.detach().chunk(comm.world_size, dim=dim)[comm.rank].clone()
+    return nn.Parameter(piece, requires_grad=whole.requires_grad)
 
 
 def split_parameters(model: nn.Module) -> dict[int, int]:

@@ -25,6 +25,7 @@ from zerokit.layout import Layout
 from zerokit.tensor.autotp import planned_splits, split_model
 from zerokit.tensor.layers import split_parameters
 from zerokit.tensor.share import TensorShare
+from zerokit.tensor.torch_tp import adopt_dtensor_linears, has_dtensors
 
 
 def tensor_layout(layout: Layout | None, config: ZeroConfig) -> Layout | None:
@@ -50,9 +51,16 @@ def parallelize(model: nn.Module, layout: Layout | None, config: ZeroConfig, opt
     `optimizer` and `model_parameters`, given over the whole model, pointed at the pieces (See remap_parameters)."""
     if layout is None or layout.tensor == 1:
         return None, optimizer, model_parameters
+    if config.autotp_size > 1 and has_dtensors(model):
+        raise ValueError("tensor_parallel.autotp_size splits a whole model, but this one is parallelized already "
+                         "(DTensor parameters): drop the tensor_parallel block and pass layout=")
     splits = planned_splits(model, layout.tensor) if config.autotp_size > 1 else []
     comm = Communicator.create(config.comm_timeout_seconds, parts=layout.tensor_groups(), name="tensor")
-    replaced = split_model(model, splits, comm)
+    try:  # See [Note: the local piece of a DTensor is the parameter ZeRO shards] in torch_tp.py
+        replaced = adopt_dtensor_linears(model, comm) if has_dtensors(model) else split_model(model, splits, comm)
+    except ValueError:
+        comm.close()  # refused on every rank alike: the group goes with it
+        raise
     optimizer, model_parameters = remap_parameters(optimizer, model_parameters, replaced)
     return TensorShare(comm, split_parameters(model)), optimizer, model_parameters
 

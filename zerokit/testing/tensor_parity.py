@@ -41,12 +41,33 @@ def start_engine(model: torch.nn.Module, case: Case, tensor: int, route: str, co
     if route == "zerokit":
         import zerokit
         return zerokit.initialize(model, make_optimizer(case, model), config or tensor_config(case, tensor))
+    if route == "torch":  # torch's own tensor parallelism, applied by the user on the layout's tensor mesh
+        import zerokit
+        layout = Layout.resolve(torch.distributed.get_world_size(), tensor=tensor)
+        parallelize_llama(model, layout.device_mesh("cpu")["tensor"])
+        return zerokit.initialize(model, make_optimizer(case, model), config or engine_config(case), layout=layout)
     import zerokit.deepspeed as deepspeed
     os.environ["LOCAL_RANK"] = str(torch.distributed.get_rank())  # as torchrun sets it: one node
     config = config or deepspeed_config(case, tensor)
     dtype = torch.bfloat16 if case.dtype == "bf16" else torch.float32
     model = deepspeed.tp_model_init(model, tp_size=tensor, dtype=dtype, config=config)
     return deepspeed.initialize(model=model, optimizer=make_optimizer(case, model), config=config)[0]
+
+
+def parallelize_llama(model: torch.nn.Module, mesh) -> None:
+    """A Hugging Face Llama parallelized as torchtitan parallelizes its Llama (without sequence parallelism):
+    attention and MLP input projections column-wise, output projections row-wise, the LM head column-wise with its
+    logits gathered."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for index in range(len(model.model.layers)):
+        prefix = f"model.layers.{index}."
+        plan.update({prefix + name: ColwiseParallel() for name in ("self_attn.q_proj", "self_attn.k_proj",
+                                                                  "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")})
+        plan.update({prefix + name: RowwiseParallel() for name in ("self_attn.o_proj", "mlp.down_proj")})
+    parallelize_module(model, mesh, plan)
 
 
 def run_tensor_engine(rank: int, world_size: int, case: Case, tensor: int, route: str = "zerokit",

@@ -176,7 +176,8 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict on CPU in fp32 (parameters at their compute precision), gathered
         one unit at a time at stage 3 so the extra peak is the largest unit, not the model."""
-        return self.view.full_state_dict()
+        state = self.view.full_state_dict()
+        return state if self.tensor is None else self.tensor.consolidate(state, self.module)  # whole tensors
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this rank holds that a resumed run needs: its shard of the model states (masters,
@@ -196,6 +197,7 @@ class Engine:
         otherwise). See zerokit/checkpoint and docs/checkpoints.md."""
         from zerokit.checkpoint import save_checkpoint
         self._refuse_if_closed("save_checkpoint")
+        self._refuse_if_tensor_parallel("save_checkpoint")
         return save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest, async_save=async_save,
                                within_window=within_window)
 
@@ -206,6 +208,7 @@ class Engine:
         zerokit or DeepSpeed; returns (load_path, client_state). See zerokit/checkpoint."""
         from zerokit.checkpoint import load_checkpoint
         self._refuse_if_closed("load_checkpoint")
+        self._refuse_if_tensor_parallel("load_checkpoint")
         return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                load_module_only=load_module_only, load_lr_scheduler_states=load_lr_scheduler_states)
 
@@ -248,6 +251,13 @@ class Engine:
         if self.closed:
             raise RuntimeError(f"engine.{call}() after engine.close() (or destroy()): a closed engine has no hooks or "
                                "process groups; build a new one with zerokit.initialize to train again")
+
+    def _refuse_if_tensor_parallel(self, call: str) -> None:
+        """The checkpoint files are named by data-group rank: the tensor ranks' engines would write over each other."""
+        if self.tensor is not None:
+            raise NotImplementedError(f"engine.{call}() with tensor parallelism is not offered yet (each tensor rank's "
+                                      "shards would meet in one file); engine.full_state_dict() gives the whole "
+                                      "model, consolidated across the tensor ranks")
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)

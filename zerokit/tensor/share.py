@@ -41,5 +41,18 @@ class TensorShare:
         self.comm.all_reduce(packed, op=dist.ReduceOp.SUM, purpose="the boundary norm, across the tensor group")
         return packed.item()
 
+    def consolidate(self, state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+        """`state` (a full_state_dict of this tensor rank's model) with each split parameter's pieces gathered from
+        every tensor rank into the whole tensor, as a model without tensor parallelism holds it. Every tensor rank
+        calls it, and gathers the parameters in the same (the model's) order."""
+        names = {name: self.split[id(param)] for name, param in model.named_parameters() if id(param) in self.split}
+        for name, dim in names.items():
+            piece = state[name].to(self.comm.device).contiguous()
+            pieces = piece.new_empty(self.comm.world_size * piece.numel())  # (t * numel,) tensor-rank-major
+            self.comm.all_gather(pieces, piece.reshape(-1), purpose=f"consolidating {name} across the tensor group")
+            whole = torch.cat(pieces.view(self.comm.world_size, *piece.shape).unbind(0), dim=dim)
+            state[name] = whole.to(state[name].device)
+        return state
+
     def close(self) -> None:
         self.comm.close()

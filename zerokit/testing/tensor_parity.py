@@ -6,6 +6,7 @@ replica's batch, as DeepSpeed's AutoTP requires."""
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import asdict
 
 import torch
@@ -72,8 +73,9 @@ def parallelize_llama(model: torch.nn.Module, mesh) -> None:
 
 def run_tensor_engine(rank: int, world_size: int, case: Case, tensor: int, route: str = "zerokit",
                       config: dict | None = None) -> dict:
-    """One rank's side of a tensor-parallel parity case: losses (step, replica, loss), step results, this rank's
-    pieces of the parameters (full_state_dict), and the split dimension of each piece by name. `route`: see
+    """One rank's side of a tensor-parallel parity case: losses (step, replica, loss), step results, the whole
+    parameters (full_state_dict, consolidated across the tensor group), and the split dimension of each parameter
+    this rank holds a piece of, by name. `route`: see
     start_engine; `config`: a DeepSpeed-style dict instead of the case's."""
     layout = Layout.resolve(world_size, tensor=tensor)
     _, replica, tensor_index = layout.coordinates(rank)
@@ -90,7 +92,12 @@ def run_tensor_engine(rank: int, world_size: int, case: Case, tensor: int, route
     names = dict(model.named_parameters())
     split = {name: engine.tensor.split[id(param)] for name, param in names.items() if id(param) in engine.tensor.split}
     params = {name: value for name, value in engine.full_state_dict().items() if name in names}
-    out = {"losses": losses, "results": results, "params": params, "split": split, "replica": replica,
+    try:  # See Engine._refuse_if_tensor_parallel
+        engine.save_checkpoint(tempfile.gettempdir())
+        refused = ""
+    except NotImplementedError as error:
+        refused = str(error)
+    out = {"checkpoint_refused": refused, "losses": losses, "results": results, "params": params, "split": split, "replica": replica,
            "tensor_index": tensor_index, "data_ranks": engine.comm.world_size,
            "accumulation": engine.config.gradient_accumulation_steps,
            "train_batch_size": engine.config.train_batch_size}
@@ -103,8 +110,3 @@ def run_tensor_cases(rank: int, world_size: int, runs: list[tuple[Case, str, dic
     """Every (case, route, config) on this rank, one after another: one spawn serves a whole sweep."""
     return {case.name: run_tensor_engine(rank, world_size, case, tensor, route, config)
             for case, route, config in runs}
-
-
-def piece_of(whole: torch.Tensor, dim: int | None, tensor: int, tensor_index: int) -> torch.Tensor:
-    """Tensor rank `tensor_index`'s piece of a whole parameter split on `dim` (None: replicated, the whole)."""
-    return whole if dim is None else whole.chunk(tensor, dim=dim)[tensor_index]

@@ -36,7 +36,7 @@ from zerokit.settings import EngineSettings
 from zerokit.stages import STAGES, BucketReducer, ZeroStage, install_hooks
 from zerokit.stages.base import memory_by_tier
 from zerokit.step import Progress, Stepper
-from zerokit.tensor.setup import batch_ranks, parallelize, tensor_layout
+from zerokit.tensor.setup import batch_ranks, parallelize, refuse_checkpoint, tensor_layout
 from zerokit.tensor.setup import startup_lines as tensor_startup_lines
 from zerokit.stages.construction import ParamInit, place_model
 from zerokit.stages.view import ParameterView
@@ -197,7 +197,7 @@ class Engine:
         otherwise). See zerokit/checkpoint and docs/checkpoints.md."""
         from zerokit.checkpoint import save_checkpoint
         self._refuse_if_closed("save_checkpoint")
-        self._refuse_if_tensor_parallel("save_checkpoint")
+        refuse_checkpoint(self.tensor, "save_checkpoint")
         return save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest, async_save=async_save,
                                within_window=within_window)
 
@@ -208,7 +208,7 @@ class Engine:
         zerokit or DeepSpeed; returns (load_path, client_state). See zerokit/checkpoint."""
         from zerokit.checkpoint import load_checkpoint
         self._refuse_if_closed("load_checkpoint")
-        self._refuse_if_tensor_parallel("load_checkpoint")
+        refuse_checkpoint(self.tensor, "load_checkpoint")
         return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                load_module_only=load_module_only, load_lr_scheduler_states=load_lr_scheduler_states)
 
@@ -251,13 +251,6 @@ class Engine:
         if self.closed:
             raise RuntimeError(f"engine.{call}() after engine.close() (or destroy()): a closed engine has no hooks or "
                                "process groups; build a new one with zerokit.initialize to train again")
-
-    def _refuse_if_tensor_parallel(self, call: str) -> None:
-        """The checkpoint files are named by data-group rank: the tensor ranks' engines would write over each other."""
-        if self.tensor is not None:
-            raise NotImplementedError(f"engine.{call}() with tensor parallelism is not offered yet (each tensor rank's "
-                                      "shards would meet in one file); engine.full_state_dict() gives the whole "
-                                      "model, consolidated across the tensor ranks")
 
     def train(self, mode: bool = True) -> "Engine":
         self.module.train(mode)

@@ -116,3 +116,12 @@ def startup_lines(layout: Layout | None, config: ZeroConfig, share: TensorShare 
                      f"accumulation x {layout.data * layout.tensor}), though only {layout.data} replica(s) read "
                      "distinct data: the ranks of a tensor group must read the same batch")
     return lines
+
+
+def refuse_checkpoint(share: TensorShare | None, call: str) -> None:
+    """Checkpoint files are named by data-group rank, so the tensor ranks' engines would write over each other:
+    refused in one line until they name the tensor rank too."""
+    if share is not None:
+        raise NotImplementedError(f"engine.{call}() with tensor parallelism is not offered yet (each tensor rank's "
+                                  "shards would meet in one file); engine.full_state_dict() gives the whole model, "
+                                  "consolidated across the tensor ranks")

@@ -92,7 +92,7 @@ def run_tensor_engine(rank: int, world_size: int, case: Case, tensor: int, route
     names = dict(model.named_parameters())
     split = {name: engine.tensor.split[id(param)] for name, param in names.items() if id(param) in engine.tensor.split}
     params = {name: value for name, value in engine.full_state_dict().items() if name in names}
-    try:  # See Engine._refuse_if_tensor_parallel
+    try:  # See zerokit/tensor/setup.py refuse_checkpoint
         engine.save_checkpoint(tempfile.gettempdir())
         refused = ""
     except NotImplementedError as error:

@@ -78,6 +78,8 @@ BAD = [  # (what, config given to initialize, model sizes or a torch plan) -> th
     ("degree of a layer", {"tensor_parallel": {"autotp_size": 2}}, {"intermediate_size": 63},
      "a tensor degree of 2 does not divide the 63 outputs of model.layers.0.mlp.gate_proj, which the plan splits "
      "column-wise (accepted: 1, 3, 7, 9, 21, 63)"),
+    ("a layout with nothing split", {}, {"plan": "none"},
+     "the layout has 2 tensor ranks but the model has no split layers"),
     ("sequence-parallel layout", {}, {"plan": "sequence"},
      "model.layers.0.mlp.up_proj: a DTensor linear with weight placements Shard(dim=0) and layouts"),
     ("a vocabulary-split embedding", {}, {"plan": "embedding"},
@@ -118,10 +120,12 @@ def refusal(config: dict, sizes: dict) -> tuple[str, bool]:
 
 
 def torch_plan(model, mesh, plan: str) -> None:
-    """A plan zerokit refuses: "sequence": an MLP input projection whose output is sharded on the sequence
-    dimension; "embedding": a vocabulary-split embedding (torchtitan's)."""
+    """A plan zerokit refuses: "none": nothing split; "sequence": an MLP input projection whose output is sharded
+    on the sequence dimension; "embedding": a vocabulary-split embedding (torchtitan's)."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    if plan == "none":
+        return
     if plan == "sequence":
         parallelize_module(model, mesh, {"model.layers.0.mlp.up_proj": ColwiseParallel(output_layouts=Shard(1))})
     else:

@@ -58,11 +58,16 @@ def parallelize(model: nn.Module, layout: Layout | None, config: ZeroConfig, opt
     comm = Communicator.create(config.comm_timeout_seconds, parts=layout.tensor_groups(), name="tensor")
     try:  # See [Note: the local piece of a DTensor is the parameter ZeRO shards] in torch_tp.py
         replaced = adopt_dtensor_linears(model, comm) if has_dtensors(model) else split_model(model, splits, comm)
+        split = split_parameters(model)
+        if not split:  # every tensor rank would train a whole copy on the same batches: a layout that does nothing
+            raise ValueError(f"the layout has {layout.tensor} tensor ranks but the model has no split layers: give "
+                             "the config's tensor_parallel.autotp_size, or parallelize the model on "
+                             "layout.device_mesh(...)['tensor'] first")
     except ValueError:
         comm.close()  # refused on every rank alike: the group goes with it
         raise
     optimizer, model_parameters = remap_parameters(optimizer, model_parameters, replaced)
-    return TensorShare(comm, split_parameters(model)), optimizer, model_parameters
+    return TensorShare(comm, split), optimizer, model_parameters
 
 
 def remap_parameters(optimizer: Any, model_parameters: Iterable[Any] | None,

@@ -36,7 +36,7 @@ import torch
 from zerokit.layout import Layout
 from zerokit.testing.parity import Case, run_reference
 from zerokit.testing.spawn import spawn
-from zerokit.testing.tensor_parity import AUTOTP_CASE, deepspeed_config, run_tensor_cases
+from zerokit.testing.tensor_parity import AUTOTP_CASE, deepspeed_config, run_resume, run_tensor_cases
 
 TENSOR, WORLD = 2, 4
 LLAMA = "hf-llama-untied"
@@ -90,7 +90,8 @@ BAD = [  # (what, config given to initialize, model sizes or a torch plan) -> th
 
 def run_all(rank: int, world_size: int) -> dict:
     bad = [refusal(config, sizes) for _, config, sizes, _ in BAD]
-    return {**run_tensor_cases(rank, world_size, RUNS, TENSOR), "bad": bad}
+    resume = run_resume(rank, world_size, Case("resume", 2, model=LLAMA, steps=3, clip=0.05, accumulation=2), TENSOR)
+    return {**run_tensor_cases(rank, world_size, RUNS, TENSOR), "bad": bad, "resume": resume}
 
 
 def refusal(config: dict, sizes: dict) -> tuple[str, bool]:
@@ -236,12 +237,14 @@ def test_a_degree_that_does_not_fit_is_refused_in_one_line_on_every_rank(ranks, 
         assert untouched or not BAD[index][1]  # torch's route: the model came split already
 
 
-def test_a_checkpoint_under_tensor_parallelism_is_refused_in_one_line(ranks) -> None:
-    """Not offered yet: the tensor ranks' engines would write their shards into the same files."""
+def test_a_checkpoint_resumes_exactly(ranks) -> None:
+    """Saved after 2 of 3 steps (each tensor rank's engine into a directory of its own), loaded by a fresh engine on a
+    fresh model: the third step's loss and every parameter equal the uninterrupted run's, bit for bit."""
     for out in ranks:
-        message = out["stage1-fp32"]["checkpoint_refused"]
-        assert message.startswith("engine.save_checkpoint() with tensor parallelism is not offered yet")
-        assert "\n" not in message
+        uninterrupted, resumed = out["resume"]["uninterrupted"], out["resume"]["resumed"]
+        assert uninterrupted["files"] == ["tensor0-of-2", "tensor1-of-2"]
+        assert resumed["loss"] == uninterrupted["loss"]
+        assert all(torch.equal(resumed["params"][n], value) for n, value in uninterrupted["params"].items())
 
 
 def test_the_llama_factory_autotp_config_trains(ranks) -> None:

@@ -36,7 +36,7 @@ from zerokit.settings import EngineSettings
 from zerokit.stages import STAGES, BucketReducer, ZeroStage, install_hooks
 from zerokit.stages.base import memory_by_tier
 from zerokit.step import Progress, Stepper
-from zerokit.tensor.setup import batch_ranks, parallelize, refuse_checkpoint, tensor_layout
+from zerokit.tensor.setup import batch_ranks, checkpoint_dir, parallelize, tensor_layout
 from zerokit.tensor.setup import startup_lines as tensor_startup_lines
 from zerokit.stages.construction import ParamInit, place_model
 from zerokit.stages.view import ParameterView
@@ -197,7 +197,7 @@ class Engine:
         otherwise). See zerokit/checkpoint and docs/checkpoints.md."""
         from zerokit.checkpoint import save_checkpoint
         self._refuse_if_closed("save_checkpoint")
-        refuse_checkpoint(self.tensor, "save_checkpoint")
+        save_dir = checkpoint_dir(self.tensor, save_dir)  # See [Note: a checkpoint per tensor rank]
         return save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest, async_save=async_save,
                                within_window=within_window)
 
@@ -208,7 +208,7 @@ class Engine:
         zerokit or DeepSpeed; returns (load_path, client_state). See zerokit/checkpoint."""
         from zerokit.checkpoint import load_checkpoint
         self._refuse_if_closed("load_checkpoint")
-        refuse_checkpoint(self.tensor, "load_checkpoint")
+        load_dir = checkpoint_dir(self.tensor, load_dir)  # See [Note: a checkpoint per tensor rank]
         return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                load_module_only=load_module_only, load_lr_scheduler_states=load_lr_scheduler_states)
 
@@ -305,5 +305,5 @@ def initialize(model: nn.Module, optimizer: Optimizers | None = None,
     `layout`: a zerokit.Layout of pipeline x data x tensor degrees; the engine shards over this rank's data group."""
     engine = Engine(model, optimizer, load_config(config), device, param_init, model_parameters, layout)
     if engine.config.resume.load_dir is not None:
-        resume_from_newest(engine, engine.config.resume.load_dir)
+        resume_from_newest(engine, checkpoint_dir(engine.tensor, engine.config.resume.load_dir))
     return engine

@@ -9,10 +9,19 @@ train_batch_size 16 and micro-batch 4 is one micro-step per optimizer step, and 
 steps: 0"). A config written for DeepSpeed must train the same steps under zerokit, so where the tensor degree comes
 from the config's tensor_parallel block the batch sizes count every rank, as DeepSpeed does, and the start-up log
 says so. Where the caller passes a Layout of its own they count the data replicas, the ranks that read distinct data.
+
+[Note: a checkpoint per tensor rank]
+Each tensor rank's engine shards its pieces over its data group and checkpoints them with that group alone (the
+checkpoint session's group is the engine's data group: See checkpoint/session.py), into a directory of its own under
+the one the caller names, `tensor<j>-of-<t>`, with its own `latest`: the tensor ranks' files never meet, a save is
+atomic within each, and a run resumes exactly at the same tensor degree (at any data degree and stage, as any zerokit
+checkpoint). Into another tensor degree, or none, a model goes through engine.full_state_dict(), which gathers the
+pieces into whole tensors.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -123,10 +132,9 @@ def startup_lines(layout: Layout | None, config: ZeroConfig, share: TensorShare 
     return lines
 
 
-def refuse_checkpoint(share: TensorShare | None, call: str) -> None:
-    """Checkpoint files are named by data-group rank, so the tensor ranks' engines would write over each other:
-    refused in one line until they name the tensor rank too."""
-    if share is not None:
-        raise NotImplementedError(f"engine.{call}() with tensor parallelism is not offered yet (each tensor rank's "
-                                  "shards would meet in one file); engine.full_state_dict() gives the whole model, "
-                                  "consolidated across the tensor ranks")
+def checkpoint_dir(share: TensorShare | None, directory: str | Path) -> Path:
+    """Where this tensor rank's engine saves and loads under `directory` (See [Note: a checkpoint per tensor rank]):
+    `directory` itself without tensor parallelism."""
+    if share is None:
+        return Path(directory)
+    return Path(directory) / f"tensor{share.comm.rank}-of-{share.comm.world_size}"

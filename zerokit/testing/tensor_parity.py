@@ -9,6 +9,8 @@ import os
 import tempfile
 from dataclasses import asdict
 
+from pathlib import Path
+
 import torch
 
 from zerokit.layout import Layout
@@ -92,12 +94,7 @@ def run_tensor_engine(rank: int, world_size: int, case: Case, tensor: int, route
     names = dict(model.named_parameters())
     split = {name: engine.tensor.split[id(param)] for name, param in names.items() if id(param) in engine.tensor.split}
     params = {name: value for name, value in engine.full_state_dict().items() if name in names}
-    try:  # See zerokit/tensor/setup.py refuse_checkpoint
-        engine.save_checkpoint(tempfile.gettempdir())
-        refused = ""
-    except NotImplementedError as error:
-        refused = str(error)
-    out = {"checkpoint_refused": refused, "losses": losses, "results": results, "params": params, "split": split, "replica": replica,
+    out = {"losses": losses, "results": results, "params": params, "split": split, "replica": replica,
            "tensor_index": tensor_index, "data_ranks": engine.comm.world_size,
            "accumulation": engine.config.gradient_accumulation_steps,
            "train_batch_size": engine.config.train_batch_size}
@@ -110,3 +107,28 @@ def run_tensor_cases(rank: int, world_size: int, runs: list[tuple[Case, str, dic
     """Every (case, route, config) on this rank, one after another: one spawn serves a whole sweep."""
     return {case.name: run_tensor_engine(rank, world_size, case, tensor, route, config)
             for case, route, config in runs}
+
+
+def run_resume(rank: int, world_size: int, case: Case, tensor: int, route: str = "zerokit") -> dict:
+    """Train the case's steps but the last, save a checkpoint, train the last step; then a fresh model and engine
+    load the checkpoint and train the last step again. Returns both last steps' losses and whole parameters."""
+    directory = [tempfile.mkdtemp(prefix="zerokit-tp-resume-") if rank == 0 else None]
+    torch.distributed.broadcast_object_list(directory, src=0)
+    replica = Layout.resolve(world_size, tensor=tensor).coordinates(rank).replica
+    runs = []
+    for resumed in (False, True):
+        engine = start_engine(make_model(case), case, tensor, route, None)
+        first = case.steps - 1
+        if resumed:
+            engine.load_checkpoint(directory[0])
+        for step in range(first, case.steps) if resumed else range(case.steps):
+            for micro in range(case.accumulation):
+                loss = forward_loss(engine, make_batch(case, step, micro, replica))
+                engine.backward(loss)
+                engine.step()
+            if not resumed and step == first - 1:
+                engine.save_checkpoint(directory[0])
+        runs.append({"loss": loss.item(), "params": engine.full_state_dict(), "files": sorted(
+            path.name for path in Path(directory[0]).iterdir())})
+        engine.close()
+    return {"uninterrupted": runs[0], "resumed": runs[1]}

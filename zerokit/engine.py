@@ -302,7 +302,10 @@ def initialize(model: nn.Module, optimizer: Optimizers | None = None,
     filling each module's parameters (default: its reset_parameters()); see zerokit/stages/construction.py.
     With the config's `resume` block the engine comes back at the newest complete checkpoint in resume.load_dir, if
     there is one (See zerokit/checkpoint/newest.py); a loader tracked then (engine.data_position.track) resumes too.
-    `layout`: a zerokit.Layout of pipeline x data x tensor degrees; the engine shards over this rank's data group."""
+    `layout`: a zerokit.Layout of pipeline x data x tensor degrees; the engine shards over this rank's data group.
+    Tensor parallelism (docs/tensor_parallel.md): the config's tensor_parallel.autotp_size splits the model by its
+    Hugging Face plan; or pass a model parallelized with torch's parallelize_module on
+    layout.device_mesh(...)["tensor"]."""
     engine = Engine(model, optimizer, load_config(config), device, param_init, model_parameters, layout)
     if engine.config.resume.load_dir is not None:
         resume_from_newest(engine, checkpoint_dir(engine.tensor, engine.config.resume.load_dir))

@@ -2,14 +2,14 @@
 
 [Note: a tensor degree beside the pick]
 Tensor parallelism over t GPUs of a node splits every block's matrices and its activations by t (memory.py: the
-activations / t, the model states / t before ZeRO shards them over the N / t replicas), and costs four all-reduces of
-a block's (s, b, h) activations per micro-batch, two in forward and two in backward, on the node's links
+activations / t, the model states / t before ZeRO shards them over the N / t replicas), and costs four all-reduces
+of a block's (s, b, h) activations per micro-batch, two in forward and two in backward, on the node's links
 (comms.model_parallel); only the N / t replicas read distinct data, so a step trains 1 / t of the tokens at the same
 micro-batch. The tree (advice.py) chooses among flat data-parallel stages; this asks, for each t that divides the
-node's GPUs and the attention and key-value heads, every stage that fits with or without activation checkpointing (as
-the policy allows), each at the largest micro-batch it fits, keeps the one that trains the most tokens per second, and
-compares it with the pick at its own largest micro-batch. The memo says where a tensor degree would change the pick: where one trains more
-tokens per second.
+node's GPUs and the attention and key-value heads, every stage that fits with or without activation checkpointing
+(as the policy allows), each at the largest micro-batch it fits, keeps the one that trains the most tokens per
+second, and compares it with the pick at its own largest micro-batch. The memo says where a tensor degree would
+change the pick: where one trains more tokens per second.
 """
 
 from __future__ import annotations
@@ -68,9 +68,9 @@ def tensor_section(p: Plan) -> list[str]:
                f"best, tp={best.scenario.layout.tp}, {best.tokens_per_second:,.0f}): the pick stands")
     out = ["", "## Inside the node: a tensor degree", "",
            "Each tensor degree t dividing the node's GPUs and the heads, at its fastest stage and checkpointing and "
-           "the largest micro-batch (See [Note: a tensor degree beside the pick] in planner/tensor_degree.py); activations and "
-           "model states / t, four all-reduces of a block's activations per micro-batch on the node's links, N / t "
-           "replicas reading data.", ""]
+           "the largest micro-batch (See [Note: a tensor degree beside the pick] in planner/tensor_degree.py); "
+           "activations and model states / t, four all-reduces of a block's activations per micro-batch on the "
+           "node's links, N / t replicas reading data.", ""]
     header = ("layout", "configuration", "micro-batch", "GPU GB", "activations GB", "comm s", "step s", "tokens/s")
     out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(row) + " |" for row in rows]

@@ -36,6 +36,8 @@ from zerokit.settings import EngineSettings
 from zerokit.stages import STAGES, BucketReducer, ZeroStage, install_hooks
 from zerokit.stages.base import memory_by_tier
 from zerokit.step import Progress, Stepper
+from zerokit.tensor.setup import batch_ranks, checkpoint_dir, parallelize, tensor_layout
+from zerokit.tensor.setup import startup_lines as tensor_startup_lines
 from zerokit.stages.construction import ParamInit, place_model
 from zerokit.stages.view import ParameterView
 
@@ -55,13 +57,17 @@ class Engine:
         mesh (See [Note: one layout, resolved once] in zerokit/layout.py); the engine shards over this rank's data
         group. None: over every rank."""
         ensure_process_group()
-        self.layout = checked_layout(layout)
+        # See zerokit/tensor/setup.py: the config's tensor degree, the model split by its plan, the tensor group
+        self.layout = checked_layout(tensor_layout(layout, config))
+        hidden_size = hidden_size_of(model)
+        self.tensor, optimizer, model_parameters = parallelize(model, self.layout, config, optimizer, model_parameters)
         # a logging one for comms_logger.verbose; a group of its own, whose waits have the config's deadline
         self.comm = Communicator.create(config.comm_timeout_seconds, stats=collective_stats(config.comms_logger),
                                         parts=None if self.layout is None else self.layout.data_groups())
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        config = self.config = config.resolve(world_size=self.world_size, hidden_size=hidden_size_of(model))
-        setup_lines = grad_accum_dtype_lines(config)
+        config = self.config = config.resolve(world_size=batch_ranks(self.layout, config, self.world_size),
+                                              hidden_size=hidden_size)
+        setup_lines = grad_accum_dtype_lines(config) + tensor_startup_lines(self.layout, config, self.tensor)
         self.device = device or default_device()
         self.module = model
         # See [Note: one place for each engine decision] in zerokit/settings.py
@@ -77,7 +83,7 @@ class Engine:
         self.loss_scaler, self.progress = make_loss_scaler(config.loss_scaling), Progress()
         self.data_position = DataPosition(self.rank)  # the loader whose position checkpoints save (.track(loader))
         self.stepper = Stepper(self.stage, self.loss_scaler, self.lr_schedules, self.safeguards, config.gradient_clipping,
-                               config.max_consecutive_skipped_steps)
+                               config.max_consecutive_skipped_steps, self.tensor)
         self.monitor = EngineMonitor(config, self)  # the observability keys; all off unless the config asks
         # See [Note: each engine checkpoints with its own settings] in zerokit/activations.py
         self.activations = ActivationCheckpointer(config.activation_checkpointing, self.comm.stats, self.device)
@@ -170,7 +176,8 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict on CPU in fp32 (parameters at their compute precision), gathered
         one unit at a time at stage 3 so the extra peak is the largest unit, not the model."""
-        return self.view.full_state_dict()
+        state = self.view.full_state_dict()
+        return state if self.tensor is None else self.tensor.consolidate(state, self.module)  # whole tensors
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this rank holds that a resumed run needs: its shard of the model states (masters,
@@ -190,6 +197,7 @@ class Engine:
         otherwise). See zerokit/checkpoint and docs/checkpoints.md."""
         from zerokit.checkpoint import save_checkpoint
         self._refuse_if_closed("save_checkpoint")
+        save_dir = checkpoint_dir(self.tensor, save_dir)  # See [Note: a checkpoint per tensor rank]
         return save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest, async_save=async_save,
                                within_window=within_window)
 
@@ -200,6 +208,7 @@ class Engine:
         zerokit or DeepSpeed; returns (load_path, client_state). See zerokit/checkpoint."""
         from zerokit.checkpoint import load_checkpoint
         self._refuse_if_closed("load_checkpoint")
+        load_dir = checkpoint_dir(self.tensor, load_dir)  # See [Note: a checkpoint per tensor rank]
         return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                load_module_only=load_module_only, load_lr_scheduler_states=load_lr_scheduler_states)
 
@@ -235,6 +244,8 @@ class Engine:
             close_checkpoints(self)
         finally:
             self.stage.close()
+            if self.tensor is not None:
+                self.tensor.close()
 
     def _refuse_if_closed(self, call: str) -> None:
         if self.closed:
@@ -292,8 +303,11 @@ def initialize(model: nn.Module, optimizer: Optimizers | None = None,
     filling each module's parameters (default: its reset_parameters()); see zerokit/stages/construction.py.
     With the config's `resume` block the engine comes back at the newest complete checkpoint in resume.load_dir, if
     there is one (See zerokit/checkpoint/newest.py); a loader tracked then (engine.data_position.track) resumes too.
-    `layout`: a zerokit.Layout of pipeline x data x tensor degrees; the engine shards over this rank's data group."""
+    `layout`: a zerokit.Layout of pipeline x data x tensor degrees; the engine shards over this rank's data group.
+    Tensor parallelism (docs/tensor_parallel.md): the config's tensor_parallel.autotp_size splits the model by its
+    Hugging Face plan; or pass a model parallelized with torch's parallelize_module on
+    layout.device_mesh(...)["tensor"]."""
     engine = Engine(model, optimizer, load_config(config), device, param_init, model_parameters, layout)
     if engine.config.resume.load_dir is not None:
-        resume_from_newest(engine, engine.config.resume.load_dir)
+        resume_from_newest(engine, checkpoint_dir(engine.tensor, engine.config.resume.load_dir))
     return engine

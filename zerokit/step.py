@@ -13,6 +13,7 @@ import torch.distributed as dist
 from zerokit.precision import DynamicLossScaler, NoLossScaler, StepResult, clip_coefficient, global_norm
 from zerokit.reliability import Safeguards
 from zerokit.stages import ZeroStage
+from zerokit.tensor import TensorShare
 
 
 class SkippedStepsError(RuntimeError):
@@ -45,9 +46,14 @@ class Stepper:
     """One engine's optimizer step. `lr_schedules` is the engine's own list (the drop-in adds to it)."""
 
     def __init__(self, stage: ZeroStage, loss_scaler: DynamicLossScaler | NoLossScaler, lr_schedules: list[Any],
-                 safeguards: Safeguards, gradient_clipping: float, max_consecutive_skips: int) -> None:
+                 safeguards: Safeguards, gradient_clipping: float, max_consecutive_skips: int,
+                 tensor: TensorShare | None = None) -> None:
+        """`tensor`: the tensor group of a tensor-parallel model, whose ranks' squares the norm adds up (See [Note:
+        each element counted once across tensor and data ranks] in zerokit/tensor/share.py); None without one."""
         self.stage, self.loss_scaler, self.lr_schedules, self.safeguards = stage, loss_scaler, lr_schedules, safeguards
         self.gradient_clipping, self.max_consecutive_skips = gradient_clipping, max_consecutive_skips
+        self.tensor = tensor
+        self._uncounted = frozenset() if tensor is None else tensor.uncounted(stage.flat.params)
 
     def step(self, progress: Progress) -> StepResult:
         """Step the optimizer if the last backward ended an accumulation window; report either way."""
@@ -60,7 +66,10 @@ class Stepper:
         if not progress.window_ended:
             return self._result(progress, boundary=False, stepped=False, norm=None, clipped=False)
         stage, masters = self.stage, self.stage.masters
-        norm = self._norm_and_usage(masters.unscaled_square_sum(self.loss_scaler.scale))
+        squares = masters.unscaled_square_sum(self.loss_scaler.scale, self._uncounted)
+        if self.tensor is not None:
+            squares = self.tensor.sum_squares(squares)
+        norm = self._norm_and_usage(squares)
         overflow = norm != norm  # nan: some gradient was inf or nan on some rank
         self.loss_scaler.update(overflow)
         if overflow:

@@ -28,11 +28,18 @@ if TYPE_CHECKING:
 
 
 class CheckpointGroup:
-    """All ranks, over gloo, for small Python objects. See [Note: a process group of its own]."""
+    """The engine's ranks, over gloo, for small Python objects. See [Note: a process group of its own]."""
 
-    def __init__(self) -> None:
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.group = dist.new_group(backend="gloo") if self.world_size > 1 else None
+    def __init__(self, parts: list[list[int]] | None = None) -> None:
+        """`parts`: the global ranks of the engine's group and of its siblings (an engine over one data group of a
+        layout checkpoints with its data group: See [Note: groups made beside the siblings'] in comm/collectives.py);
+        None: every rank. Every part's group is made on every rank, in order."""
+        parts = parts or [list(range(dist.get_world_size()))]
+        me, self.group = dist.get_rank(), None
+        for part in parts:
+            group = dist.new_group(part, backend="gloo") if len(part) > 1 else None
+            if me in part:
+                self.rank, self.world_size, self.group = part.index(me), len(part), group
 
     def close(self) -> None:
         """Destroy the group and let go of it (See [Note: leaving at exit] in zerokit/runtime.py)."""
@@ -131,7 +138,8 @@ _SESSIONS: "weakref.WeakKeyDictionary[Checkpointed, Session]" = weakref.WeakKeyD
 def session_of(engine: Checkpointed) -> Session:
     """The engine's checkpoint session, made at its first save or load (a collective: every rank calls it)."""
     if engine not in _SESSIONS:
-        _SESSIONS[engine] = Session(CheckpointGroup())
+        comm = getattr(engine, "comm", None)  # an engine's Communicator: its data group and the siblings'
+        _SESSIONS[engine] = Session(CheckpointGroup(comm.siblings if comm is not None else None))
     return _SESSIONS[engine]
 
 

@@ -103,11 +103,11 @@ class Communicator:
 
     @classmethod
     def create(cls, timeout_seconds: float, stats: CommStats | None = None,
-               parts: list[list[int]] | None = None) -> "Communicator":
+               parts: list[list[int]] | None = None, name: str = "shard") -> "Communicator":
         """The engine's: a new group over every rank whose own timeout is the deadline (See [Note: deadlines
         on collectives]); the job's default group is left as the application set it. `parts`: the groups of a
         layout's dimension (global ranks, together every rank once; See zerokit/layout.py): a group over the part
-        that holds this rank, every part's made on every rank, in order, as torch's new_group requires."""
+        that holds this rank, every part's made on every rank, in order, as torch's new_group requires. `name`: its label."""
         backend = dist.get_backend()
         if backend == "fake":  # torch's fake back-end (shard arithmetic at sizes CI cannot spawn): nothing waits
             return cls(None, stats)
@@ -117,7 +117,7 @@ class Communicator:
             group = dist.new_group(part, timeout=timeout)
             if part is None or rank in part:
                 mine = group
-        made = cls(mine, stats, timeout_seconds=timeout_seconds, owns_group=True, siblings=parts)
+        made = cls(mine, stats, name=name, timeout_seconds=timeout_seconds, owns_group=True, siblings=parts)
         if parts and backend != "gloo":
             made.control  # made now, while every sibling is here: See [Note: groups made beside the siblings']
         return made

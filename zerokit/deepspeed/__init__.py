@@ -13,13 +13,15 @@ Launch with torchrun (the deepspeed launcher is out of scope). For frameworks th
 (Hugging Face Trainer, accelerate, Lightning), install() (aliases.py) makes `import deepspeed` resolve here.
 What each module covers: start.py (initialize,
 add_config_arguments), distributed.py (init_distributed), engine.py (the engine's DeepSpeed methods), comm.py,
-accelerator.py, zero.py (Init, GatheredParameters), utils.py, ops/adam.py. Pipeline parallelism, MoE layers,
+accelerator.py, zero.py (Init, GatheredParameters), utils.py, ops/adam.py, autotp.py (tp_model_init: AutoTP
+training, split by zerokit/tensor). Pipeline parallelism, MoE layers,
 the inference engine and DeepSpeed's kernels are refused in one line naming them.
 """
 
 from zerokit.deepspeed import checkpointing, comm, zero
 from zerokit.deepspeed.accelerator import get_accelerator
 from zerokit.deepspeed.aliases import distribution_version, install
+from zerokit.deepspeed.autotp import tp_model_init
 from zerokit.deepspeed.distributed import init_distributed
 from zerokit.deepspeed.engine import DeepSpeedEngine
 from zerokit.deepspeed.start import add_config_arguments, initialize
@@ -35,7 +37,7 @@ OUT_OF_SCOPE = {
     "PipelineModule": "pipeline parallelism", "PipelineEngine": "pipeline parallelism",
     "pipe": "pipeline parallelism", "moe": "MoE layers with expert parallelism",
     "init_inference": "DeepSpeed's inference engine (generate inside engine.unsharded() instead)",
-    "InferenceEngine": "DeepSpeed's inference engine", "tp_model_init": "tensor parallelism",
+    "InferenceEngine": "DeepSpeed's inference engine",
     "DeepSpeedHybridEngine": "DeepSpeed's RLHF hybrid engine",
     "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernels",
     "DeepSpeedTransformerConfig": "DeepSpeed's fused transformer kernels",
@@ -50,5 +52,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["install", "initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "comm", "zero",
+           "tp_model_init",
            "checkpointing",
            "get_accelerator", "log_dist", "logger"]

@@ -157,3 +157,18 @@ def test_what_is_live_at_the_peak_is_read_from_an_allocator_trace() -> None:
     result = live_at_peak(trace, baseline=5 * 2 ** 20)
     assert result["peak_over_baseline_mib"] == 4.0 and result["baseline_mib"] == 5.0
     assert result["sites_mib"] == {"engine.py:7 forward": 3.0, "model.py:7 forward": 1.0}
+
+
+def test_the_offload_benchmark_runs_where_there_is_no_gpu(tmp_path) -> None:
+    """benchmarks/bench_offload_gpu.py is for a GPU (its figures: docs/benchmarks.md); on the CPU a tiny Llama at stage 3
+    with everything offloaded, and without, must still train there, each in its own process, the same losses."""
+    from benchmarks import bench_offload_gpu
+
+    out = tmp_path / "offload.json"
+    bench_offload_gpu.main(["largest", "--hidden", "128", "--n-layer", "1", "--mlp-hidden", "256", "--seq", "16",
+                            "--steps", "1", "--only", "zerokit-3,zerokit-3-offload", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"zerokit-3", "zerokit-3-offload"} and all(row["trains"] for row in rows.values()), rows
+    assert rows["zerokit-3"]["losses"] == rows["zerokit-3-offload"]["losses"]
+    # embedding and head, the final norm; a block: two norms, q k v o (one key-value head of 128), the MLP
+    assert rows["zerokit-3"]["parameters"] == 128 * 32_000 * 2 + 128 + (2 * 128 + 4 * 128 * 128 + 3 * 128 * 256)

@@ -25,7 +25,6 @@ from test_deepspeed_api import one_process  # noqa: F401  (a fresh 1-rank group,
 FRAMEWORKS = ("transformers", "accelerate", "lightning")
 # Named by the frameworks, and refused in one line by zerokit (what each asks for is out of scope).
 REFUSED = {
-    "deepspeed.tp_model_init": "tensor parallelism",
     "deepspeed.launcher.runner": "launcher",
     "deepspeed.runtime.sequence_parallel": "not offered",
     "deepspeed.zero.register_external_parameter": "not offered",

@@ -47,7 +47,8 @@ def _config(directory: Path, stage: int, accumulation: int = 4) -> Path:
 def _script_runs(rank: int, world_size: int, runs: list[tuple[str, list[str]]]) -> dict[str, str]:
     """The switched script's main() once per run, on these ranks (torchrun's variables set as it sets them); each
     run's outcome: "ok", or the error it raised."""
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
     sys.path.insert(0, str(SCRIPTS))
     namespace = {"__name__": "ds_pipe_on_zerokit"}
     exec(compile(switch_imports((SCRIPTS / "ds_pipe.py").read_text()), "ds_pipe.py", "exec"), namespace)

@@ -43,6 +43,8 @@ def world_for(raw: dict) -> int:
 
 
 ACCEPTED = [path for path in PUBLIC if "_refused" not in raw_of(path)]
+# AutoTP configs split a model by its tensor-parallel plan: tests/test_tensor_parallel.py trains them (a Llama, 4 ranks)
+SPLIT_BY_PLAN = [path for path in ACCEPTED if "tensor_parallel" in raw_of(path)]
 REFUSED = [path for path in PUBLIC if "_refused" in raw_of(path)]
 
 
@@ -266,7 +268,7 @@ def run_public(rank: int, world_size: int) -> dict:
     out: dict = {"losses": {}, "same": {}}
     for path in ACCEPTED:
         raw = raw_of(path)
-        if world_for(raw) == world_size:
+        if world_for(raw) == world_size and path not in SPLIT_BY_PLAN:
             out["losses"][path.name] = train(tiny(), raw, rank)[1]
     engine, losses = train(Plain(), raw_of(next(p for p in PUBLIC if p.name == "llava_zero3.json")), rank)
     out["plain"] = (engine.config.reduce_bucket_bytes, engine.config.stage3.prefetch_numel, losses)
@@ -287,7 +289,7 @@ def public_runs() -> list[dict]:
 
 def test_every_accepted_public_config_trains_on_two_ranks(public_runs):
     trained = public_runs[0]["losses"]
-    expected = {path.name for path in ACCEPTED if world_for(raw_of(path)) == 2}
+    expected = {path.name for path in ACCEPTED if world_for(raw_of(path)) == 2 and path not in SPLIT_BY_PLAN}
     assert set(trained) == expected and len(expected) >= 20
     for name, losses in trained.items():
         assert losses and all(torch.isfinite(torch.tensor(losses))), name

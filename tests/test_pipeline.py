@@ -43,7 +43,8 @@ def _check_exact(case: PipeCase, ranks: list[dict], replicas: int, tolerance: di
         got = result[case.name]
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]),
                                    rtol=tolerance["rtol"], atol=0, msg=lambda m: f"rank {rank} losses: {m}")
-        torch.testing.assert_close(torch.tensor(got["norms"], dtype=torch.float64), torch.tensor(expected["norms"], dtype=torch.float64),
+        torch.testing.assert_close(torch.tensor(got["norms"], dtype=torch.float64),
+                                   torch.tensor(expected["norms"], dtype=torch.float64),
                                    rtol=tolerance["rtol"], atol=0, msg=lambda m: f"rank {rank} norms: {m}")
         for name, value in got["weights"].items():
             torch.testing.assert_close(value, expected["weights"][name], **tolerance,
@@ -67,7 +68,8 @@ def test_bf16_stays_within_what_bf16_rounding_explains(two_by_two) -> None:
     for result in two_by_two:
         got = result[case.name]
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), rtol=1e-3, atol=0)
-        torch.testing.assert_close(torch.tensor(got["norms"], dtype=torch.float64), torch.tensor(expected["norms"], dtype=torch.float64),
+        torch.testing.assert_close(torch.tensor(got["norms"], dtype=torch.float64),
+                                   torch.tensor(expected["norms"], dtype=torch.float64),
                                    rtol=1e-2, atol=0)
         bound = 2 * 1e-2 * case.steps
         worst = max((value - expected["weights"][name]).abs().max().item() for name, value in got["weights"].items())

@@ -243,6 +243,9 @@ class ZeroConfig:
     """zerokit's `preemption` block: save and exit with a requeue code on SIGTERM/SIGUSR1 (off by default)."""
     resume: Resume = field(default_factory=Resume)
     """zerokit's `resume` block: at initialize, load the newest complete checkpoint in resume.load_dir (off by default)."""
+    autotp_size: int = default("tensor_parallel.autotp_size")
+    """DeepSpeed's AutoTP training: the tensor degree the model's Hugging Face tp_plan is split over, inside a node,
+    with ZeRO over the replicas (zerokit/tensor); 0 and 1: none."""
     ranks_per_node: int | None = default("ranks_per_node")
     """Ranks on each node, numbered consecutively. None: torchrun's LOCAL_WORLD_SIZE, else one node (the start-up
     fingerprint checks that every rank agrees on the outcome)."""
@@ -380,6 +383,19 @@ def _check_sizes(config: ZeroConfig) -> None:
     per_node = config.ranks_per_node
     if per_node is not None and (isinstance(per_node, bool) or per_node < 1):
         raise ValueError(f"ranks_per_node={per_node!r} must be a positive rank count")
+    _check_tensor_degree(config)
+
+
+def _check_tensor_degree(config: ZeroConfig) -> None:
+    """tensor_parallel.autotp_size, and tensor_parallel.tp.tp_size beside it as DeepSpeed 0.19.8 checks it."""
+    degree = config.autotp_size
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 0:
+        raise ValueError(f"tensor_parallel.autotp_size={degree!r} is not a tensor degree; use a positive divisor of "
+                         "the ranks of a node (0 or 1: no tensor parallelism)")
+    tp_size = config.source.get("tensor_parallel.tp.tp_size") if config.source is not None else None
+    if tp_size not in (None, 1, degree):
+        raise ValueError(f"tensor_parallel.tp.tp_size ({tp_size}) does not match tensor_parallel.autotp_size "
+                         f"({degree}): give 1 or the same degree")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,6 +493,7 @@ FIELDS: dict[str, str] = {
     "dataloader_drop_last": "dataloader_drop_last", "comm_timeout_seconds": "comm_timeout_seconds",
     "broadcast_buffers": "broadcast_buffers", Z + "mics_shard_size": "mics_shard_size",
     "ranks_per_node": "ranks_per_node", Z + "zero_hpz_partition_size": "hpz_partition_size",
+    "tensor_parallel.autotp_size": "autotp_size",
     Z + "stage3_max_live_parameters": "stage3.max_live_parameters",
     Z + "stage3_prefetch_bucket_size": "stage3.prefetch_numel",
     Z + "stage3_param_persistence_threshold": "stage3.persistence_threshold",

@@ -11,9 +11,8 @@ its per-parameter view (stages/view.py).
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence, Union
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 import torch
 from torch import nn
@@ -24,6 +23,7 @@ from zerokit.checkpoint.session import close as close_checkpoints
 from zerokit.comm import Communicator
 from zerokit.config import ZeroConfig, engine_settings, hidden_size_of, load_config
 from zerokit.engine_state import engine_state_dict, load_engine_state, totals
+from zerokit.engine_external import ExternalBackward, micro_step
 from zerokit.engine_blocks import grad_accum_dtype_lines, learning_rates, lr_schedules_for, optimizers_for
 from zerokit.layout import Layout, checked_layout
 from zerokit.masters import OptimizerPlan, optimizer_kind, trainable_groups
@@ -37,6 +37,8 @@ from zerokit.settings import EngineSettings
 from zerokit.stages import STAGES, BucketReducer, ZeroStage, install_hooks
 from zerokit.stages.base import memory_by_tier
 from zerokit.step import Progress, Stepper
+from zerokit.tensor.setup import batch_ranks, checkpoint_dir, parallelize, tensor_layout
+from zerokit.tensor.setup import startup_lines as tensor_startup_lines
 from zerokit.stages.construction import ParamInit, place_model
 from zerokit.stages.view import ParameterView
 
@@ -44,7 +46,7 @@ from zerokit.stages.view import ParameterView
 Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
 
 
-class Engine:
+class Engine(ExternalBackward):
     def __init__(self, model: nn.Module, optimizer: Optimizers | None, config: ZeroConfig,
                  device: torch.device | None = None, param_init: ParamInit | None = None,
                  model_parameters: Iterable[Any] | None = None, layout: Layout | None = None) -> None:
@@ -56,31 +58,34 @@ class Engine:
         mesh (See [Note: one layout, resolved once] in zerokit/layout.py); the engine shards over this rank's data
         group. None: over every rank."""
         ensure_process_group()
-        self.layout = checked_layout(layout)
+        # See zerokit/tensor/setup.py: the config's tensor degree, the model split by its plan, the tensor group
+        self.layout = checked_layout(tensor_layout(layout, config))
+        hidden_size = hidden_size_of(model)
+        self.tensor, optimizer, model_parameters = parallelize(model, self.layout, config, optimizer, model_parameters)
         # a logging one for comms_logger.verbose; a group of its own, whose waits have the config's deadline
         self.comm = Communicator.create(config.comm_timeout_seconds, stats=collective_stats(config.comms_logger),
                                         parts=None if self.layout is None else self.layout.data_groups())
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        config = self.config = config.resolve(world_size=self.world_size, hidden_size=hidden_size_of(model))
-        setup_lines = grad_accum_dtype_lines(config)
+        config = self.config = config.resolve(world_size=batch_ranks(self.layout, config, self.world_size),
+                                              hidden_size=hidden_size)
+        setup_lines = grad_accum_dtype_lines(config) + tensor_startup_lines(self.layout, config, self.tensor)
         self.device = device or default_device()
         self.module = model
         # See [Note: one place for each engine decision] in zerokit/settings.py
         self.settings = engine_settings(config, self.world_size, self.comm.backend)
         self.stage, kinds = _build_stage(model, optimizer, model_parameters, param_init, config, self.settings,
                                          self.comm, self.device)
-        self.optimizer = self.stage.optimizer
+        self.optimizer = self.stage.optimizer if self.stage.masters.optimizers else None  # None: forward only
         self.view = ParameterView(self.stage, model, kinds)  # See [Note: a per-parameter view of the stage]
         self.lr_schedules = lr_schedules_for(config, self.stage.masters.optimizers)  # See zerokit/engine_blocks.py
         self.reducer = BucketReducer(self.stage)
         self._hooks = install_hooks(self.stage, self.reducer)
-        self.safeguards = Safeguards(model, self.comm, config)  # zerokit/reliability: requires_grad, buffers
+        self.safeguards = Safeguards(model, self.comm, config, forward_only=self.optimizer is None)  # reliability/
         self.loss_scaler, self.progress = make_loss_scaler(config.loss_scaling), Progress()
         self.data_position = DataPosition(self.rank)  # the loader whose position checkpoints save (.track(loader))
-        # the ranks of the other pipeline stages (with a pipeline layout), for the norm across them
-        self.stages_comm = _pipeline_comm(self.layout, config.comm_timeout_seconds)
+        self.stages_comm = _pipeline_comm(self.layout, config.comm_timeout_seconds)  # the norm across the stages
         self.stepper = Stepper(self.stage, self.loss_scaler, self.lr_schedules, self.safeguards, config.gradient_clipping,
-                               config.max_consecutive_skipped_steps, other_stages=self.stages_comm)
+                               config.max_consecutive_skipped_steps, self.tensor, other_stages=self.stages_comm)
         self.monitor = EngineMonitor(config, self)  # the observability keys; all off unless the config asks
         # See [Note: each engine checkpoints with its own settings] in zerokit/activations.py
         self.activations = ActivationCheckpointer(config.activation_checkpointing, self.comm.stats, self.device)
@@ -89,7 +94,6 @@ class Engine:
         log_startup(self.stage, config.startup_log_lines() + setup_lines, config.warnings)
         self.preemption = PreemptionWatcher(config.preemption, self.comm, self.save_checkpoint)
         self.closed = False
-        self._deferred = False  # a window's last backward left its reductions to reduce_deferred()
         close_at_exit(self)  # See [Note: leaving at exit] in runtime.py
 
     # --- the training loop ----------------------------------------------------------------------
@@ -108,31 +112,9 @@ class Engine:
         gradient reductions this micro-step needs overlapped with it. average_window=False: of `loss` as it is
         (a caller that divided it already, as Hugging Face's Trainer does)."""
         self._refuse_if_closed("backward")
-        divisor = self.config.gradient_accumulation_steps if average_window else 1
-        scaled = loss * (self.loss_scaler.scale / divisor)
-        with _micro_step(self, [scaled], observed=loss):
+        scaled = loss * (self.loss_scaler.scale / (self.config.gradient_accumulation_steps if average_window else 1))
+        with micro_step(self, [scaled], observed=loss):
             scaled.backward()
-
-    def external_backward(self, outputs: Sequence[torch.Tensor], defer_reduction: bool = False
-                          ) -> AbstractContextManager[None]:
-        """Around one micro-step's backward that the caller runs from `outputs` itself (torch's pipeline schedules),
-        with backward()'s reductions; the caller scales the loss by loss_scaler.scale / gradient_accumulation_steps.
-        defer_reduction: the window's last micro-step leaves its gradients for reduce_deferred(). See [Note: a
-        pipeline stage's engine] in zerokit/pipeline/stage.py."""
-        self._refuse_if_closed("backward")
-        if defer_reduction and self.stage.reduces_every_micro_step:
-            raise ValueError(f"ZeRO stage {self.config.stage} reduces every micro-step, so a window's reduction "
-                             "cannot be deferred; accepted: stages 0-1, and 2 with reduce_every_micro_step false")
-        return _micro_step(self, list(outputs), observed=None, defer=defer_reduction)
-
-    def reduce_deferred(self) -> None:
-        """The reductions that external_backward(defer_reduction=True) left at a window's end: every bucket, now."""
-        if not self._deferred:
-            raise RuntimeError(f"rank {self.rank}: reduce_deferred() without a deferred window (an internal bug)")
-        self._deferred = False
-        self.reducer.arm_accumulated()
-        self.reducer.flush()
-        self.stage.finish_backward()
 
     def step(self) -> StepResult:
         """Step the optimizer if this micro-step ended an accumulation window; report either way."""
@@ -181,7 +163,8 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict on CPU in fp32 (parameters at their compute precision), gathered
         one unit at a time at stage 3 so the extra peak is the largest unit, not the model."""
-        return self.view.full_state_dict()
+        state = self.view.full_state_dict()
+        return state if self.tensor is None else self.tensor.consolidate(state, self.module)  # whole tensors
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this rank holds that a resumed run needs: its shard of the model states (masters,
@@ -201,6 +184,7 @@ class Engine:
         otherwise). See zerokit/checkpoint and docs/checkpoints.md."""
         from zerokit.checkpoint import save_checkpoint
         self._refuse_if_closed("save_checkpoint")
+        save_dir = checkpoint_dir(self.tensor, save_dir)  # See [Note: a checkpoint per tensor rank]
         return save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest, async_save=async_save,
                                within_window=within_window)
 
@@ -211,6 +195,7 @@ class Engine:
         zerokit or DeepSpeed; returns (load_path, client_state). See zerokit/checkpoint."""
         from zerokit.checkpoint import load_checkpoint
         self._refuse_if_closed("load_checkpoint")
+        load_dir = checkpoint_dir(self.tensor, load_dir)  # See [Note: a checkpoint per tensor rank]
         return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                load_module_only=load_module_only, load_lr_scheduler_states=load_lr_scheduler_states)
 
@@ -246,8 +231,9 @@ class Engine:
             close_checkpoints(self)
         finally:
             self.stage.close()
-            if self.stages_comm is not None:
-                self.stages_comm.close()
+            for group in (self.tensor, self.stages_comm):  # a tensor-parallel model's; the pipeline's
+                if group is not None:
+                    group.close()
 
     def _refuse_if_closed(self, call: str) -> None:
         if self.closed:
@@ -262,32 +248,6 @@ class Engine:
         return self.train(False)
 
 
-@contextmanager
-def _micro_step(engine: Engine, roots: list[torch.Tensor], observed: torch.Tensor | None, defer: bool = False
-                ) -> Iterator[None]:
-    """One micro-step's backward from `roots` (run inside), the reductions it needs armed before and flushed
-    after; `defer`: at the window's end, not yet (See Engine.reduce_deferred)."""
-    engine.safeguards.before_backward(engine.progress.backward_since_step, engine.progress.window_ended)
-    final = engine.at_boundary
-    deferred = defer and final
-    must_reduce = (final or engine.stage.reduces_every_micro_step) and not deferred
-    with engine.monitor.backward(observed) as lap:  # observability (zerokit/observe): the loss, phase times, FLOPs
-        engine.stage.prepare_backward()
-        if must_reduce:
-            engine.reducer.arm(roots, final=final)
-        yield
-        engine.stage.end_of_autograd()  # stage 3: agree that every rank is done gathering
-        lap("backward_inner")
-        engine.reducer.flush()
-        lap("backward_reduce")
-        if not deferred:
-            engine.stage.finish_backward()
-    engine._deferred = deferred
-    engine.progress.micro_step += 1
-    engine.progress.backward_since_step = True
-    engine.progress.window_ended = final
-
-
 def _build_stage(model: nn.Module, optimizer: Optimizers | None, model_parameters: Iterable[Any] | None,
                  param_init: ParamInit | None, config: ZeroConfig, settings: EngineSettings, comm: Communicator,
                  device: torch.device) -> tuple[ZeroStage, list[str]]:
@@ -297,7 +257,8 @@ def _build_stage(model: nn.Module, optimizer: Optimizers | None, model_parameter
     kinds = [optimizer_kind(o, config.optimizer_kinds, config.allow_untested_optimizer) for o in optimizers]
     check_at_start(model, optimizers, config, comm, device)  # before any collective on the model
     construction = place_model(model, optimizers, param_init, config.stage, device, comm)
-    groups, refs = trainable_groups(model, optimizers, kinds)
+    # no optimizer: nothing trains, every parameter is held as a frozen one (See zerokit/forward_only.py)
+    groups, refs = trainable_groups(model, optimizers, kinds) if optimizers else ([], [])
     params, group_of_param = _backward_ordered(model, groups)
     plan = OptimizerPlan(tuple(optimizers), tuple(refs))
     extra = {"construction": construction} if construction is not None else {}
@@ -338,8 +299,11 @@ def initialize(model: nn.Module, optimizer: Optimizers | None = None,
     filling each module's parameters (default: its reset_parameters()); see zerokit/stages/construction.py.
     With the config's `resume` block the engine comes back at the newest complete checkpoint in resume.load_dir, if
     there is one (See zerokit/checkpoint/newest.py); a loader tracked then (engine.data_position.track) resumes too.
-    `layout`: a zerokit.Layout of pipeline x data x tensor degrees; the engine shards over this rank's data group."""
+    `layout`: a zerokit.Layout of pipeline x data x tensor degrees; the engine shards over this rank's data group.
+    Tensor parallelism (docs/tensor_parallel.md): the config's tensor_parallel.autotp_size splits the model by its
+    Hugging Face plan; or pass a model parallelized with torch's parallelize_module on
+    layout.device_mesh(...)["tensor"]."""
     engine = Engine(model, optimizer, load_config(config), device, param_init, model_parameters, layout)
     if engine.config.resume.load_dir is not None:
-        resume_from_newest(engine, engine.config.resume.load_dir)
+        resume_from_newest(engine, checkpoint_dir(engine.tensor, engine.config.resume.load_dir))
     return engine

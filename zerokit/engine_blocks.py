@@ -38,15 +38,14 @@ def optimizers_for(model: nn.Module, optimizer: torch.optim.Optimizer | list[tor
                    config: ZeroConfig, model_parameters: Iterable[Any] | None) -> list[torch.optim.Optimizer]:
     """The optimizers to train with: those given, or those the config's `optimizer` block names, built over
     `model_parameters` (tensors, (name, tensor) pairs or param-group dicts; default: the model's trainable
-    parameters). Both, or neither, is a one-line error."""
+    parameters). Both is a one-line error; neither gives none: an engine that runs forward only (See [Note: an
+    engine without an optimizer] in zerokit/forward_only.py)."""
     if optimizer is not None:
         if config.optimizer is not None:
             raise both_given_error("optimizer")
         return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     if config.optimizer is None:
-        raise ValueError("initialize() got no optimizer and the config has no 'optimizer' block; pass a torch "
-                         "optimizer, or add a block such as {\"optimizer\": {\"type\": \"AdamW\", \"params\": "
-                         "{\"lr\": 1e-3}}}")
+        return []
     built = build_optimizer(config.optimizer, model if model_parameters is None else model_parameters)
     for optimizer in built:
         # Adagrad fills its state at construction (the initial accumulator); the engine rebuilds the optimizer

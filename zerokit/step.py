@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from zerokit.comm import Communicator
-from zerokit.precision import (DynamicLossScaler, NoLossScaler, StepResult, clip_coefficient, global_norm,
-                               square_sum)
+from zerokit.precision import DynamicLossScaler, NoLossScaler, StepResult, clip_coefficient, global_norm
 from zerokit.reliability import Safeguards
 from zerokit.stages import ZeroStage
+from zerokit.tensor import TensorShare
 
 
 class SkippedStepsError(RuntimeError):
@@ -58,22 +58,25 @@ class Stepper:
 
     def __init__(self, stage: ZeroStage, loss_scaler: DynamicLossScaler | NoLossScaler, lr_schedules: list[Any],
                  safeguards: Safeguards, gradient_clipping: float, max_consecutive_skips: int,
-                 other_stages: Communicator | None = None) -> None:
-        """`other_stages`: the pipeline group, whose ranks hold the model's other stages (See [Note: one norm across
-        the pipeline]); None without a pipeline."""
+                 tensor: TensorShare | None = None, other_stages: Communicator | None = None) -> None:
+        """`tensor`: the tensor group of a tensor-parallel model, whose ranks' squares the norm adds up (See [Note:
+        each element counted once across tensor and data ranks] in zerokit/tensor/share.py); None without one.
+        `other_stages`: the pipeline group, whose ranks hold the model's other stages (See [Note: one norm across the
+        pipeline]); None without a pipeline."""
         self.stage, self.loss_scaler, self.lr_schedules, self.safeguards = stage, loss_scaler, lr_schedules, safeguards
         self.gradient_clipping, self.max_consecutive_skips = gradient_clipping, max_consecutive_skips
-        self.other_stages = other_stages
-        self.counted_elsewhere: frozenset[int] = frozenset()  # See exclude_from_norm
+        self.tensor, self.other_stages = tensor, other_stages
+        self._uncounted = frozenset() if tensor is None else tensor.uncounted(stage.flat.params)
 
     def exclude_from_norm(self, param_indices: set[int]) -> None:
-        """Leave these parameters (indices in stage.flat.params) out of this rank's share of the global norm: copies
-        of a weight tied across pipeline stages, counted on the first stage that holds it (as DeepSpeed counts a
-        tied weight once: ds_pipe_replicated)."""
-        self.counted_elsewhere = frozenset(param_indices)
+        """Leave these parameters (indices in stage.flat.params) out of this rank's share of the global norm too:
+        copies of a weight tied across pipeline stages, counted on the first stage that holds it (as DeepSpeed counts
+        a tied weight once: ds_pipe_replicated)."""
+        self._uncounted = self._uncounted | frozenset(param_indices)
 
     def step(self, progress: Progress) -> StepResult:
         """Step the optimizer if the last backward ended an accumulation window; report either way."""
+        self.safeguards.before_step()  # an engine without an optimizer refuses
         if not progress.backward_since_step:
             raise RuntimeError("engine.step() was called without an engine.backward() since the last step; "
                                "call engine.backward(loss) once before each engine.step()")
@@ -82,7 +85,10 @@ class Stepper:
         if not progress.window_ended:
             return self._result(progress, boundary=False, stepped=False, norm=None, clipped=False)
         stage, masters = self.stage, self.stage.masters
-        norm = self._norm_and_usage(masters.unscaled_square_sum(self.loss_scaler.scale) - self._squares_elsewhere())
+        squares = masters.unscaled_square_sum(self.loss_scaler.scale, self._uncounted)
+        if self.tensor is not None:
+            squares = self.tensor.sum_squares(squares)
+        norm = self._norm_and_usage(squares)
         overflow = norm != norm  # nan: some gradient was inf or nan on some rank
         self.loss_scaler.update(overflow)
         if overflow:
@@ -113,13 +119,6 @@ class Stepper:
             replicas.all_reduce(flags, op=dist.ReduceOp.SUM, purpose="which parameters each rank used, across replicas")
         usage.agree(flags)
         return self._across_stages(norm)
-
-    def _squares_elsewhere(self) -> float:
-        """This rank's sum of squares of the (unscaled) gradients of the parameters counted on another stage."""
-        if not self.counted_elsewhere:
-            return 0.0
-        return square_sum([piece.param.grad for pieces in self.stage.masters.pieces for piece in pieces
-                           if piece.param_index in self.counted_elsewhere and piece.param.grad is not None])
 
     def _across_stages(self, norm: float) -> float:
         """The norm over every stage's gradients from this stage's. See [Note: one norm across the pipeline]."""

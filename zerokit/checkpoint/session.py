@@ -21,27 +21,25 @@ import torch
 import torch.distributed as dist
 
 from zerokit.checkpoint.checkpointed import Checkpointed
+from zerokit.tiers.pinned import host_buffer
 
 if TYPE_CHECKING:
     from zerokit.checkpoint.collect import SaveEntry
 
 
 class CheckpointGroup:
-    """All ranks, over gloo, for small Python objects. See [Note: a process group of its own]."""
+    """The engine's ranks, over gloo, for small Python objects. See [Note: a process group of its own]."""
 
     def __init__(self, parts: list[list[int]] | None = None) -> None:
-        """`parts`: a layout's data groups (an engine of one pipeline stage saves with its stage's replicas only):
-        a group over each, made on every rank in order (torch's new_group is a collective over the job); None: every
-        rank."""
-        members = list(range(dist.get_world_size()))
-        if parts is None:
-            self.group = dist.new_group(backend="gloo") if len(members) > 1 else None
-        else:
-            for ranks in parts:
-                group = dist.new_group(ranks, backend="gloo")
-                if dist.get_rank() in ranks:
-                    members, self.group = ranks, group if len(ranks) > 1 else None
-        self.rank, self.world_size = members.index(dist.get_rank()), len(members)
+        """`parts`: the global ranks of the engine's group and of its siblings (an engine over one data group of a
+        layout checkpoints with its data group: See [Note: groups made beside the siblings'] in comm/collectives.py);
+        None: every rank. Every part's group is made on every rank, in order."""
+        parts = parts or [list(range(dist.get_world_size()))]
+        me, self.group = dist.get_rank(), None
+        for part in parts:
+            group = dist.new_group(part, backend="gloo") if len(part) > 1 else None
+            if me in part:
+                self.rank, self.world_size, self.group = part.index(me), len(part), group
 
     def close(self) -> None:
         """Destroy the group and let go of it (See [Note: leaving at exit] in zerokit/runtime.py)."""
@@ -111,7 +109,7 @@ class HostBuffers:
             gpu = any(source.device.type == "cuda" for source in entry.sources)
             on_gpu |= gpu
             if buffer is None or buffer.numel() != spec.numel or buffer.dtype != spec.dtype:
-                buffer = torch.empty(spec.numel, dtype=spec.dtype, pin_memory=gpu)
+                buffer = host_buffer(spec.numel, dtype=spec.dtype, pin=gpu)  # See zerokit/tiers/pinned.py
             offset = 0
             for source in entry.sources:
                 buffer[offset:offset + source.numel()].copy_(source.reshape(-1), non_blocking=gpu)
@@ -140,8 +138,8 @@ _SESSIONS: "weakref.WeakKeyDictionary[Checkpointed, Session]" = weakref.WeakKeyD
 def session_of(engine: Checkpointed) -> Session:
     """The engine's checkpoint session, made at its first save or load (a collective: every rank calls it)."""
     if engine not in _SESSIONS:
-        layout = getattr(engine, "layout", None)  # See zerokit/layout.py: a pipeline stage's engine saves its stage
-        _SESSIONS[engine] = Session(CheckpointGroup(layout.data_groups() if layout is not None else None))
+        comm = getattr(engine, "comm", None)  # an engine's Communicator: its data group and the siblings'
+        _SESSIONS[engine] = Session(CheckpointGroup(comm.siblings if comm is not None else None))
     return _SESSIONS[engine]
 
 

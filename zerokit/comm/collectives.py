@@ -45,7 +45,7 @@ use, since the stages' engines first use it at different times.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Callable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -75,13 +75,12 @@ class Communicator:
 
     def __init__(self, group: dist.ProcessGroup | None = None, stats: CommStats | None = None, *,
                  name: str = "shard", timeout_seconds: float | None = None, recorder: FlightRecorder | None = None,
-                 incident: str | None = None, owns_group: bool = False,
-                 siblings: list[list[int]] | None = None) -> None:
-        """Pass the `stats` of another Communicator to count two process groups as one. `timeout_seconds`:
-        every wait's deadline (None: wait as long as the group does). `name` labels this group in reports.
-        `owns_group`: zerokit made `group` for this Communicator, and `close` destroys it. `siblings`: the global ranks
-        of every group of this one's layout dimension, this one's included (See [Note: groups made beside the
-        siblings']); None: this group is the only one."""
+                 incident: str | None = None, owns_group: bool = False, siblings: list[list[int]] | None = None
+                 ) -> None:
+        """Pass the `stats` of another Communicator to count two process groups as one. `timeout_seconds`: every
+        wait's deadline (None: wait as long as the group does). `name` labels this group in reports. `owns_group`:
+        zerokit made `group` for this Communicator, and `close` destroys it. `siblings`: the global ranks of every
+        group of this one's layout dimension, this one's included (See [Note: groups made beside the siblings'])."""
         self.group = group
         self.siblings = siblings or [dist.get_process_group_ranks(group or dist.group.WORLD)]
         self.owns_group = owns_group
@@ -103,36 +102,31 @@ class Communicator:
 
     @classmethod
     def create(cls, timeout_seconds: float, stats: CommStats | None = None,
-               parts: list[list[int]] | None = None) -> "Communicator":
-        """The engine's: a new group over every rank whose own timeout is the deadline (See [Note: deadlines
-        on collectives]); the job's default group is left as the application set it. `parts`: the groups of a
-        layout's dimension (global ranks, together every rank once; See zerokit/layout.py): a group over the part
-        that holds this rank, every part's made on every rank, in order, as torch's new_group requires."""
+               parts: list[list[int]] | None = None, name: str = "shard") -> "Communicator":
+        """The engine's: a new group over every rank (or over this rank's of `parts`, a layout's dimension: See
+        zerokit/layout.py) whose own timeout is the deadline (See [Note: deadlines on collectives]); the job's
+        default group is left as the application set it. `name`: its label in reports."""
         backend = dist.get_backend()
         if backend == "fake":  # torch's fake back-end (shard arithmetic at sizes CI cannot spawn): nothing waits
             return cls(None, stats)
-        timeout = _group_timeout(timeout_seconds, backend)
-        rank, mine = dist.get_rank(), None
-        for part in parts or [None]:
-            group = dist.new_group(part, timeout=timeout)
-            if part is None or rank in part:
-                mine = group
-        made = cls(mine, stats, timeout_seconds=timeout_seconds, owns_group=True, siblings=parts)
+        siblings = parts or [list(range(dist.get_world_size()))]
+        mine = new_group_beside(siblings, range(len(siblings[0])), backend, timeout_seconds)
+        made = cls(mine, stats, name=name, timeout_seconds=timeout_seconds, owns_group=True, siblings=parts)
         if parts and backend != "gloo":
             made.control  # made now, while every sibling is here: See [Note: groups made beside the siblings']
         return made
 
     def split(self, parts: list[list[int]], name: str, twin_of: "Communicator | None" = None) -> "Communicator":
         """A Communicator over the part of `parts` (lists of this group's ranks, together every rank once) that
-        holds this rank, counted in these stats under `name`. Every rank makes every part's group, in order: torch's
-        new_group is a collective over the whole job, so each part's control group (See `control`) is made here too,
-        where it needs a group of its own. `twin_of`: the Communicator of an earlier split of the same parts, whose
-        control group this one shares, as `twin` does."""
+        holds this rank, counted in these stats under `name`; each part's control group (See `control`) is made here
+        too, where it needs a group of its own, as every rank makes every group in one order. `twin_of`: an earlier
+        split of the same parts, whose control group this one shares, as `twin` does."""
         own_control = twin_of is None and self.backend not in ("gloo", "fake")
         mine = None
         for part in parts:
-            group = self._new_group(part)
-            control = self._new_group(part, backend="gloo") if own_control else None
+            group = new_group_beside(self.siblings, part, self.backend, self.timeout_seconds)
+            control = (new_group_beside(self.siblings, part, "gloo", self.timeout_seconds, "gloo")
+                       if own_control else None)
             if self.rank in part:
                 siblings = [[ranks[rank] for rank in part] for ranks in self.siblings]
                 mine = self._member(group, self.stats, name, siblings=siblings)
@@ -145,11 +139,9 @@ class Communicator:
         return mine
 
     def twin(self, name: str = "gather") -> "Communicator":
-        """A Communicator over a new group with the same ranks, counted in the same stats. Collectives on
-        one group are matched by issue order; two groups let two streams of collectives (parameter
-        gathers from forward/backward hooks, gradient reductions from grad hooks) interleave differently
-        on different ranks without pairing the wrong calls. It shares this one's control group, if that is a
-        group of its own (See `control`)."""
+        """A Communicator over a new group with the same ranks, counted in the same stats: two streams of collectives
+        (parameter gathers from module hooks, gradient reductions from grad hooks) may then interleave differently on
+        different ranks without pairing the wrong calls. It shares this one's control group (See `control`)."""
         twin = self._sibling(name, backend=None, stats=self.stats)
         if self._control is not None and self._control.group is not self.group:
             twin._control = self._control
@@ -170,22 +162,9 @@ class Communicator:
 
     def _sibling(self, name: str, backend: str | None, stats: CommStats) -> "Communicator":
         """A Communicator over a new group with the same ranks (`backend` None: this one's)."""
-        group = self._new_group(list(range(self.world_size)), backend)
+        group = new_group_beside(self.siblings, range(self.world_size), backend or self.backend, self.timeout_seconds,
+                                 backend)
         return self._member(group, stats, name, siblings=self.siblings)
-
-    def _new_group(self, part: list[int], backend: str | None = None) -> dist.ProcessGroup:
-        """A new process group over `part` (ranks of this group) whose own timeout is this one's deadline, and its
-        likes over the same positions of every sibling group (See [Note: groups made beside the siblings']); this
-        rank's, or torch's mark of a group it is not in. Every rank of the job must call it, in the same order:
-        torch's new_group is a collective over the whole job."""
-        timeout = _group_timeout(self.timeout_seconds, backend or self.backend) if self.timeout_seconds else None
-        me, mine = dist.get_rank(), None
-        for ranks in self.siblings:
-            group = dist.new_group([ranks[rank] for rank in part], backend=backend,
-                                   **({"timeout": timeout} if timeout else {}))
-            if me in ranks:
-                mine = group
-        return mine
 
     def _member(self, group: dist.ProcessGroup | None, stats: CommStats, name: str,
                 owns_group: bool = True, siblings: list[list[int]] | None = None) -> "Communicator":
@@ -289,6 +268,21 @@ class Communicator:
         if big.numel() != small.numel() * self.world_size:
             raise RuntimeError(f"rank {self.rank}: {name} needs {self.world_size} x {small.numel()} elements, "
                                f"got {big.numel()} (an internal sharding bug)")
+
+
+def new_group_beside(siblings: list[list[int]], part: Iterable[int], backend: str, timeout_seconds: float | None,
+                     new_backend: str | None = None) -> dist.ProcessGroup:
+    """A new process group over the positions `part` of the sibling group holding this rank, whose own timeout is the
+    deadline, and its likes over the same positions of every other sibling (See [Note: groups made beside the
+    siblings']); this rank's, or torch's mark of a group it is not in. Every rank of the job must call it, in the same
+    order: torch's new_group is a collective over the whole job. `new_backend`: the groups' (None: the job's)."""
+    timeout = {"timeout": _group_timeout(timeout_seconds, backend)} if timeout_seconds else {}
+    me, mine, part = dist.get_rank(), None, list(part)
+    for ranks in siblings:
+        group = dist.new_group([ranks[rank] for rank in part], backend=new_backend, **timeout)
+        if me in ranks:
+            mine = group
+    return mine
 
 
 def _group_timeout(timeout_seconds: float, backend: str) -> timedelta:

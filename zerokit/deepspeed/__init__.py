@@ -13,14 +13,15 @@ Launch with torchrun (the deepspeed launcher is out of scope). For frameworks th
 (Hugging Face Trainer, accelerate, Lightning), install() (aliases.py) makes `import deepspeed` resolve here.
 What each module covers: start.py (initialize,
 add_config_arguments), distributed.py (init_distributed), engine.py (the engine's DeepSpeed methods), comm.py,
-accelerator.py, zero.py (Init, GatheredParameters), utils.py, ops/adam.py, pipe.py (PipelineModule: pipeline
-parallelism at ZeRO 0-3). MoE layers, the inference engine and DeepSpeed's kernels are refused in one line naming
-them.
+accelerator.py, zero.py (Init, GatheredParameters), utils.py, ops/adam.py, autotp.py (tp_model_init: AutoTP
+training, split by zerokit/tensor), pipe.py (PipelineModule: pipeline parallelism at ZeRO 0-3). MoE layers, the
+inference engine and DeepSpeed's kernels are refused in one line naming them.
 """
 
 from zerokit.deepspeed import checkpointing, comm, zero
 from zerokit.deepspeed.accelerator import get_accelerator
 from zerokit.deepspeed.aliases import distribution_version, install
+from zerokit.deepspeed.autotp import tp_model_init
 from zerokit.deepspeed.distributed import init_distributed
 from zerokit.deepspeed.engine import DeepSpeedEngine
 from zerokit.deepspeed.start import add_config_arguments, initialize
@@ -35,7 +36,7 @@ __version__ = distribution_version()  # DeepSpeed's version with zerokit's as it
 OUT_OF_SCOPE = {
     "moe": "MoE layers with expert parallelism",
     "init_inference": "DeepSpeed's inference engine (generate inside engine.unsharded() instead)",
-    "InferenceEngine": "DeepSpeed's inference engine", "tp_model_init": "tensor parallelism",
+    "InferenceEngine": "DeepSpeed's inference engine",
     "DeepSpeedHybridEngine": "DeepSpeed's RLHF hybrid engine",
     "DeepSpeedTransformerLayer": "DeepSpeed's fused transformer kernels",
     "DeepSpeedTransformerConfig": "DeepSpeed's fused transformer kernels",
@@ -53,5 +54,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["install", "initialize", "add_config_arguments", "init_distributed", "DeepSpeedEngine", "comm", "zero",
+           "tp_model_init",
            "checkpointing",
            "get_accelerator", "log_dist", "logger"]

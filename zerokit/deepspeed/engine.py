@@ -137,8 +137,7 @@ class DeepSpeedEngine(ConfigQueries, ModuleView, Engine):
                  given_config: dict[str, Any] | None = None) -> None:
         self._given_config = dict(given_config or {})  # before Engine sets self.config; See the config property
         super().__init__(model, optimizer, config, param_init=param_init, model_parameters=model_parameters)
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.global_rank = self.rank
+        self.local_rank, self.global_rank = int(os.environ.get("LOCAL_RANK", 0)), self.rank
         self.micro_steps = 0
         self.collate_fn = collate_fn
         self.training_dataloader: torch.utils.data.DataLoader | None = None
@@ -151,6 +150,7 @@ class DeepSpeedEngine(ConfigQueries, ModuleView, Engine):
         self._mirror = HyperparameterMirror([(user, twin) for user, twin in zip(users, self.view.optimizers)
                                              if isinstance(user, torch.optim.Optimizer) and user is not twin])
         self._client_schedule = self._attach(lr_scheduler, optimizer)
+        self.show_zero3_names()  # what DeepSpeed's callers (TRL) read off a ZeRO-3 model (ModuleView)
 
     def _attach(self, scheduler: Any, given: Any) -> ClientSchedule | None:
         if scheduler is None:

@@ -1,6 +1,7 @@
 """The model as DeepSpeed's engine shows it, an nn.Module holding it as `module`: its parameters and modules
-(the Trainer counts parameters through the engine; accelerate's unwrap_model walks `_modules`), and its full
-weights for saving (what accelerate's get_state_dict and the Trainer's save_model read)."""
+(the Trainer counts parameters through the engine; accelerate's unwrap_model walks `_modules`), its full
+weights for saving (what accelerate's get_state_dict and the Trainer's save_model read), and at stage 3 what
+DeepSpeed's callers read off its parameters and optimizer (See zerokit/deepspeed/zero3_params.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from zerokit.deepspeed.zero3_params import answer_ds_status, give_back_class, offer_parameter_offload
+
 
 class ModuleView:
     """Mixed into zerokit.deepspeed's engine, whose `module`, `config` and `full_state_dict()` these read."""
@@ -16,6 +19,23 @@ class ModuleView:
     module: nn.Module
     config: Any
     full_state_dict: Any  # the engine's (zerokit/engine.py): the whole model's state dict, gathered
+    optimizer: Any
+    _answering_ds_status: list[nn.Parameter] = []  # parameters given the class ZeroParameter, until close()
+
+    def show_zero3_names(self) -> None:
+        """At stage 3: the parameters answer `ds_status`, the optimizer offers `parameter_offload` (See [Note:
+        ds_status is read from the tensor] and [Note: the hooks TRL removes around generation])."""
+        if self.config.stage != 3:
+            return
+        self._answering_ds_status = answer_ds_status(self.module)
+        if self.optimizer is not None:
+            offer_parameter_offload(self.optimizer)
+
+    def close(self) -> None:
+        """The engine's close(), and the parameters get back the class they had."""
+        give_back_class(self._answering_ds_status)
+        self._answering_ds_status = []
+        super().close()  # type: ignore[misc]
 
     def parameters(self, recurse: bool = True) -> Iterable[nn.Parameter]:
         """The model's parameters (the Trainer counts them through the engine)."""

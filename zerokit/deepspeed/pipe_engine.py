@@ -121,7 +121,8 @@ class PipelineEngine:
         return self.engine.get_lr()
 
     def comm_stats(self) -> dict[str, Any]:
-        """zerokit's: this rank's collectives and the activations it sent (zerokit.pipeline.PipelineEngine.comm_stats)."""
+        """zerokit's: this rank's collectives and the activations it sent (See
+        zerokit.pipeline.PipelineEngine.comm_stats)."""
         return self.pipe.comm_stats()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

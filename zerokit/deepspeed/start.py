@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -34,11 +35,13 @@ from torch import nn
 
 from zerokit.checkpoint.newest import resume_from_newest
 from zerokit.config import ZeroConfig, load_config
+from zerokit.deepspeed.autotp import merge_recorded
 from zerokit.deepspeed.config_view import config_dict
 from zerokit.deepspeed.distributed import init_distributed
 from zerokit.deepspeed.engine import DeepSpeedEngine
 from zerokit.schedules import both_given_error
 from zerokit.stages.construction import ParamInit
+from zerokit.tensor.setup import checkpoint_dir
 
 logger = logging.getLogger("zerokit")
 
@@ -87,6 +90,19 @@ def deepspeed_defaults(source: Any) -> Any:
     return {**given, "gradient_clipping": 1.0}
 
 
+def recorded_tensor_parallel(source: Any) -> Any:
+    """The config with a deepspeed.tp_model_init call merged into it (See [Note: tp_model_init records, initialize
+    splits] in autotp.py); a ZeroConfig takes the degree as its autotp_size."""
+    if isinstance(source, ZeroConfig):
+        merged = merge_recorded({"tensor_parallel": {"autotp_size": source.autotp_size}} if source.autotp_size > 1
+                                else {})
+        degree = merged.get("tensor_parallel", {}).get("autotp_size", source.autotp_size)
+        return source if degree == source.autotp_size else replace(source, autotp_size=degree)
+    given = config_dict(source)
+    merged = merge_recorded(given)
+    return source if merged is given else merged
+
+
 def check_local_rank(args: Any) -> int:
     """DeepSpeed's check that args.local_rank, when a script sets it, agrees with LOCAL_RANK; then
     args.local_rank is set to it, as DeepSpeed does. Returns the local rank."""
@@ -127,7 +143,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         raise ValueError("deepspeed.initialize(mpu=/mesh_param=) asks for model or sequence parallelism, which "
                          "zerokit does not offer: it is data parallel over all ranks")
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    source = deepspeed_defaults(config_source(args, config, config_params))
+    source = deepspeed_defaults(recorded_tensor_parallel(config_source(args, config, config_params)))
     typed = load_config(source)
     check_local_rank(args)
     if optimizer is not None and typed.optimizer is not None:
@@ -152,7 +168,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data)
     if typed.resume.load_dir is not None:  # with the loader's position (See zerokit/checkpoint/newest.py)
-        resume_from_newest(engine, typed.resume.load_dir)
+        resume_from_newest(engine, checkpoint_dir(engine.tensor, typed.resume.load_dir))
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

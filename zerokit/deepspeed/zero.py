@@ -52,6 +52,7 @@ from torch import nn
 from zerokit.comm import Communicator
 from zerokit.config import ZeroConfig, load_config
 from zerokit.deepspeed.config_view import config_dict
+from zerokit.deepspeed.zero3_params import is_whole
 
 logger = logging.getLogger("zerokit")
 
@@ -199,6 +200,9 @@ def GatheredParameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_r
     rank changed in place is broadcast to every rank on exit and kept, fp32 masters included, as in DeepSpeed.
     Parameters no engine manages (before initialize(), or of another model) are left as they are."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
+    if enabled and modifier_rank is None and params and all(is_whole(param) for param in params):
+        yield  # already whole (in their unit's forward or backward, say): nothing to gather, nothing to write back
+        return
     engine = _engine_of(params) if enabled and params else None
     if engine is None:
         with _written_before_initialize(params if enabled else [], modifier_rank):

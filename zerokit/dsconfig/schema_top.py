@@ -83,9 +83,46 @@ PRECISION = (
             None, (None, ())),
 )
 
+TP = "tensor_parallel."
+SPLITS_BY_PLAN = "zerokit splits the linears the model's Hugging Face tp_plan names, as DeepSpeed does by default"
+TENSOR_PARALLEL = (
+    block("tensor_parallel", "DeepSpeed's AutoTP training: the model's linears split over a tensor group of "
+          "consecutive ranks inside a node, ZeRO over the replicas (zerokit/tensor, docs/tensor_parallel.md)"),
+    honoured(TP + "autotp_size", Kind.INT, 0, "the tensor degree (0 and 1: none): the linears of the model's Hugging "
+             "Face tp_plan are split over it; batch sizes count the tensor ranks as data ranks, as DeepSpeed does",
+             auto=False),
+    always(TP + "tp_overlap_comm", "zerokit all-reduces a column split's input gradient before its weight gradient "
+           "(overlapping the two changes speed, not what is computed)", Kind.BOOL, False),
+    always(TP + "dtype", "the compute dtype is bf16/fp16.enabled's (DeepSpeed reads this one only from "
+           "tp_model_init)", Kind.ANY, None),
+    refused(TP + "vocab_parallel_lm_head", "a vocabulary-parallel LM head with a distributed loss",
+            "zerokit gathers the LM head's logits, as DeepSpeed does for an untied head by default", Kind.ANY, None,
+            (None, False)),
+    refused(TP + "vocab_parallel_ce_backend", "Liger's vocabulary-parallel cross-entropy", "zerokit has no "
+            "vocabulary-parallel head", Kind.STR, "torch"),
+    block(TP + "tp", "the tensor group: tp_size 1 or autotp_size"),
+    honoured(TP + "tp.tp_size", Kind.INT, 1, "checked against autotp_size (1 or the same), as DeepSpeed does",
+             auto=False),
+    always(TP + "tp.tp_grain_size", "DeepSpeed's note: not active in training yet", Kind.INT, 1),
+    refused(TP + "tp.mpu", "a model-parallel unit of your own", "zerokit's layout makes the tensor group "
+            "(zerokit/layout.py)", Kind.ANY, None),
+    refused(TP + "tp.tp_group", "a tensor group of your own", "zerokit's layout makes the tensor group "
+            "(zerokit/layout.py)", Kind.ANY, None),
+    alias(TP + "tensor_parallel", TP + "tp", Kind.BLOCK, "the field name of tensor_parallel.tp"),
+    refused(TP + "injection_policy_tuple", "an injection policy of DeepSpeed's inference kernels", SPLITS_BY_PLAN,
+            Kind.ANY, None),
+    refused(TP + "partition_config", "partition rules of your own", SPLITS_BY_PLAN, Kind.ANY, None),
+    refused(TP + "preset_model", "a preset of DeepSpeed's partition rules", SPLITS_BY_PLAN, Kind.ANY, None),
+    always(TP + "keep_module_on_host", "where AutoTP's parser keeps loaded checkpoints; zerokit splits the model it "
+           "is given", Kind.BOOL, False),
+    refused(TP + "replace_with_kernel_inject", "DeepSpeed's inference kernels", "zerokit trains with your model's "
+            "own layers"),
+    alias(TP + "kernel_inject", TP + "replace_with_kernel_inject", Kind.BOOL),
+)
+
 PARALLEL = (
     refused_block("pipeline", "pipeline parallelism", PARALLELISM, switch=""),
-    refused_block("tensor_parallel", "AutoTP tensor parallelism", PARALLELISM, switch="autotp_size"),
+    *TENSOR_PARALLEL,
     refused_block("expert_parallel", "AutoEP expert parallelism", PARALLELISM),
     refused("sequence_parallel_size", "Ulysses sequence parallelism", PARALLELISM, Kind.INT, 1),
     always("seq_parallel_communication_data_type", "used only with sequence_parallel_size > 1, which zerokit "

@@ -127,9 +127,11 @@ class ShardMasters:
         """The reduced gradient of master `index` (1-D, reduce dtype), final for this step."""
         self.homes[index].accept_grad(grad)
 
-    def unscaled_square_sum(self, scale: float) -> float:
+    def unscaled_square_sum(self, scale: float, uncounted: frozenset[int] = frozenset()) -> float:
         """Attach every master's fp32 gradient to its pieces, divide it by the loss scale in place, and return
-        the sum of its squares (float64: See [Note: one scalar decides overflow and norm] in precision.py)."""
+        the sum of its squares (float64: See [Note: one scalar decides overflow and norm] in precision.py).
+        `uncounted`: parameter indices whose squares are left out, though an inf or nan among them still makes the
+        sum nan (See [Note: each element counted once across tensor and data ranks] in zerokit/tensor/share.py)."""
         grads = [home.grad32() for home in self.homes]
         for home, pieces, grad in zip(self.homes, self.pieces, grads):
             if not home.paged:  # a paged master's gradient is attached when it is paged in (See tiers/nvme_masters.py)
@@ -137,7 +139,13 @@ class ShardMasters:
                     piece.param.grad = grad[piece.offset:piece.offset + piece.param.numel()].view(piece.param.shape)
         self._grads = grads
         unscale_(grads, scale)
-        return square_sum(grads)
+        if not uncounted:
+            return square_sum(grads)
+        left_out = [grad[piece.offset:piece.offset + piece.param.numel()]
+                    for pieces, grad in zip(self.pieces, grads) for piece in pieces if piece.param_index in uncounted]
+        counted = [grad[piece.offset:piece.offset + piece.param.numel()]
+                   for pieces, grad in zip(self.pieces, grads) for piece in pieces if piece.param_index not in uncounted]
+        return square_sum(counted) + 0.0 * square_sum(left_out)
 
     def drop_unused(self, used: Sequence[bool] | None) -> None:
         """Pieces of parameters that got no gradient on any rank lose theirs, so the optimizer skips them

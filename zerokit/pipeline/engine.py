@@ -45,7 +45,8 @@ class PipelineStep(NamedTuple):
 
 
 class PipelineEngine:
-    """This rank's stage under a zerokit engine, driven by a torch schedule. Build it with zerokit.pipeline.initialize."""
+    """This rank's stage under a zerokit engine, driven by a torch schedule (build it with
+    zerokit.pipeline.initialize)."""
 
     def __init__(self, engine: Engine, layout: Layout, schedule_class: type, loss_fn: Callable[..., torch.Tensor],
                  gathering: str, tied: TiedWeights) -> None:

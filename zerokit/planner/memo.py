@@ -21,6 +21,7 @@ from zerokit.planner.memory import (
 )
 from zerokit.planner.peers import deepspeed_largest_layer, peer_estimates
 from zerokit.planner.spec import GB, Training
+from zerokit.planner.tensor_degree import tensor_section
 
 STAGE_COLUMNS = ("stage", "fits", "parameters", "gradients", "optimizer state", "activations", "buffers",
                  "overhead", "total GB", "comm s", "exposed s", "compute s", "step s")
@@ -238,6 +239,7 @@ def render_memo(p: Plan) -> str:
     out += ["", "## Decision path", "", "See the tree in docs/planner.md; every configuration tried, in order:", ""]
     out += _table(("#", "configuration", "batch", "GPU GB", "usable GB", "host RAM GB", "fits"), _attempt_rows(p))
     out += hybrid_section(p)
+    out += tensor_section(p)
     if p.alternatives:
         out += ["", "## Hybrid layouts on paper", ""]
         out += _table(("layout", "configuration", "fits", "GPU GB", "GB sent per GPU", "comm s", "step s", "tokens/s"),

@@ -9,6 +9,7 @@ from torch import nn
 
 from zerokit.comm import Communicator
 from zerokit.config import ZeroConfig, ranks_per_node_from_launcher
+from zerokit.forward_only import ForwardOnlyGuard
 from zerokit.reliability.buffers import BufferSync
 from zerokit.reliability.compiled import refuse_fullgraph_around_units
 from zerokit.reliability.fingerprint import check_ranks_agree, fingerprint
@@ -25,7 +26,8 @@ def check_at_start(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
     problem: ValueError | None = None
     try:
         refuse_wrapped(model)
-        refuse_nothing_to_train(model)
+        if optimizers:  # none: an engine that runs forward only (See zerokit/forward_only.py)
+            refuse_nothing_to_train(model)
         refuse_fullgraph_around_units(model, config)
         refuse_misnumbered_node(config.ranks_per_node or ranks_per_node_from_launcher(comm.world_size), comm.rank)
     except ValueError as error:
@@ -42,20 +44,30 @@ def check_at_start(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
 
 
 class Safeguards:
-    """The training loop's guards: requires_grad as at start, backward/step order, buffers kept equal."""
+    """The training loop's guards: requires_grad as at start, backward/step order, buffers kept equal; with
+    forward_only (no optimizer), no training at all (See zerokit/forward_only.py)."""
 
-    def __init__(self, model: nn.Module, comm: Communicator, config: ZeroConfig) -> None:
+    def __init__(self, model: nn.Module, comm: Communicator, config: ZeroConfig, forward_only: bool = False) -> None:
         self.trainable = TrainableGuard(model)
         self.buffers = BufferSync(model, comm, config.broadcast_buffers)
         self.accumulation = config.gradient_accumulation_steps
+        self.forward_only = ForwardOnlyGuard(model, comm.rank, config.scheduler is not None) if forward_only else None
 
     def before_backward(self, backward_since_step: bool, window_ended: bool) -> None:
+        if self.forward_only is not None:
+            self.forward_only.refuse("backward")
         check_backward_order(backward_since_step, window_ended, self.accumulation)
         self.trainable.check()
+
+    def before_step(self) -> None:
+        if self.forward_only is not None:
+            self.forward_only.refuse("step")
 
     def at_step(self) -> None:
         self.buffers.sync()
 
     def close(self) -> None:
-        """Take the buffer sync's hooks off the model."""
+        """Take the buffer sync's hooks off the model (and a forward-only engine's gradient hooks)."""
         self.buffers.close()
+        if self.forward_only is not None:
+            self.forward_only.close()

@@ -31,7 +31,9 @@ from zerokit.testing.models import TinyGPT, TinyGPTConfig, TinyMoE, lm_loss, par
 class Case:
     name: str
     stage: int
-    model: str = "tiny"  # tiny | moe | hf-gpt2 | hf-llama (Hugging Face transformers, built from a tiny config)
+    # tiny | moe | hf-gpt2 | hf-llama (Hugging Face transformers, built from a tiny config) | hf-llama-untied (its own
+    # LM head, which tensor parallelism splits)
+    model: str = "tiny"
     dtype: str = "fp32"
     # adamw | adam | sgd | adafactor | muon+adamw (two optimizers) | adamw-block (as an `optimizer` block builds it)
     optimizer: str = "adamw"
@@ -98,10 +100,13 @@ def make_model(case: Case) -> torch.nn.Module:
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                          bos_token_id=0, eos_token_id=0)
         return transformers.GPT2LMHeadModel(config)
-    if case.model == "hf-llama":
-        config = transformers.LlamaConfig(vocab_size=67, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-                                          tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+    if case.model in ("hf-llama", "hf-llama-untied"):
+        tied = case.model == "hf-llama"
+        # untied: 68 words, so that a tensor degree of 2 or 4 splits the LM head's outputs (the batches use 67)
+        config = transformers.LlamaConfig(vocab_size=67 if tied else 68, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=16, tie_word_embeddings=tied, bos_token_id=0,
+                                          eos_token_id=0)
         return transformers.LlamaForCausalLM(config)
     raise ValueError(f"unknown model {case.model!r}")
 
@@ -353,7 +358,7 @@ def _run_reference(case: Case, ranks_per_step: list[int]) -> dict:
     scaler = make_loss_scaler(LossScaling(initial_scale_power=case.initial_scale_power, hysteresis=1)
                               if case.dtype == "fp16" else None)
     master_grads = [torch.zeros_like(m) for m, _ in pairs]
-    losses, skipped = [], []
+    losses, skipped, norms = [], [], []
     for step, ranks in enumerate(ranks_per_step):
         used = [False] * len(pairs)
         for micro in range(case.accumulation):
@@ -369,6 +374,7 @@ def _run_reference(case: Case, ranks_per_step: list[int]) -> dict:
                         used[index] = True
         for grad, (m, _), got in zip(master_grads, pairs, used):
             m.grad = grad / ranks / scaler.scale if got else None  # the mean over the union's N batches
+        norms.append(math.sqrt(sum(m.grad.double().square().sum().item() for m, _ in pairs if m.grad is not None)))
         skipped.append(clip_and_step(pairs, case, scaler, optimizers))
         for grad, (m, _) in zip(master_grads, pairs):
             grad.zero_()
@@ -377,7 +383,8 @@ def _run_reference(case: Case, ranks_per_step: list[int]) -> dict:
             with torch.no_grad():
                 for m, c in pairs:
                     c.copy_(m)
-    return {"losses": losses, "skipped": skipped, "params": fp32_state(compute), "master": fp32_state(master),
+    return {"losses": losses, "skipped": skipped, "norms": norms, "params": fp32_state(compute),
+            "master": fp32_state(master),
             "step_counts": reference_step_counts(master, optimizers)}
 
 

@@ -24,6 +24,7 @@ import torch
 from zerokit.comm import CommStats, Transfer
 from zerokit.flat.buffers import copy_edits
 from zerokit.tiers.copies import copy_to_host
+from zerokit.tiers.pinned import host_buffer
 
 if TYPE_CHECKING:
     from zerokit.tiers.swap import SwapDirectory
@@ -126,10 +127,10 @@ class HostHome:
         pin = pin_memory and torch.cuda.is_available()  # page-locking needs the CUDA driver
         self.compute, self.stats, self.io = compute, stats, io
         self.crosses = io.tier == "device"  # publishing crosses to the device (not so for offloaded params)
-        self.master = torch.empty(compute.numel(), pin_memory=pin)
-        self.grad = torch.zeros(compute.numel(), pin_memory=pin)
+        self.master = host_buffer(compute.numel(), pin=pin)  # See [Note: pinned memory of the size asked for]
+        self.grad = host_buffer(compute.numel(), pin=pin, zeroed=True)
         # a 16-bit copy to send, so that half the bytes cross the bus (cast on the host, as DeepSpeed does)
-        self.staging = (torch.empty(compute.numel(), dtype=compute.dtype, pin_memory=pin)
+        self.staging = (host_buffer(compute.numel(), dtype=compute.dtype, pin=pin)
                         if self.crosses and compute.is_cuda and compute.dtype != torch.float32 else None)
         self._copied: torch.cuda.Event | None = None
         self._has_grad = False

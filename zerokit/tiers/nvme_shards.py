@@ -35,6 +35,7 @@ import torch
 from zerokit.comm import CommStats, Transfer
 from zerokit.config import Offload
 from zerokit.flat.layout import RankShards
+from zerokit.tiers.pinned import host_buffer
 from zerokit.tiers.preflight import check_host_memory, check_nvme
 from zerokit.tiers.read_order import ReadOrder
 from zerokit.tiers.swap import BufferPool, SwapDirectory, round_up
@@ -79,7 +80,7 @@ class _Allocation:
                 size = min(chunk_numel, numel - start)
                 self.chunks[begin].append(Chunk((name, offset), start, size))
                 offset += round_up(size * self.element)
-        self.cache = torch.zeros(cached, dtype=dtype, pin_memory=pin)
+        self.cache = host_buffer(cached, dtype=dtype, pin=pin, zeroed=True)  # See zerokit/tiers/pinned.py
         self.file_bytes = offset
 
     def locate(self, shard: torch.Tensor) -> tuple[int, int, int]:

@@ -21,6 +21,7 @@ import torch
 from zerokit.comm import CommStats, Transfer
 from zerokit.flat.layout import RankShards
 from zerokit.tiers.copies import on_copy_stream
+from zerokit.tiers.pinned import host_buffer
 from zerokit.tiers.preflight import check_host_memory
 
 
@@ -85,7 +86,7 @@ class HostShards(_MemoryShards):
     def allocate(self, local: RankShards, dtype: torch.dtype) -> torch.Tensor:
         element = torch.empty((), dtype=dtype).element_size()
         check_host_memory("zero_optimization.offload_param", local.numel * element)
-        return torch.zeros(local.numel, dtype=dtype, pin_memory=self.pin)
+        return host_buffer(local.numel, dtype=dtype, pin=self.pin, zeroed=True)  # See zerokit/tiers/pinned.py
 
     def issuing(self) -> ContextManager[None]:
         """The copy stream: See [Note: a parameter shard fetched ahead] in zerokit/tiers/copies.py."""

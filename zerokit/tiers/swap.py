@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from zerokit.tiers.pinned import host_buffer
+
 ALIGN = 4096
 SWAP_FOLDER = "zerokit-swap"
 
@@ -49,12 +51,12 @@ def round_up(value: int, multiple: int = ALIGN) -> int:
 
 
 def aligned_bytes(nbytes: int, pin_memory: bool = False) -> torch.Tensor:
-    """A 1-D uint8 tensor of round_up(nbytes) bytes whose address is a multiple of ALIGN: pinned (CUDA's
-    page-locked allocator), or pages mapped for it alone (See [Note: a bounded pool of swap buffers])."""
+    """A 1-D uint8 tensor of round_up(nbytes) bytes whose address is a multiple of ALIGN: pinned (page-locked
+    by zerokit/tiers/pinned.py), or pages mapped for it alone (See [Note: a bounded pool of swap buffers])."""
     size = round_up(max(nbytes, 1))
     if not (pin_memory and torch.cuda.is_available()):
         return torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)  # page-aligned; unmapped when freed
-    raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=True)
+    raw = host_buffer(size + ALIGN, dtype=torch.uint8, pin=True)  # See [Note: pinned memory of the size asked for]
     start = (-raw.data_ptr()) % ALIGN
     return raw[start:start + size]
 

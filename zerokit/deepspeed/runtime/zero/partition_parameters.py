@@ -1,5 +1,6 @@
 """`deepspeed.runtime.zero.partition_parameters` for zerokit: the names transformers reads and swaps around
-zero.Init (to keep torch.arange's dtype while RoPE buffers are built).
+zero.Init (to keep torch.arange's dtype while RoPE buffers are built), and ZeroParamStatus (TRL compares a
+parameter's ds_status with it: See zerokit/deepspeed/zero3_params.py).
 
 DeepSpeed's zero.Init wraps torch's tensor constructors with zero_wrapper_for_fp_tensor_constructor (each new
 floating tensor made on the accelerator in the config's dtype). zerokit's zero.Init builds on the meta device
@@ -15,6 +16,7 @@ import torch
 
 from zerokit.deepspeed.accelerator import get_accelerator
 from zerokit.deepspeed.zero import GatheredParameters, Init
+from zerokit.deepspeed.zero3_params import ZeroParamStatus
 
 _orig_torch_arange = torch.arange  # the constructor transformers tells apart (by identity)
 
@@ -35,4 +37,4 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.
 
 
 __all__ = ["zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange", "get_accelerator", "Init",
-           "GatheredParameters"]
+           "GatheredParameters", "ZeroParamStatus"]

@@ -141,10 +141,12 @@ class ShardMasters:
         unscale_(grads, scale)
         if not uncounted:
             return square_sum(grads)
-        left_out = [grad[piece.offset:piece.offset + piece.param.numel()]
-                    for pieces, grad in zip(self.pieces, grads) for piece in pieces if piece.param_index in uncounted]
-        counted = [grad[piece.offset:piece.offset + piece.param.numel()]
-                   for pieces, grad in zip(self.pieces, grads) for piece in pieces if piece.param_index not in uncounted]
+        counted: list[torch.Tensor] = []
+        left_out: list[torch.Tensor] = []
+        for pieces, grad in zip(self.pieces, grads):
+            for piece in pieces:
+                view = grad[piece.offset:piece.offset + piece.param.numel()]
+                (left_out if piece.param_index in uncounted else counted).append(view)
         return square_sum(counted) + 0.0 * square_sum(left_out)
 
     def drop_unused(self, used: Sequence[bool] | None) -> None:

@@ -35,13 +35,15 @@ def test_a_plan_takes_well_under_a_second():
 
 
 def test_offload_comes_before_checkpointing():
-    """A 13B model on 2 GPUs at seq 2048: no stage fits on the GPU alone (ZeRO-3 needs 124.4 GB), so the
-    tree offloads the optimizer (ZeRO-1 then keeps 26 + 26 GB of parameters and gradients plus activations,
-    69.3 GB) before it turns checkpointing on."""
+    """A 13B model on 2 GPUs at seq 2048: no stage fits on the GPU alone (ZeRO-3 needs 124.4 GB), nor with the
+    2 GPUs as one tensor group (tried next: See [Note: a tensor degree in the tree]), so the tree offloads the
+    optimizer (ZeRO-1 then keeps 26 + 26 GB of parameters and gradients plus activations, 69.3 GB) before it turns
+    checkpointing on."""
     p = plan(model="llama2-13b", gpu="a100-80gb", gpus_per_node=2, seq_len=2048)
     names = labels(p)
     assert names[:4] == [f"ZeRO-{s}, no offload, no checkpointing" for s in range(4)]
-    assert names[4] == "ZeRO-1, optimizer->cpu, no checkpointing"
+    assert names[4:8] == [f"ZeRO-{s} + tp=2, no offload, no checkpointing" for s in range(4)]
+    assert names[8] == "ZeRO-1, optimizer->cpu, no checkpointing"
     assert p.pick.offload.any and p.pick.training.checkpointing == "none"
 
 
@@ -84,9 +86,31 @@ def test_micro_batch_search_stops_at_the_cap():
 
 
 def test_requested_micro_batch_that_fits_nowhere_is_shrunk():
-    p = plan(make_scenario("llama2-13b", seq_len=4096, micro_batch=64), Policy(offload="none"))
+    p = plan(make_scenario("llama2-13b", seq_len=4096, micro_batch=64), Policy(offload="none", tensor="none"))
     assert p.pick is not None and p.pick.training.micro_batch < 64
     assert any("fits nowhere" in n for n in p.notes)
+
+
+def test_stage3_under_a_pipeline_is_priced_with_both_gatherings():
+    """zerokit.pipeline's stage3_gathering (See [Note: stage 3 under a pipeline: gather once per step, or per
+    micro-batch]): "micro_batch" gathers the root and the 20 blocks of a 13B stage for each of 8 micro-batches' forwards
+    and the blocks again for their backwards, one block live; "step" gathers them once, before the schedule (exposed),
+    and holds the stage's 16-bit parameters all step. The tree tries both on ZeRO-3's rung."""
+    scenario = make_scenario("llama2-13b", seq_len=4096, nodes=2, pp=2, grad_accum=8)
+    per_micro, per_step = (estimate(scenario.with_training(stage3_gathering=g), 3) for g in ("micro_batch", "step"))
+
+    def gathers(e):
+        return sum(c.calls for c in e.comm.collectives if c.kind == "all_gather")
+
+    assert (gathers(per_micro), gathers(per_step)) == (8 * 21 + 8 * 20, 21)
+    rank = per_step.scenario.rank
+    held = (rank.total - rank.root - 2 * rank.unit) * 2  # bf16: every unit live instead of the root and two blocks
+    assert per_step.memory.buffers - per_micro.memory.buffers == held
+    assert per_step.comm.seconds < per_micro.comm.seconds
+    assert per_step.label == "ZeRO-3 (gathered once per step), no offload, no checkpointing"
+    longer = scenario.with_training(seq_len=8192)  # where stages 0-2 do not fit and the tree reaches ZeRO-3
+    tried = [a.label for a in plan(longer).attempts if a.stage == 3][:2]
+    assert tried == ["ZeRO-3, no offload, no checkpointing", per_step.label]
 
 
 def test_pipeline_allows_every_stage_as_zerokit_pipeline_trains_them():

@@ -167,8 +167,15 @@ def test_emit_refuses_what_the_target_cannot_express():
     with pytest.raises(ValueError, match="no hybrid ZeRO-1"):
         emit(estimate(hsdp, 1), "fsdp")
     assert 'mesh_dim_names=("replicate", "shard")' in emit(estimate(hsdp, 3), "fsdp").config
-    with pytest.raises(ValueError, match="on paper only"):
-        emit(estimate(make_scenario("llama2-13b", nodes=2, tp=8), 1), "zerokit")
+    # Changed deliberately: zerokit trains a tensor degree (tensor_parallel.autotp_size, ZeRO 0-3), DeepSpeed's
+    # AutoTP at ZeRO 0-2; FSDP's is model code
+    tensor = make_scenario("llama2-13b", nodes=2, tp=8)
+    assert emit(estimate(tensor, 3), "zerokit").config["tensor_parallel"] == {"autotp_size": 8}
+    assert emit(estimate(tensor, 1), "deepspeed").config["tensor_parallel"] == {"autotp_size": 8}
+    with pytest.raises(ValueError, match="AutoTP training takes ZeRO 0-2, not ZeRO-3 with tp=8"):
+        emit(estimate(tensor, 3), "deepspeed")
+    with pytest.raises(ValueError, match="set up in model code"):
+        emit(estimate(tensor, 2), "fsdp")
     with pytest.raises(ValueError, match="emit target 'megatron' is not accepted"):
         emit(estimate(scenario, 3), "megatron")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from zerokit.planner import plan
+from zerokit.planner import Policy, make_scenario, plan
 from zerokit.planner.estimate import estimate
 from zerokit.planner.memo import render_memo
 from zerokit.planner.spec import Layout
@@ -15,7 +15,7 @@ from zerokit.planner.tensor_degree import pick_at_its_largest, tensor_degrees, t
 
 def test_on_a100_80gb_no_tensor_degree_beats_flat_zero3() -> None:
     p = plan(model="llama2-13b", seq_len=4096, gpu="a100-80gb")
-    assert tensor_degrees(p) == [2, 4, 8]  # 40 heads, 40 key-value heads, 8 GPUs
+    assert tensor_degrees(p.scenario) == [2, 4, 8]  # 40 heads, 40 key-value heads, 8 GPUs
     options = tensor_options(p)
     base = pick_at_its_largest(p)
     assert p.pick.label == "ZeRO-3, no offload, no checkpointing"
@@ -27,7 +27,9 @@ def test_on_a100_80gb_no_tensor_degree_beats_flat_zero3() -> None:
 
 
 def test_on_a100_40gb_a_tensor_degree_avoids_recomputation_and_changes_the_pick() -> None:
-    p = plan(model="llama2-13b", seq_len=4096, gpu="a100-40gb")
+    """The flat tree (Policy(tensor="none")) recomputes; the memo sets tp=4 beside it, faster without recomputation;
+    and the tree with tensor degrees (the default) picks it: See [Note: a tensor degree in the tree]."""
+    p = plan(make_scenario("llama2-13b", seq_len=4096, gpu="a100-40gb"), Policy(tensor="none"))
     assert p.pick.label == "ZeRO-3, no offload, full checkpointing"
     by_degree = {o.scenario.layout.tp: o for o in tensor_options(p)}
     tp4 = by_degree[4]
@@ -39,3 +41,12 @@ def test_on_a100_40gb_a_tensor_degree_avoids_recomputation_and_changes_the_pick(
     assert tp4.scenario.layout == Layout(tp=4)
     memo = render_memo(p)
     assert "## Inside the node: a tensor degree" in memo and "tp=4 with ZeRO-3 at micro-batch 1 would change the pick" in memo
+    tree = plan(model="llama2-13b", seq_len=4096, gpu="a100-40gb")
+    assert tree.pick.label == "ZeRO-3 + tp=4, no offload, no checkpointing"
+    assert tree.pick.tokens_per_second == pytest.approx(tp4.tokens_per_second)
+    tried = [a.label for a in tree.attempts]  # flat stages, then t = 2 and 4, each at stages 0-3, before offload
+    assert tried[:4] == [f"ZeRO-{s}, no offload, no checkpointing" for s in range(4)]
+    assert tried[4:12] == [f"ZeRO-{s} + tp={t}, no offload, no checkpointing" for t in (2, 4) for s in range(4)]
+    why = next(r for r in tree.reasons if r.startswith("no stage fits flat"))
+    assert "activations 32.2 GB -> 8.0 GB" in why and "tensor_parallel.autotp_size=4" in why
+    assert "**ZeRO-3 + tp=4, no offload, no activation checkpointing, micro-batch 1**" in render_memo(tree)

@@ -147,6 +147,9 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
     pol = p.add_argument_group("policy and assumptions")
     pol.add_argument("--headroom", type=finite_float, default=0.10, help="fraction of GPU memory left free")
     pol.add_argument("--offload", default="auto", choices=("auto", "none"))
+    pol.add_argument("--tensor", default="auto", choices=("auto", "none"),
+                     help="auto: where no stage fits on the GPU alone, try a tensor degree inside the node before "
+                          "offloading; none: flat layouts only")
     pol.add_argument("--max-micro-batch", type=int, default=1024)
     pol.add_argument("--mfu", type=finite_float, default=0.40, help="achieved / peak FLOPS")
     pol.add_argument("--bandwidth-efficiency", type=finite_float, default=0.80)
@@ -325,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give the model: --model, --params or --arch (or --check RUN, or --measure-device)")
     scenario = scenario_from_args(args)
     policy = Policy(headroom=args.headroom, checkpointing=args.checkpointing, offload=args.offload,
-                    max_micro_batch=args.max_micro_batch)
+                    tensor=args.tensor, max_micro_batch=args.max_micro_batch)
     result = plan(scenario, policy)
     emitted = None
     if args.emit:

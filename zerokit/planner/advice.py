@@ -3,6 +3,7 @@
 [Note: decision tree]
     for checkpointing in (none, full)            # full only if none fails (or as the user fixed it)
         1. lowest ZeRO stage 0..3 that fits on the GPU with headroom, nothing offloaded
+        1b. else a tensor degree t inside the node, smallest first, each at stages 0..3
         2. else offload tiers, each from the lowest stage it allows, with room on the host:
            optimizer -> CPU (stage >= 1); + parameters -> CPU (stage 3);
            optimizer -> NVMe (stage >= 1); + parameters -> NVMe (stage 3)
@@ -10,8 +11,20 @@
     then: the largest micro-batch that fits the chosen configuration
 Under pipeline parallelism every stage is tried, as zerokit.pipeline trains them (DeepSpeed's PipelineEngine
 refuses ZeRO-2 and ZeRO-3); stage 2 then reduces once per optimizer step, and stage 3 is priced gathering per
-micro-batch, the upper bound of zerokit.pipeline's two settings. The first configuration that fits is the
-pick; the reasons quote the numbers of everything tried before it.
+micro-batch and gathering once per step (zerokit.pipeline's two settings) as two forms of its rung, the faster that
+fits winning. The first configuration that fits is the pick; the reasons quote the numbers of everything tried
+before it.
+
+[Note: a tensor degree in the tree]
+Where no stage fits on the GPU alone, flat or hybrid, the tree tries tensor parallelism inside the node before it
+offloads: for each degree t dividing the node's GPUs and the heads (smallest first), stages 0-3 of ZeRO over the
+N / t replicas. A tensor group splits what ZeRO cannot: the activations (/ t), besides the model states (/ t before
+ZeRO shards them); it costs four all-reduces of a block's activations per micro-batch on the node's links, and a step
+trains 1 / t of the tokens at the same micro-batch, while an offload tier's step is bound by PCIe and the host. So
+where activations, not states, overflow the GPU, a tensor degree is the rung that fits without recomputation; the
+memo's "Inside the node" section still sets every degree beside the pick where a tensor degree is not the pick.
+zerokit trains the pick as `tensor_parallel.autotp_size` (docs/tensor_parallel.md); Policy(tensor="none") keeps the
+tree flat.
 
 [Note: hybrid sharding in the tree]
 On more than one node (and a flat layout as asked), step 1 tries beside each flat stage its hybrid
@@ -81,12 +94,39 @@ def hybrid_layouts(scenario: Scenario, stage: int) -> tuple[Layout, ...]:
     return tuple(forms + ([Layout(secondary=cluster.gpus_per_node)] if stage == 3 else []))
 
 
+def tensor_degrees(scenario: Scenario) -> list[int]:
+    """The degrees t > 1 a tensor group inside one node can take for this model: divisors of the node's GPUs that
+    divide the attention and key-value heads (none for a layout asked for, or without the model's shapes)."""
+    arch, cluster = scenario.model.architecture, scenario.cluster
+    if arch is None or scenario.layout != Layout():
+        return []
+    heads = [arch.n_heads, arch.n_kv_heads]
+    return [t for t in range(2, cluster.gpus_per_node + 1)
+            if cluster.gpus_per_node % t == 0 and all(h % t == 0 for h in heads)]
+
+
+def other_gathering(scenario: Scenario, stage: int) -> tuple[Scenario, ...]:
+    """Stage 3 under a pipeline: the scenario with zerokit.pipeline's other stage3_gathering, the fastest that fits
+    winning the rung (units held through the step: one gather of the stage per step, the stage's parameters live;
+    gathered per micro-batch: 2m gathers, one unit live)."""
+    if stage != 3 or scenario.layout.pp == 1:
+        return ()
+    other = "step" if scenario.training.stage3_gathering == "micro_batch" else "micro_batch"
+    return (scenario.with_training(stage3_gathering=other),)
+
+
 def _rungs(scenario: Scenario, policy: Policy) -> Iterator[tuple[tuple[Scenario, int, Offload], ...]]:
-    """The tree's rungs in order; each is a flat configuration and its hybrid forms, tried together."""
+    """The tree's rungs in order; each is a flat configuration and its hybrid forms, tried together. See [Note:
+    decision tree] and [Note: a tensor degree in the tree]."""
     stages = allowed_stages(scenario.layout)
     for stage in stages:
-        forms = (scenario, *(replace(scenario, layout=layout) for layout in hybrid_layouts(scenario, stage)))
+        forms = (scenario, *(replace(scenario, layout=layout) for layout in hybrid_layouts(scenario, stage)),
+                 *other_gathering(scenario, stage))
         yield tuple((form, stage, Offload()) for form in forms)
+    if policy.tensor == "auto":
+        for t in tensor_degrees(scenario):
+            for stage in stages:
+                yield ((replace(scenario, layout=Layout(tp=t)), stage, Offload()),)
     if policy.offload == "auto":
         for tier in OFFLOAD_TIERS:
             for stage in stages:
@@ -299,6 +339,8 @@ def reasons(p: Plan) -> list[str]:
         skipped = [a for a in p.attempts if not a.fits and a.offload.any and a.training.checkpointing == ckpt]
         if skipped:
             out.append(f"cheaper offload tiers do not fit either: {_failure(skipped[-1], p.policy)}")
+    if pick.scenario.layout.tp > 1 and p.scenario.layout == Layout():
+        out.append(_tensor_reason(p))
     out.append(f"{pick.label} fits: {gb(pick.memory.total)} of {_usable(pick, p.policy)}, "
                f"{gb(pick.usable - pick.memory.total)} to spare; largest parts {_biggest(pick)}")
     out.append(_comm_reason(pick))
@@ -319,6 +361,21 @@ def reasons(p: Plan) -> list[str]:
     return out
 
 
+def _tensor_reason(p: Plan) -> str:
+    """Why a tensor degree: no flat stage fit on the GPU alone (See [Note: a tensor degree in the tree])."""
+    pick = p.pick
+    t = pick.scenario.layout.tp
+    flat = next((a for a in p.attempts if a.stage == pick.stage and a.scenario.layout == Layout()
+                 and a.offload == pick.offload and a.training == pick.training), None)
+    split = (f"activations {gb(flat.memory.activations)} -> {gb(pick.memory.activations)}, model states "
+             f"{gb(flat.memory.model_states)} -> {gb(pick.memory.model_states)} per GPU" if flat else
+             f"activations and model states / {t}")
+    return (f"no stage fits flat on the GPU alone, so the tree tries tensor parallelism inside the node before "
+            f"offloading: tp={t} splits every block's matrices over {t} GPUs ({split}) at the cost of four all-"
+            f"reduces of a block's activations per micro-batch on {pick.scenario.cluster.intra_link.name}, with "
+            f"{pick.scenario.cluster.world // t} replicas reading data (zerokit: tensor_parallel.autotp_size={t})")
+
+
 def _crossing(result: Estimate) -> str:
     return (f"{result.label.split(',')[0]}: {gb(result.comm.cross_node_bytes)} across nodes per GPU per step, "
             f"{result.exposed_comm_seconds:.2f} s of communication exposed, step {result.step_seconds:.2f} s")
@@ -329,7 +386,8 @@ def _hybrid_reasons(p: Plan) -> list[str]:
     tree]), or what kept a hybrid form off it."""
     pick = p.pick
     rung = [a for a in p.attempts if a.stage == pick.stage and a.offload == pick.offload
-            and a.training.checkpointing == pick.training.checkpointing and a is not pick]
+            and a.training.checkpointing == pick.training.checkpointing and a is not pick
+            and a.scenario.layout.tp == pick.scenario.layout.tp]
     if not rung:
         return []
     out = [f"fastest of the forms of ZeRO-{pick.stage} that fit: {_crossing(pick)}"]

@@ -65,8 +65,9 @@ from zerokit.settings import ring_share
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send_recv",
          "host_to_device", "device_to_host", "nvme_read", "nvme_write")  # the last four: offload transfers
-PHASES = ("first_forward", "forward", "backward", "boundary", "after_step", "critical", "init")
-"""first_forward: overlaps the first micro-step's forward (hpZ's gathers over every rank; then "forward" holds
+PHASES = ("step_start", "first_forward", "forward", "backward", "boundary", "after_step", "critical", "init")
+"""step_start: before the step's first micro-batch, exposed (stage 3 under a pipeline gathering once per step);
+first_forward: overlaps the first micro-step's forward (hpZ's gathers over every rank; then "forward" holds
 the other micro-steps'); forward/backward: overlaps that pass of every micro-step; boundary: overlaps the last backward;
 after_step: after the optimizer step, exposed; critical: on the compute path (tensor/pipeline
 parallel), exposed; init: once before training."""
@@ -231,11 +232,13 @@ def stage3_blocks(model: ModelSpec, layout: Layout, bucket_elements: int, total:
 
 
 def _stage3(rank: RankParams, training: Training, group: Group, blocks: int,
-            secondary: Group | None = None) -> list[Collective]:
+            secondary: Group | None = None, once_per_step: bool = False) -> list[Collective]:
     """Per micro-step: the root once and every block before its forward; every block again before its
     backward; one reduce-scatter per unit (zerokit/stages/stage3.py). A whole-tensor optimizer's parameters
     are broadcast from their owner instead of gathered, and their gradients reduced to it. With hpZ
-    (`secondary`), every gather after the first micro-step's forward is over the secondary group."""
+    (`secondary`), every gather after the first micro-step's forward is over the secondary group.
+    `once_per_step` (a pipeline's stage3_gathering "step"): every unit gathered once before the schedule and held,
+    the reductions per micro-step as before (zerokit/pipeline/engine.py)."""
     m, p, r = training.grad_accum, training.param_bytes, training.reduce_bytes
     root = 1 if rank.root else 0
     in_blocks = rank.total - rank.root
@@ -246,6 +249,9 @@ def _stage3(rank: RankParams, training: Training, group: Group, blocks: int,
     reduce = "reduce_scatter" if training.reduces_by_scatter else "all_reduce"
     scatter = _split(reduce, _whole_reduce(training), group, "backward", m * (root + blocks), m * rank.trainable,
                      m * trainable_whole, r)
+    if once_per_step:
+        return [*_split("all_gather", "broadcast", group, "step_start", root + blocks, rank.total, forward_whole, p),
+                *scatter]
     if secondary is None:
         return [*_split("all_gather", "broadcast", group, "forward", m * (root + blocks), m * rank.total,
                         m * forward_whole, p),
@@ -288,8 +294,9 @@ def _split(kind: str, whole_kind: str, group: Group, phase: str, calls: int, ele
 
 
 def data_parallel(rank: RankParams, training: Training, stage: int, groups: dict[str, Group],
-                  blocks: int) -> list[Collective]:
-    """The ZeRO collectives of one optimizer step (see [Note: communication model])."""
+                  blocks: int, once_per_step: bool = False) -> list[Collective]:
+    """The ZeRO collectives of one optimizer step (see [Note: communication model]); `once_per_step`: stage 3's
+    gathers under a pipeline holding its units through the step."""
     m, r, g, p = training.grad_accum, training.reduce_bytes, groups, training.param_bytes
     trainable = rank.trainable
     buckets = max(1, math.ceil(trainable / max(1, training.bucket_bytes // r)))
@@ -302,7 +309,7 @@ def data_parallel(rank: RankParams, training: Training, stage: int, groups: dict
     if g["dp_shard"].size > 1:
         whole, shard = round(whole_tensor_fraction(rank, training) * trainable), g["dp_shard"]
         if stage == 3:
-            out += _stage3(rank, training, shard, blocks, g["hpz"] if g["hpz"].size > 1 else None)
+            out += _stage3(rank, training, shard, blocks, g["hpz"] if g["hpz"].size > 1 else None, once_per_step)
         elif training.reduces_every_micro_step(stage):  # stage 2 by default
             out += _split(reduce, _whole_reduce(training), shard, "backward", m * buckets, m * trainable, m * whole, r)
         else:
@@ -344,7 +351,7 @@ def communication(model: ModelSpec, rank: RankParams, training: Training, layout
                   cluster: Cluster, efficiency: float) -> CommEstimate:
     groups = make_groups(cluster, layout, rank.shard, efficiency)
     blocks = stage3_blocks(model, layout, max(1, training.bucket_bytes // training.reduce_bytes), rank.total)
-    collectives = data_parallel(rank, training, stage, groups, blocks)
+    collectives = data_parallel(rank, training, stage, groups, blocks, training.gathers_once_per_step(stage, layout))
     collectives += model_parallel(model, training, layout, groups)
     if groups["dp"].size > 1:  # rank 0's parameters reach every replica once, before training
         collectives.append(_collective("broadcast", groups["dp"], "init", 1, rank.total, training.param_bytes))
@@ -372,4 +379,5 @@ def exposed_seconds(comm: CommEstimate, forward: float, backward: float, micro_s
     exposed = _overlapped(first, forward, first_calls) + rest * _overlapped(fwd, forward, fwd_calls)
     exposed += (m - 1) * _overlapped(bwd, backward, bwd_calls)
     exposed += _overlapped(bwd + boundary, backward, bwd_calls + boundary_calls)
-    return exposed + comm.phase_seconds("after_step") + comm.phase_seconds("critical")
+    return (exposed + comm.phase_seconds("step_start") + comm.phase_seconds("after_step")
+            + comm.phase_seconds("critical"))

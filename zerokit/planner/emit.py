@@ -24,21 +24,36 @@ class Emitted:
 
 def _data_parallel_only(result: Estimate, target: str) -> None:
     """A pipeline's config is the ZeRO config of each stage's data group (zerokit.pipeline, deepspeed.pipe: the stage
-    count is the model code's); tensor parallelism, and FSDP under a pipeline, stay on paper."""
+    count is the model code's); a tensor degree is the `tensor_parallel` block zerokit (ZeRO 0-3) and DeepSpeed's
+    AutoTP training (ZeRO 0-2) read; FSDP with either stays in model code."""
     layout = result.scenario.layout
-    if layout.tp > 1 or (layout.pp > 1 and target == "fsdp"):
-        raise ValueError(f"--emit {target} writes data-parallel configs; the layout {layout.name} is on paper only "
-                         "(tensor parallelism, and FSDP under a pipeline, are set up in model code: Megatron, torch "
-                         "pipelining)")
+    if (layout.tp > 1 or layout.pp > 1) and target == "fsdp":
+        raise ValueError(f"--emit fsdp writes data-parallel code; the layout {layout.name} is set up in model code "
+                         "(torch's parallelize_module and pipelining): use --emit zerokit")
+    if layout.tp > 1 and target == "deepspeed" and result.stage == 3:
+        raise ValueError(f"DeepSpeed 0.19.8's AutoTP training takes ZeRO 0-2, not ZeRO-3 with tp={layout.tp}: use "
+                         "--emit zerokit (zerokit trains tensor_parallel.autotp_size at ZeRO-3)")
+
+
+def _tensor_block(result: Estimate) -> dict:
+    t = result.scenario.layout.tp
+    return {"tensor_parallel": {"autotp_size": t}} if t > 1 else {}
 
 
 def _notes(result: Estimate, target: str) -> tuple[str, ...]:
     notes = list(_hybrid_notes(result, target))
     pp = result.scenario.layout.pp
     if pp > 1:
+        gathering = (f', stage3_gathering="{result.training.stage3_gathering}"' if result.stage == 3 and target ==
+                     "zerokit" else "")
         notes.append(f"pipeline of {pp} stages, gradient_accumulation_steps = micro-batches per step: "
-                     f"zerokit.pipeline.initialize(stage_module, optimizer, config, Layout.resolve(world, pipeline={pp})) "
-                     f"or deepspeed.pipe.PipelineModule(layers, num_stages={pp}) with zerokit.deepspeed")
+                     f"zerokit.pipeline.initialize(stage_module, optimizer, config, Layout.resolve(world, pipeline={pp})"
+                     f"{gathering}) or deepspeed.pipe.PipelineModule(layers, num_stages={pp}) with zerokit.deepspeed")
+    tp = result.scenario.layout.tp
+    if tp > 1 and target != "fsdp":
+        notes.append(f"tensor_parallel.autotp_size={tp} splits the model by its Hugging Face tp_plan over {tp} "
+                     "consecutive ranks of a node; the batch sizes count every rank, tensor ranks included, as "
+                     "DeepSpeed's AutoTP does (docs/tensor_parallel.md)")
     if result.training.checkpointing == "full":
         notes.append("activation checkpointing is not a config key: wrap each transformer block, e.g. "
                      "model.gradient_checkpointing_enable() (Hugging Face) or torch.utils.checkpoint "
@@ -114,7 +129,7 @@ def emit_zerokit(result: Estimate, clipping: float = DEFAULT_CLIPPING) -> dict:
     zero.update(hybrid)
     zero.update(_stage3_limits(result))
     zero.update(_offload_blocks(result, {"pin_memory": True}))
-    return {**_common(result, clipping), **top, "zero_optimization": zero}
+    return {**_common(result, clipping), **top, **_tensor_block(result), "zero_optimization": zero}
 
 
 def _stage3_limits(result: Estimate) -> dict:
@@ -139,7 +154,7 @@ def emit_deepspeed(result: Estimate, clipping: float = DEFAULT_CLIPPING) -> dict
     zero.update(_hybrid_keys(result, ranks_per_node=False)[0])
     zero.update(_stage3_limits(result))
     zero.update(_offload_blocks(result, {"pin_memory": True}))
-    return {**_common(result, clipping), "zero_optimization": zero}
+    return {**_common(result, clipping), **_tensor_block(result), "zero_optimization": zero}
 
 
 _TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}

@@ -110,10 +110,12 @@ class Estimate:
 
     @property
     def mode(self) -> str:
-        """ZeRO-s, and the hybrid sharding it runs with: MiCS over s ranks, or hpZ's k."""
+        """ZeRO-s, and the hybrid sharding it runs with: MiCS over s ranks, or hpZ's k; and its tensor degree."""
         layout, shard = self.scenario.layout, self.scenario.shard
         hybrid = {"mics": f" + MiCS s={shard}", "hpz": f" + hpZ k={layout.secondary}", "": ""}[self.hybrid]
-        return f"ZeRO-{self.stage}{hybrid}"
+        tensor = f" + tp={layout.tp}" if layout.tp > 1 else ""
+        held = " (gathered once per step)" if self.training.gathers_once_per_step(self.stage, layout) else ""
+        return f"ZeRO-{self.stage}{hybrid}{tensor}{held}"
 
     @property
     def label(self) -> str:

@@ -252,15 +252,16 @@ def activation_bytes(model: ModelSpec, training: Training, layout: Layout, calib
 
 # --- temporary buffers --------------------------------------------------------------------------
 
-def buffer_bytes(rank: RankParams, training: Training, stage: int) -> int:
+def buffer_bytes(rank: RankParams, training: Training, stage: int, held: bool = False) -> int:
     """Communication staging: gradient buckets (stages 0-2); for stage 3 the engine's design
     (zerokit/stages/stage3.py): the root stays gathered all step, at most two blocks are live (the
     one computing and the prefetched or not-yet-reduced one), the root's gradients are staged in the
-    reduce dtype through backward, and up to three block buckets are staged or in flight."""
+    reduce dtype through backward, and up to three block buckets are staged or in flight. `held`: a pipeline
+    stage's units gathered once and held through the step (stage3_gathering "step"): all of them live."""
     n = rank.shard
     if stage == 3:
         in_flight = IN_FLIGHT_BUCKETS if training.overlap_comm else 1
-        live = (rank.root + 2 * rank.unit) * training.param_bytes
+        live = (rank.total if held else rank.root + 2 * rank.unit) * training.param_bytes
         staged = (rank.root + in_flight * rank.unit) * training.reduce_bytes
         return live + staged
     bucket = min(training.bucket_bytes, rank.trainable * training.reduce_bytes)
@@ -288,7 +289,8 @@ def memory_breakdown(model: ModelSpec, rank: RankParams, training: Training, lay
         transient = max(0, math.ceil((max(peaks.values()) - calibration.activations(b, s, model.architecture.n_layers))
                                      / layout.tp))
     return MemoryBreakdown(parameters=parameters, gradients=gradients, optimizer_state=optimizer,
-                           activations=activations, buffers=buffer_bytes(rank, training, stage),
+                           activations=activations,
+                           buffers=buffer_bytes(rank, training, stage, training.gathers_once_per_step(stage, layout)),
                            overhead=assumptions.overhead_bytes + transient)
 
 

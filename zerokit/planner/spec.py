@@ -21,6 +21,7 @@ CHECKPOINTING = ("none", "full")
 ATTENTION = ("flash", "eager")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 BACKENDS = ("nccl", "gloo")
+STAGE3_GATHERINGS = ("micro_batch", "step")  # zerokit.pipeline's stage3_gathering
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 BYTES_PER_ELEMENT = ELEMENT_BYTES  # the engine's table (zerokit/settings.py)
@@ -107,6 +108,10 @@ class Training:
     """zero_optimization.reduce_scatter: True or False forces the choice; None leaves it to the backend."""
     persistence_threshold: int = STAGE3_PARAM_PERSISTENCE_THRESHOLD
     """Stage 3: parameters with fewer elements join the root unit (gathered once per step)."""
+    stage3_gathering: str = "micro_batch"
+    """Stage 3 under a pipeline (zerokit.pipeline's stage3_gathering): "micro_batch" gathers every unit for each
+    micro-batch's forward and backward; "step" gathers the stage's units once, before the schedule, and holds them
+    through the step. The tree tries both (advice.py)."""
     trainable: Trainable = field(default_factory=Trainable)
 
     def __post_init__(self) -> None:
@@ -116,6 +121,7 @@ class Training:
         _choice("attention", self.attention, ATTENTION)
         _choice("reduce dtype", self.reduce_dtype, PRECISIONS)
         _choice("backend", self.backend, BACKENDS)
+        _choice("stage-3 gathering", self.stage3_gathering, STAGE3_GATHERINGS)
         for name in ("seq_len", "micro_batch", "grad_accum", "bucket_bytes"):
             _positive_int(name.replace("_", " "), getattr(self, name))
 
@@ -143,6 +149,10 @@ class Training:
     @property
     def reduces_by_scatter(self) -> bool:
         return reduces_by_scatter(self.backend, self.reduce_scatter)
+
+    def gathers_once_per_step(self, stage: int, layout: "Layout") -> bool:
+        """Stage 3 under a pipeline with its units held through the step (zerokit/pipeline/engine.py)."""
+        return stage == 3 and layout.pp > 1 and self.stage3_gathering == "step"
 
     def reduces_every_micro_step(self, stage: int) -> bool:
         """Whether gradients leave the rank every micro-step at `stage` (the engine's decision)."""
@@ -277,6 +287,8 @@ class Policy:
     """auto: turn on full activation checkpointing only if nothing fits without it; none | full: fixed."""
     offload: str = "auto"
     """auto: try CPU then NVMe offload if no stage fits on the GPU alone; none: never offload."""
+    tensor: str = "auto"
+    """auto: try a tensor degree inside the node before offloading (advice.py); none: flat layouts only."""
     max_micro_batch: int = 1024
     """Upper bound of the largest-micro-batch search."""
 
@@ -284,4 +296,5 @@ class Policy:
         _fraction("headroom", self.headroom, low=0.0, high=1.0, closed_high=False)
         _choice("checkpointing policy", self.checkpointing, ("auto",) + CHECKPOINTING)
         _choice("offload policy", self.offload, ("auto", "none"))
+        _choice("tensor policy", self.tensor, ("auto", "none"))
         _positive_int("max micro batch", self.max_micro_batch)

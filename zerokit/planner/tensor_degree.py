@@ -16,20 +16,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from zerokit.planner.advice import Plan, largest_micro_batch
+from zerokit.planner.advice import Plan, largest_micro_batch, tensor_degrees
 from zerokit.planner.estimate import Estimate, estimate
 from zerokit.planner.spec import Layout
-
-
-def tensor_degrees(p: Plan) -> list[int]:
-    """The degrees t > 1 a tensor group inside one node can take for this model: divisors of the node's GPUs that
-    divide the attention and key-value heads (none without a pick, a flat layout or the model's shapes)."""
-    arch, cluster = p.scenario.model.architecture, p.scenario.cluster
-    if p.pick is None or arch is None or p.scenario.layout != Layout():
-        return []
-    heads = [arch.n_heads, arch.n_kv_heads]
-    return [t for t in range(2, cluster.gpus_per_node + 1)
-            if cluster.gpus_per_node % t == 0 and all(h % t == 0 for h in heads)]
 
 
 def tensor_options(p: Plan) -> list[Estimate]:
@@ -37,7 +26,9 @@ def tensor_options(p: Plan) -> list[Estimate]:
     micro-batch they fit (See [Note: a tensor degree beside the pick])."""
     found = []
     choices = ("none", "full") if p.policy.checkpointing == "auto" else (p.policy.checkpointing,)
-    for t in tensor_degrees(p):
+    if p.pick is None:
+        return []
+    for t in tensor_degrees(p.scenario):
         trials = [replace(p.scenario.with_training(checkpointing=choice, micro_batch=1), layout=Layout(tp=t))
                   for choice in choices]
         fitting = [r for laid_out in trials for r in (estimate(laid_out, stage, headroom=p.policy.headroom)
@@ -59,9 +50,10 @@ def tensor_section(p: Plan) -> list[str]:
     if not options:
         return []
     base = pick_at_its_largest(p)
-    rows = [_row("flat (the pick)", base)] + [_row(f"tp={o.scenario.layout.tp}", o) for o in options]
+    rows = [_row(f"{base.scenario.layout.name} (the pick)", base)] + [_row(o.scenario.layout.name, o)
+                                                                      for o in options]
     best = max(options, key=lambda o: o.tokens_per_second)
-    verdict = (f"tp={best.scenario.layout.tp} with {best.label.split(',')[0]} at micro-batch "
+    verdict = (f"tp={best.scenario.layout.tp} with ZeRO-{best.stage} at micro-batch "
                f"{best.training.micro_batch} would change the pick: {best.tokens_per_second:,.0f} tokens/s against "
                f"{base.tokens_per_second:,.0f}" if best.tokens_per_second > base.tokens_per_second else
                f"no tensor degree trains more tokens per second than the pick ({base.tokens_per_second:,.0f}; the "

@@ -154,6 +154,28 @@ def test_a_pipeline_checkpoint_resumes_exactly(two_by_two) -> None:
         assert result["resume"]["resumed"] == result["resume"]["straight"][2]
 
 
+def test_a_pipeline_checkpoint_loads_into_flat_zero_and_back(two_by_two) -> None:
+    """The save after step 2 loads into flat ZeRO-3 on the same 4 ranks (the stages' files read as one model), whose
+    third step on the same micro-batches reports the straight run's loss; its own save loads into a new 2 x 2
+    pipeline, whose fourth step does too: the parameters and Adam's moments crossed both ways. fp32, rtol 1e-5 as
+    this file's parity (the flat step adds the gradients in another order; measured: both losses equal; loaded
+    without the optimizer states, the fourth loss is 4.6e-3 relative away)."""
+    for result in two_by_two:
+        resume = result["resume"]
+        assert resume["flat"] == pytest.approx(resume["straight"][2], rel=1e-5)
+        assert resume["back"] == pytest.approx(resume["straight"][3], rel=1e-5)
+    assert two_by_two[0]["resume"]["consolidated"] is True  # `zerokit consolidate` of the stages: what flat loaded
+
+
+def test_stages_that_name_their_layers_locally_are_refused_into_another_layout(two_by_two) -> None:
+    """A Sequential per stage names its first layer "0" on both stages: flat ZeRO cannot tell the layers apart, so
+    every rank refuses in one line, naming what to do."""
+    for result in two_by_two:
+        message = result["locally_named"]
+        assert message.startswith("rank ") and "is on stages 0 and 1, and not as a tied weight" in message, message
+        assert "\n" not in message
+
+
 def test_stages_cut_by_torchs_tracer_train_as_stages_cut_by_hand() -> None:
     """torch's pipeline() tracer's stage modules (a GraphModule each) under zerokit engines: the same losses as the
     same layers cut by hand, on 2 ranks."""

@@ -23,6 +23,8 @@ from zerokit.checkpoint.session import close as close_checkpoints
 from zerokit.comm import Communicator
 from zerokit.config import ZeroConfig, engine_settings, hidden_size_of, load_config
 from zerokit.engine_state import engine_state_dict, load_engine_state, totals
+from zerokit.engine_checkpoints import Checkpoints
+from zerokit.checkpoint.locate import layout_directory
 from zerokit.engine_external import ExternalBackward, micro_step
 from zerokit.engine_blocks import grad_accum_dtype_lines, learning_rates, lr_schedules_for, optimizers_for
 from zerokit.layout import Layout, checked_layout
@@ -37,7 +39,7 @@ from zerokit.settings import EngineSettings
 from zerokit.stages import STAGES, BucketReducer, ZeroStage, install_hooks
 from zerokit.stages.base import memory_by_tier
 from zerokit.step import Progress, Stepper
-from zerokit.tensor.setup import batch_ranks, checkpoint_dir, parallelize, tensor_layout
+from zerokit.tensor.setup import batch_ranks, parallelize, tensor_layout
 from zerokit.tensor.setup import startup_lines as tensor_startup_lines
 from zerokit.stages.construction import ParamInit, place_model
 from zerokit.stages.view import ParameterView
@@ -46,7 +48,7 @@ from zerokit.stages.view import ParameterView
 Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]
 
 
-class Engine(ExternalBackward):
+class Engine(ExternalBackward, Checkpoints):
     def __init__(self, model: nn.Module, optimizer: Optimizers | None, config: ZeroConfig,
                  device: torch.device | None = None, param_init: ParamInit | None = None,
                  model_parameters: Iterable[Any] | None = None, layout: Layout | None = None) -> None:
@@ -176,29 +178,6 @@ class Engine(ExternalBackward):
         """The inverse of state_dict(), on the same world size, stage and layout."""
         self.progress = load_engine_state(state, self.stage, self.loss_scaler, self.lr_schedules)
 
-    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict[str, Any] | None = None,
-                        save_latest: bool = True, async_save: bool = False, within_window: bool = False) -> bool:
-        """Save the whole training state under save_dir/tag (default global_step<N>), atomically, every rank its
-        own shards; loadable at any world size and stage. async_save: return once a host copy is taken.
-        within_window: save inside an accumulation window too, without its gradients, as DDP does (refused
-        otherwise). See zerokit/checkpoint and docs/checkpoints.md."""
-        from zerokit.checkpoint import save_checkpoint
-        self._refuse_if_closed("save_checkpoint")
-        save_dir = checkpoint_dir(self.tensor, save_dir)  # See [Note: a checkpoint per tensor rank]
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest, async_save=async_save,
-                               within_window=within_window)
-
-    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True,
-                        load_module_only: bool = False, load_lr_scheduler_states: bool = True
-                        ) -> tuple[str, dict[str, Any] | None]:
-        """Resume from load_dir/tag (default: the tag in load_dir/latest), saved at any world size and stage, by
-        zerokit or DeepSpeed; returns (load_path, client_state). See zerokit/checkpoint."""
-        from zerokit.checkpoint import load_checkpoint
-        self._refuse_if_closed("load_checkpoint")
-        load_dir = checkpoint_dir(self.tensor, load_dir)  # See [Note: a checkpoint per tensor rank]
-        return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
-                               load_module_only=load_module_only, load_lr_scheduler_states=load_lr_scheduler_states)
-
     def plan_report(self, **options: Any) -> list[dict]:
         """The planner's prediction for this run beside what the run measured, row by row (category, predicted,
         measured, error); record the run first with zerokit.profiling.record_run(engine, ...). `options`:
@@ -305,5 +284,5 @@ def initialize(model: nn.Module, optimizer: Optimizers | None = None,
     layout.device_mesh(...)["tensor"]."""
     engine = Engine(model, optimizer, load_config(config), device, param_init, model_parameters, layout)
     if engine.config.resume.load_dir is not None:
-        resume_from_newest(engine, checkpoint_dir(engine.tensor, engine.config.resume.load_dir))
+        resume_from_newest(engine, layout_directory(engine.config.resume.load_dir, engine.layout))
     return engine

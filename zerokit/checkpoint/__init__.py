@@ -14,7 +14,8 @@ load.py (all ranks fail together) and consolidate.py (streaming).
 
 from zerokit.checkpoint.consolidate import Consolidated, consolidate
 from zerokit.checkpoint.files import CheckpointFileError
-from zerokit.checkpoint.load import checkpoint_directory, load_checkpoint
+from zerokit.checkpoint.load import load_checkpoint
+from zerokit.checkpoint.locate import checkpoint_directory
 from zerokit.checkpoint.manifest import Manifest, read_manifest
 from zerokit.checkpoint.newest import newest_checkpoint
 from zerokit.checkpoint.save import save_checkpoint

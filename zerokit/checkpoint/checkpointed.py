@@ -24,6 +24,9 @@ class Checkpointed(Protocol):
     loss_scaler: Any  # precision.py's DynamicLossScaler or NoLossScaler: state_dict() and load_state_dict()
     lr_schedules: list[Any]  # the LR schedules the engine steps: state_dict() and load_state_dict()
     data_position: DataPosition  # the loader or sampler whose position checkpoints save
+    layout: Any  # zerokit.Layout of the job (None: flat data parallel), See relayout.py
+    tensor: Any  # tensor/share.py's TensorShare (None: no tensor parallelism): its `split` parameters
+    tied_names: frozenset[str]  # parameters tied to copies on other pipeline stages
 
 
 __all__ = ["Checkpointed"]

@@ -31,7 +31,8 @@ import torch
 
 from zerokit.checkpoint.deepspeed_import import DeepSpeedCheckpoint, is_deepspeed_checkpoint, read_deepspeed_checkpoint
 from zerokit.checkpoint.files import Readers, TensorSpec, fsync_dir, write_file
-from zerokit.checkpoint.load import checkpoint_directory
+from zerokit.checkpoint.locate import checkpoint_directory, saved_parts
+from zerokit.checkpoint.relayout import CutReaders, open_whole
 from zerokit.checkpoint.manifest import (MANIFEST, MASTER, Manifest, ParamRecord, dtype_of, rank_file, read_manifest,
                                          values_key)
 
@@ -63,8 +64,9 @@ class _Item:
 def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, tag: str | None = None,
                 dtype: str = "fp32", trainable_only: bool = False,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Consolidated:
-    """Write the full state dict of `checkpoint` (a save_dir with `latest`, or one checkpoint's directory)
-    to `out`: one file if it ends in .safetensors, else a Hugging Face directory (model.safetensors, or
+    """Write the full state dict of `checkpoint` (a save_dir with `latest`, one checkpoint's directory, or the
+    directory a pipeline's stages or a tensor group's ranks saved their parts under, read as one whole model: See
+    relayout.py, which holds one whole parameter at a time) to `out`: one file if it ends in .safetensors, else a Hugging Face directory (model.safetensors, or
     shards of at most max_shard_bytes with model.safetensors.index.json, and config.json when the model
     was a transformers model). Floating tensors in `dtype` (fp32: the masters exactly); keys as the
     model's state_dict has them, tied ones included. trainable_only: only trainable parameters."""
@@ -76,11 +78,9 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, tag: str 
     if is_deepspeed_checkpoint(checkpoint, tag) and not (Path(checkpoint) / MANIFEST).is_file():
         return _consolidate_deepspeed(read_deepspeed_checkpoint(checkpoint, tag), Path(out), OUTPUT_DTYPES[dtype],
                                       trainable_only, max_shard_bytes, started)
-    directory = checkpoint_directory(checkpoint, tag)
-    manifest = read_manifest(directory)
+    manifest, readers = _open(Path(checkpoint), tag)
     items, skipped = _items(manifest, OUTPUT_DTYPES[dtype], trainable_only)
     out = Path(out)
-    readers = Readers(directory, manifest.files)
     try:
         if out.suffix == ".safetensors":
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -92,6 +92,19 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, tag: str 
         readers.close()
     return Consolidated(files, len(items), sum(item.spec.nbytes for item in items), time.perf_counter() - started,
                         skipped)
+
+
+def _open(checkpoint: Path, tag: str | None) -> tuple[Manifest, "Readers | CutReaders"]:
+    """The manifest and readers of a checkpoint, or of the parts a pipeline or tensor-parallel layout saved under
+    `checkpoint`, read as one whole model (See [Note: a checkpoint per stage and tensor rank, read as one] in
+    relayout.py)."""
+    parts = saved_parts(checkpoint)
+    if parts and parts != [checkpoint]:
+        source = open_whole(parts, tag)
+        return source.manifest, source.readers
+    directory = checkpoint_directory(checkpoint, tag)
+    manifest = read_manifest(directory)
+    return manifest, Readers(directory, manifest.files)
 
 
 def _items(manifest: Manifest, dtype: torch.dtype, trainable_only: bool) -> tuple[list[_Item], list[str]]:

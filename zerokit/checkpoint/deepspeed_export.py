@@ -56,7 +56,8 @@ import torch
 
 from zerokit.checkpoint.deepspeed_import import is_deepspeed_checkpoint
 from zerokit.checkpoint.files import Readers
-from zerokit.checkpoint.load import checkpoint_directory, client_state_of, saved_schedules
+from zerokit.checkpoint.load import client_state_of, saved_schedules
+from zerokit.checkpoint.locate import checkpoint_directory
 from zerokit.checkpoint.manifest import BUFFER, MASTER, MANIFEST, Manifest, ParamRecord, dtype_of, rank_file, \
     read_manifest, state_key, values_key
 from zerokit.checkpoint.optimizer_state import decode_scalar

@@ -24,43 +24,16 @@ import torch
 from zerokit.checkpoint.deepspeed_import import deepspeed_directory, is_deepspeed_checkpoint
 from zerokit.checkpoint.deepspeed_resume import DeepSpeedReaders, open_deepspeed, restore_schedule
 from zerokit.checkpoint.files import Readers
-from zerokit.checkpoint.manifest import MANIFEST, Manifest, rank_file, read_manifest
+from zerokit.checkpoint.manifest import MANIFEST, Manifest, rank_file, read_manifest, state_dict_keys
+from zerokit.checkpoint.locate import checkpoint_directory, is_checkpoint, layout_directory, saved_parts
+from zerokit.checkpoint.relayout import RelayoutSource, open_relayout, targets_of
 from zerokit.checkpoint.optimizer_state import restore_groups
 from zerokit.checkpoint.restore import check_model, restore_buffers, restore_frozen, restore_trainable
 from zerokit.checkpoint.rng import RNG_KEYS, restore_rng
-from zerokit.checkpoint.commit import LATEST
 from zerokit.checkpoint.session import session_of
 from zerokit.runtime import logger
 from zerokit.checkpoint.checkpointed import Checkpointed
 
-
-
-def checkpoint_directory(load_dir: str | os.PathLike, tag: str | None = None) -> Path:
-    """`load_dir/tag`, or the tag `load_dir/latest` names; `load_dir` itself if it is a checkpoint."""
-    load_dir = Path(load_dir)
-    if tag is None and (load_dir / MANIFEST).is_file():
-        return load_dir
-    if tag is None:
-        latest = load_dir / LATEST
-        if not latest.is_file():
-            found = sorted(p.parent.name for p in load_dir.glob(f"*/{MANIFEST}") if not p.parent.name.startswith("."))
-            raise ValueError(f"{latest}: missing, so no tag to load; pass tag= (checkpoints here: "
-                             f"{', '.join(found) or 'none'})")
-        tag = latest.read_text().strip()
-    return _moved_aside(load_dir / str(tag))
-
-
-def _moved_aside(directory: Path) -> Path:
-    """`directory`, or where a save killed in its commit left the checkpoint it was replacing: whole, and the
-    checkpoint of that tag before the killed save (See [Note: an atomic save] in save.py)."""
-    if directory.exists():
-        return directory
-    aside = sorted(p for p in directory.parent.glob(f".{directory.name}.replaced-*") if (p / MANIFEST).is_file())
-    if not aside:
-        return directory
-    logger.warning(f"{directory}: missing, as a save of that tag was killed while it replaced the checkpoint there; "
-                   f"loading that checkpoint from {aside[0].name}")
-    return aside[0]
 
 
 def load_checkpoint(engine: Checkpointed, load_dir: str | os.PathLike, tag: str | None = None,
@@ -77,12 +50,15 @@ def load_checkpoint(engine: Checkpointed, load_dir: str | os.PathLike, tag: str 
     session = session_of(engine)
     session.writer.wait()
     deepspeed = _deepspeed_checkpoint(load_dir, tag)
-    directory = deepspeed or checkpoint_directory(load_dir, tag)
+    own = layout_directory(load_dir, engine.layout)
+    parts = None if deepspeed is not None else _parts_of_another_layout(engine, Path(load_dir), own, tag)
+    directory = deepspeed or (None if parts else checkpoint_directory(own, tag))
     error, manifest, source = None, None, None
     with_state = load_optimizer_states and not load_module_only
-    if deepspeed is not None:  # every rank's files opened and checked before any rank restores anything
+    if deepspeed is not None or parts:  # every rank's files opened and checked before any rank restores anything
         try:
-            source = open_deepspeed(deepspeed, engine)
+            source = open_deepspeed(deepspeed, engine) if deepspeed is not None else _open_relayout(engine, parts, tag)
+            directory = source.directory
         except ValueError as failure:
             error = _ranked(engine, failure)
         _raise_first(session, error)
@@ -96,7 +72,7 @@ def load_checkpoint(engine: Checkpointed, load_dir: str | os.PathLike, tag: str 
         _restore_tensors(engine, manifest, readers, with_state)
         if not load_module_only:
             _restore_counters(engine, manifest, directory, load_optimizer_states)
-            if source is not None and load_lr_scheduler_states:
+            if deepspeed is not None and load_lr_scheduler_states:
                 restore_schedule(engine, source.lr_scheduler, directory)
             elif load_lr_scheduler_states:
                 _restore_schedules(engine, manifest, directory, weights_only)
@@ -105,9 +81,45 @@ def load_checkpoint(engine: Checkpointed, load_dir: str | os.PathLike, tag: str 
         error = _ranked(engine, failure)
     _raise_first(session, error)
     engine.view.after_load()  # loaded masters -> compute parameters on every rank
-    if source is not None:
+    if deepspeed is not None:
         return str(directory), source.client_state
     return str(directory), client_state_of(directory, manifest, weights_only)
+
+
+def _parts_of_another_layout(engine: Checkpointed, root: Path, own: Path, tag: str | None) -> list[Path] | None:
+    """The parts under `root` of a checkpoint saved by another layout than the engine's, to be read as one (See
+    [Note: a checkpoint per stage and tensor rank, read as one] in relayout.py); None where the engine's own
+    directory holds a checkpoint of its layout, or nothing else is there (the plain path then says what is
+    wrong)."""
+    if is_checkpoint(own) and _saved_by_this_layout(engine, own, tag):
+        return None
+    parts = saved_parts(root)
+    return parts if parts and parts != [own] else None
+
+
+def _saved_by_this_layout(engine: Checkpointed, own: Path, tag: str | None) -> bool:
+    """The checkpoint in the engine's own directory has its stages, tensor degree and model keys (one saved before
+    zerokit recorded a layout counts as this layout's)."""
+    try:
+        manifest = read_manifest(checkpoint_directory(own, tag))
+    except ValueError:
+        return True  # the plain path reports it, on every rank
+    if manifest.parallel is None:
+        return True
+    layout = engine.layout
+    here = (layout.pipeline, layout.tensor) if layout is not None else (1, 1)
+    same_keys = [k for k, _, _ in manifest.model["state_dict"]] == [k for k, _, _ in state_dict_keys(engine.module)]
+    return (manifest.parallel["stages"], manifest.parallel["tensors"]) == here and same_keys
+
+
+def _open_relayout(engine: Checkpointed, parts: list[Path], tag: str | None) -> RelayoutSource:
+    share = engine.tensor
+    targets = targets_of(engine.module, share.split, share.comm.rank, share.comm.world_size) if share else {}
+    source = open_relayout(parts, tag, engine.module, targets)
+    if engine.rank == 0:
+        logger.info(f"loading {len(parts)} part(s) saved by another layout ({parts[0].parent}) into this one: each "
+                    "parameter whole, then cut as this engine holds it; random generators not restored")
+    return source
 
 
 def _ranked(engine: Checkpointed, failure: Exception) -> str:

@@ -122,6 +122,7 @@ class Manifest:
     client_state: str | None = None
     lr_schedules: str | None = None
     data_position: str | None = None  # every rank's data position (See checkpoint/data_position.py); None: none saved
+    parallel: dict[str, Any] | None = None  # the saving engine's place in its layout (See relayout.py); None: flat
     format: str = FORMAT
     version: int = VERSION
 
@@ -140,6 +141,14 @@ class Manifest:
                                                "parts": [tuple(part) for part in record["parts"]]})
                           for name, record in data["params"].items()}
         return cls(**data)
+
+
+def state_dict_keys(module: torch.nn.Module) -> list[list[str]]:
+    """The model's state-dict keys in order, each with the parameter or buffer it is (a tied parameter: its first
+    name) and which of the two."""
+    first_name = {id(p): name for name, p in module.named_parameters()}
+    return [[key, first_name.get(id(value), key), "param" if id(value) in first_name else "buffer"]
+            for key, value in module.state_dict(keep_vars=True).items() if isinstance(value, torch.Tensor)]
 
 
 def merge_parts(reports: list[RankReport]) -> dict[str, ParamRecord]:

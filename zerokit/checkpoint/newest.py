@@ -7,7 +7,7 @@ Complete means committed: a directory of its own whose manifest rank 0 wrote onc
 (`.<tag>.partial-<id>`, which a killed save leaves, manifest or not: it was never moved into place), and never a
 directory without a manifest. Which one:
   1. the one `latest` names, when it is complete (or, for a save killed while it replaced that tag, the checkpoint
-     it moved aside: checkpoint_directory in load.py). `latest` moves only after a commit, so it names the last
+     it moved aside: checkpoint_directory in locate.py). `latest` moves only after a commit, so it names the last
      save that finished; a save with save_latest=False (a "best" copy, an evaluation) is not a resume point.
   2. With no `latest` (every save passed save_latest=False, or it was deleted) or one that names nothing complete:
      the complete checkpoint with the most optimizer steps (steps, then micro-steps, then the manifest's time),
@@ -25,7 +25,7 @@ from typing import Any
 
 from zerokit.checkpoint.commit import LATEST
 from zerokit.checkpoint.deepspeed_import import is_deepspeed_checkpoint
-from zerokit.checkpoint.load import checkpoint_directory
+from zerokit.checkpoint.locate import checkpoint_directory
 from zerokit.checkpoint.manifest import MANIFEST, Manifest, read_manifest
 from zerokit.checkpoint.session import session_of
 from zerokit.runtime import logger

@@ -41,8 +41,9 @@ from zerokit.checkpoint.collect import collect
 from zerokit.checkpoint.commit import LATEST, cause, write_and_commit
 from zerokit.checkpoint.data_position import DATA_POSITION
 from zerokit.checkpoint.faults import SaveFault
-from zerokit.checkpoint.manifest import CLIENT_STATE, LR_SCHEDULES, dtype_name
+from zerokit.checkpoint.manifest import CLIENT_STATE, LR_SCHEDULES, dtype_name, state_dict_keys
 from zerokit.checkpoint.optimizer_state import encode_groups
+from zerokit.checkpoint.relayout import parallel_record
 from zerokit.checkpoint.session import CheckpointGroup, session_of
 from zerokit.masters.optimizer import optimizer_kind
 from zerokit.runtime import logger
@@ -160,16 +161,12 @@ def _save_pickle(value: Any, staging: Path, name: str) -> None:
 def describe(engine: Checkpointed, tag: str, progress: Progress) -> dict[str, Any]:
     """What rank 0 alone puts in the manifest: the run and the model, not any rank's tensors."""
     config, module = engine.config, engine.module
-    first_name = {id(p): name for name, p in module.named_parameters()}  # a tied parameter: its first name
-    state_dict = module.state_dict(keep_vars=True)
-    keys = [[key, first_name.get(id(value), key), "param" if id(value) in first_name else "buffer"]
-            for key, value in state_dict.items() if isinstance(value, torch.Tensor)]
     hf_config = getattr(module, "config", None)
     optimizers = engine.view.optimizers
     return {
         "tag": tag, "world_size": engine.world_size, "stage": config.stage,
         "param_dtype": dtype_name(config.precision.param_dtype), "zerokit_version": zerokit.__version__,
-        "model": {"class": type(module).__name__, "state_dict": keys,
+        "model": {"class": type(module).__name__, "state_dict": state_dict_keys(module),
                   "hf_config": hf_config.to_dict() if hasattr(hf_config, "to_dict") else None},
         "optimizers": [{"class": type(o).__name__, "param_groups": encode_groups(o),
                         "kind": optimizer_kind(o, config.optimizer_kinds, config.allow_untested_optimizer)}
@@ -178,6 +175,8 @@ def describe(engine: Checkpointed, tag: str, progress: Progress) -> dict[str, An
         "config": _plain_fields(config),
         "layout": [{"index": b.index, "owner": b.owner, "numel": b.numel,
                     "slots": [[s.name, s.offset, s.numel] for s in b.slots]} for b in engine.view.layout.buckets],
+        "parallel": parallel_record(engine.layout, module, engine.tensor.split if engine.tensor else {},
+                                    engine.tied_names),
     }
 
 

@@ -41,7 +41,7 @@ from zerokit.deepspeed.distributed import init_distributed
 from zerokit.deepspeed.engine import DeepSpeedEngine
 from zerokit.schedules import both_given_error
 from zerokit.stages.construction import ParamInit
-from zerokit.tensor.setup import checkpoint_dir
+from zerokit.checkpoint.locate import layout_directory
 
 logger = logging.getLogger("zerokit")
 
@@ -168,7 +168,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data)
     if typed.resume.load_dir is not None:  # with the loader's position (See zerokit/checkpoint/newest.py)
-        resume_from_newest(engine, checkpoint_dir(engine.tensor, typed.resume.load_dir))
+        resume_from_newest(engine, layout_directory(typed.resume.load_dir, engine.layout))
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

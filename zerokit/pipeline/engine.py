@@ -14,7 +14,8 @@ keep them until the optimizer step ("step": ZeRO-3's sharded states with ZeRO-2'
 step, as torchtitan runs FSDP2 under a pipeline, reshard_after_forward=False), or gather every unit for each
 micro-batch's forward and again for its backward, freeing it after each ("micro_batch": parameter memory of one
 unit, but 2m all-gathers of the stage's parameters per step instead of one). The planner prices both
-(zerokit/planner/pipeline.py); "step" is the default because a pipeline's m is large where the bubble is small.
+(Training.stage3_gathering in zerokit/planner/spec.py); "step" is the default because a pipeline's m is large where
+the bubble is small.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class PipelineEngine:
         self.stage = engine_stage(engine, self.stage_index, self.num_stages, defer_reduction=bool(tied))
         index_of = {id(param): index for index, param in enumerate(engine.stage.flat.params)}
         engine.stepper.exclude_from_norm({index_of[id(t.weight)] for t in tied.counted_elsewhere()})
+        tied_ids = {id(t.weight) for t in tied.tied}
+        engine.tied_names = frozenset(name for name, p in engine.module.named_parameters() if id(p) in tied_ids)
         # id of what backward starts from -> the user's loss it came from (last stage; See _scaled_loss)
         self._unscaled: dict[int, torch.Tensor] = {}
         self._losses: list[torch.Tensor] = []  # this step's micro-batch losses, as the user's loss_fn gave them
@@ -144,13 +147,14 @@ class PipelineEngine:
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None,
                         client_state: dict[str, Any] | None = None) -> bool:
         """Every stage saves its engine's checkpoint under save_dir/stage<s>/tag, with its replicas (every rank calls
-        it): each is a zerokit checkpoint, loadable at any data degree and ZeRO stage of a pipeline with the same
-        stages."""
-        return self.engine.save_checkpoint(Path(save_dir) / f"stage{self.stage_index}", tag, client_state)
+        it): each is a zerokit checkpoint, and together they load into any layout (See [Note: a checkpoint per stage
+        and tensor rank, read as one] in zerokit/checkpoint/relayout.py)."""
+        return self.engine.save_checkpoint(save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None) -> tuple[str, dict[str, Any] | None]:
-        """The inverse of save_checkpoint, for a pipeline with the same stages (any replicas, any ZeRO stage)."""
-        return self.engine.load_checkpoint(Path(load_dir) / f"stage{self.stage_index}", tag)
+        """The inverse of save_checkpoint, from a checkpoint of any layout: this pipeline's (any replicas, any ZeRO
+        stage), another pipeline's, or flat ZeRO's."""
+        return self.engine.load_checkpoint(load_dir, tag)
 
     def comm_stats(self) -> dict[str, Any]:
         """The stage engine's collectives (engine.comm_stats()), and the bytes of activations and their gradients

@@ -15,13 +15,12 @@ Each tensor rank's engine shards its pieces over its data group and checkpoints 
 checkpoint session's group is the engine's data group: See checkpoint/session.py), into a directory of its own under
 the one the caller names, `tensor<j>-of-<t>`, with its own `latest`: the tensor ranks' files never meet, a save is
 atomic within each, and a run resumes exactly at the same tensor degree (at any data degree and stage, as any zerokit
-checkpoint). Into another tensor degree, or none, a model goes through engine.full_state_dict(), which gathers the
-pieces into whole tensors.
+checkpoint). Into another tensor degree, or none, the pieces are read together as whole tensors and cut again (See
+[Note: a checkpoint per stage and tensor rank, read as one] in checkpoint/relayout.py).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -34,7 +33,7 @@ from zerokit.layout import Layout
 from zerokit.tensor.autotp import planned_splits, split_model
 from zerokit.tensor.layers import split_parameters
 from zerokit.tensor.share import TensorShare
-from zerokit.tensor.torch_tp import adopt_dtensor_linears, has_dtensors
+from zerokit.tensor.torch_tp import adopt_dtensor_linears, has_dtensors, planned_adoptions
 
 
 def tensor_layout(layout: Layout | None, config: ZeroConfig) -> Layout | None:
@@ -55,46 +54,58 @@ def tensor_layout(layout: Layout | None, config: ZeroConfig) -> Layout | None:
 
 def parallelize(model: nn.Module, layout: Layout | None, config: ZeroConfig, optimizer: Any,
                 model_parameters: Iterable[Any] | None) -> tuple[TensorShare | None, Any, Iterable[Any] | None]:
-    """The model split by its plan where the config asks for AutoTP (See [Note: the plan is checked before any group
-    is made] in autotp.py), and the tensor group's TensorShare (None where the layout has no tensor dimension); with
-    `optimizer` and `model_parameters`, given over the whole model, pointed at the pieces (See remap_parameters)."""
+    """The model split by its plan where the config asks for AutoTP, or its DTensor linears adopted where the caller
+    parallelized it, and the tensor group's TensorShare (None where the layout has no tensor dimension); with
+    `optimizer` and `model_parameters`, given over the whole model, pointed at the pieces (See remap_parameters).
+    Everything is checked before the tensor group is made (See [Note: the plan is checked before any group is made]
+    in autotp.py)."""
     if layout is None or layout.tensor == 1:
         return None, optimizer, model_parameters
     if config.autotp_size > 1 and has_dtensors(model):
         raise ValueError("tensor_parallel.autotp_size splits a whole model, but this one is parallelized already "
                          "(DTensor parameters): drop the tensor_parallel block and pass layout=")
     splits = planned_splits(model, layout.tensor) if config.autotp_size > 1 else []
+    tensor_group = next(ranks for ranks in layout.tensor_groups() if dist.get_rank() in ranks)
+    adoptions = planned_adoptions(model, tensor_group) if has_dtensors(model) else []
+    # See [Note: the local piece of a DTensor is the parameter ZeRO shards] in torch_tp.py
+    planned = [model.get_submodule(split.name) for split in splits] + [plan.module for plan in adoptions]
+    cut = [module for module in planned if not any(plan.module is module and plan.how == "whole" for plan in adoptions)]
+    if not cut and not split_parameters(model):  # every tensor rank would train a whole copy on the same batches
+        raise ValueError(f"the layout has {layout.tensor} tensor ranks but the model has no split layers: give "
+                         "the config's tensor_parallel.autotp_size, or parallelize the model on "
+                         "layout.device_mesh(...)['tensor'] first")
+    refuse_stepped_state(optimizer, {id(p) for module in planned for p in module.parameters(recurse=False)})
     comm = Communicator.create(config.comm_timeout_seconds, parts=layout.tensor_groups(), name="tensor")
-    try:  # See [Note: the local piece of a DTensor is the parameter ZeRO shards] in torch_tp.py
-        replaced = adopt_dtensor_linears(model, comm) if has_dtensors(model) else split_model(model, splits, comm)
-        split = split_parameters(model)
-        if not split:  # every tensor rank would train a whole copy on the same batches: a layout that does nothing
-            raise ValueError(f"the layout has {layout.tensor} tensor ranks but the model has no split layers: give "
-                             "the config's tensor_parallel.autotp_size, or parallelize the model on "
-                             "layout.device_mesh(...)['tensor'] first")
-    except ValueError:
-        comm.close()  # refused on every rank alike: the group goes with it
-        raise
+    replaced = adopt_dtensor_linears(model, adoptions, comm) if adoptions else split_model(model, splits, comm)
     optimizer, model_parameters = remap_parameters(optimizer, model_parameters, replaced)
-    return TensorShare(comm, split), optimizer, model_parameters
+    made_whole = tuple(plan.name for plan in adoptions if plan.how == "whole")
+    return TensorShare(comm, split_parameters(model), made_whole), optimizer, model_parameters
+
+
+def refuse_stepped_state(optimizer: Any, split_ids: set[int]) -> None:
+    """An optimizer (or list of them) that has stepped a parameter tensor parallelism splits already holds state of
+    the whole shape, which no piece can take: refused."""
+    for one in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+        if not isinstance(one, torch.optim.Optimizer):
+            continue
+        stepped = [p for p in one.state if id(p) in split_ids and one.state[p]]
+        if stepped:
+            raise ValueError(f"the optimizer holds state for {len(stepped)} parameter(s) that tensor parallelism "
+                             "splits; build it (or load its state) after the split, or pass a fresh one")
 
 
 def remap_parameters(optimizer: Any, model_parameters: Iterable[Any] | None,
                      replaced: dict[int, nn.Parameter]) -> tuple[Any, Iterable[Any] | None]:
     """An optimizer (or list of them) and model_parameters built over the whole model, made to name the pieces that
     replaced its split parameters, as DeepSpeed remaps them after AutoTP's replacement: the optimizers' param groups in
-    place, model_parameters (tensors, (name, tensor) pairs or param-group dicts) as a new list. An optimizer that has
-    stepped a split parameter already holds state of the whole shape, which no piece can take: refused."""
+    place, model_parameters (tensors, (name, tensor) pairs or param-group dicts) as a new list (an optimizer that
+    has stepped a split parameter is refused before: See refuse_stepped_state)."""
     def swap(param: Any) -> Any:
         return replaced.get(id(param), param)
 
     for one in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
         if not isinstance(one, torch.optim.Optimizer):
             continue
-        stepped = [p for p in one.state if id(p) in replaced and one.state[p]]
-        if stepped:
-            raise ValueError(f"the optimizer holds state for {len(stepped)} parameter(s) that tensor parallelism "
-                             "splits; build it (or load its state) after the split, or pass a fresh one")
         for group in one.param_groups:
             group["params"] = [swap(p) for p in group["params"]]
     if model_parameters is None:
@@ -124,17 +135,12 @@ def startup_lines(layout: Layout | None, config: ZeroConfig, share: TensorShare 
     split = len(share.split)
     lines = [f"tensor parallel: {layout.describe()}; {split} parameter(s) split over the tensor group (consecutive "
              "ranks), the rest replicated; ZeRO shards over the data group"]
+    if share.made_whole:
+        lines.append(f"{', '.join(share.made_whole)}: split by the caller's plan, held whole on every tensor rank (an "
+                     "embedding's lookup needs no collective then; ZeRO shards it over the data group)")
     if config.autotp_size > 1:
         lines.append(f"tensor_parallel.autotp_size={config.autotp_size}: batch sizes count all "
                      f"{layout.data * layout.tensor} ranks as DeepSpeed does (train_batch_size = micro-batch x "
                      f"accumulation x {layout.data * layout.tensor}), though only {layout.data} replica(s) read "
                      "distinct data: the ranks of a tensor group must read the same batch")
     return lines
-
-
-def checkpoint_dir(share: TensorShare | None, directory: str | Path) -> Path:
-    """Where this tensor rank's engine saves and loads under `directory` (See [Note: a checkpoint per tensor rank]):
-    `directory` itself without tensor parallelism."""
-    if share is None:
-        return Path(directory)
-    return Path(directory) / f"tensor{share.comm.rank}-of-{share.comm.world_size}"

@@ -23,10 +23,11 @@ from zerokit.comm import Communicator
 
 
 class TensorShare:
-    def __init__(self, comm: Communicator, split: dict[int, int]) -> None:
+    def __init__(self, comm: Communicator, split: dict[int, int], made_whole: tuple[str, ...] = ()) -> None:
         """`comm`: this rank's tensor group; `split`: id -> split dimension of each parameter that is this tensor
-        rank's piece (layers.split_parameters)."""
-        self.comm, self.split = comm, split
+        rank's piece (layers.split_parameters); `made_whole`: the modules the caller's plan split that are held whole
+        (See [Note: an embedding the plan splits is held whole] in torch_tp.py)."""
+        self.comm, self.split, self.made_whole = comm, split, made_whole
 
     def uncounted(self, params: list[nn.Parameter]) -> frozenset[int]:
         """The indices in `params` whose squares this rank leaves out of the norm: the replicated ones, except on

@@ -1,6 +1,7 @@
-"""A model parallelized by the user with torch's `parallelize_module` (ColwiseParallel / RowwiseParallel on the
-layout's tensor mesh), handed to zerokit.initialize: each DTensor linear becomes the split linear of layers.py
-holding the same local piece as a plain parameter.
+"""A model parallelized by the user, with torch's `parallelize_module` (ColwiseParallel / RowwiseParallel on the
+layout's tensor mesh) or by Hugging Face's `from_pretrained(..., tp_plan="auto", device_mesh=...)`, handed to
+zerokit.initialize: each DTensor linear becomes the split linear of layers.py holding the same local piece as a
+plain parameter.
 
 [Note: the local piece of a DTensor is the parameter ZeRO shards]
 ZeRO's flat buffers, buckets, masters and stage 3's gathers work on plain tensors: the DTensor wrapper's placements
@@ -9,17 +10,24 @@ and what the DTensor layers do around it is fixed by their style: a column-wise 
 replicated input and leaves its output sharded on the last dimension (or gathers it: output_layouts Replicate()); a
 row-wise one (weight Shard(1)) reads that shard and all-reduces its partial output into a replicated one. Those are
 exactly ColumnParallelLinear and RowParallelLinear, so the module is replaced by one holding the local piece, with
-the same collectives over the layout's tensor group, and torch's hooks go with the module they were on. Layouts
-other than these (sequence parallelism's Shard(1) activations, a vocabulary-split embedding, DTensor outputs kept as
-DTensors) are refused in one line naming the module, as is a DTensor parameter outside such a linear.
+the same collectives over the layout's tensor group, and the style's hooks (torch) or forward (transformers) go with
+the module they were on. Layouts other than these (sequence parallelism's Shard(1) activations, DTensor outputs kept
+as DTensors, splits that are not even) are refused in one line naming the module, as is a DTensor parameter outside
+a linear or an embedding.
+
+[Note: an embedding the plan splits is held whole]
+Hugging Face's plans split the token embedding by vocabulary (EmbeddingParallel, shard_dim 0), as torchtitan's does
+with RowwiseParallel: each rank looks up its slice and the partial lookups are summed. zerokit gathers such an
+embedding into a whole one on every tensor rank and takes the style's forward off, as DeepSpeed's AutoTP leaves
+embeddings whole: the lookup needs no collective, and ZeRO still shards the whole embedding over the data group, at
+t times a vocabulary split's share of it per rank (t: the tensor degree). The start-up log names each.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -28,26 +36,51 @@ from zerokit.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
 WHAT_IS_ACCEPTED = ("zerokit trains ColwiseParallel/RowwiseParallel linears whose activations are whole between "
                     "them (their default layouts; a column split may gather its output with output_layouts="
-                    "Replicate())")
+                    "Replicate()), and embeddings, which it holds whole")
 
 
 def has_dtensors(model: nn.Module) -> bool:
     return any(isinstance(param, DTensor) for param in model.parameters())
 
 
-def adopt_dtensor_linears(model: nn.Module, comm: Communicator) -> dict[int, nn.Parameter]:
-    """Replace every DTensor linear of `model` by the split linear holding its local piece (See [Note: the local
-    piece of a DTensor is the parameter ZeRO shards]); returns id(DTensor parameter) -> the piece that replaced it.
-    Checks everything first, so a refusal leaves the model as it was."""
-    plans = [(name, module, _style(name, module, comm)) for name, module in model.named_modules()
-             if isinstance(module, nn.Linear) and isinstance(module.weight, DTensor)]
-    adopted = {id(p) for _, module, _ in plans for p in module.parameters(recurse=False)}
+class Adoption(NamedTuple):
+    """A DTensor module of the model and what replaces it: "column" or "row" (a split linear; `gather`: whether a
+    column split gathers its output), or "whole" (an embedding split by the plan, held whole on every tensor rank)."""
+    name: str
+    module: nn.Module
+    how: str
+    gather: bool
+
+
+def planned_adoptions(model: nn.Module, tensor_group: list[int]) -> list[Adoption]:
+    """Every DTensor linear and embedding of `model`, checked to be one zerokit computes over `tensor_group` (this
+    rank's tensor ranks), before any group is made (See [Note: the plan is checked before any group is made] in
+    autotp.py); a refusal leaves the model as it was."""
+    plans = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, nn.Linear) and isinstance(weight, DTensor):
+            plans.append(Adoption(name, module, *_style(name, module, tensor_group)))
+        elif isinstance(module, nn.Embedding) and isinstance(weight, DTensor):
+            _check_mesh(name, weight, tensor_group)
+            plans.append(Adoption(name, module, "whole", False))
+    adopted = {id(p) for plan in plans for p in plan.module.parameters(recurse=False)}
     for name, param in model.named_parameters():
         if isinstance(param, DTensor) and id(param) not in adopted:
-            raise ValueError(f"{name} is a DTensor outside a ColwiseParallel/RowwiseParallel linear "
+            raise ValueError(f"{name} is a DTensor outside a ColwiseParallel/RowwiseParallel linear or an embedding "
                              f"({_placements(param)}): ZeRO cannot shard it; {WHAT_IS_ACCEPTED}")
+    return plans
+
+
+def adopt_dtensor_linears(model: nn.Module, plans: list[Adoption], comm: Communicator) -> dict[int, nn.Parameter]:
+    """Replace each planned DTensor linear by the split linear holding its local piece (See [Note: the local piece
+    of a DTensor is the parameter ZeRO shards]), and make each planned embedding whole (See [Note: an embedding the
+    plan splits is held whole]); returns id(DTensor parameter) -> the parameter that replaced it."""
     replaced: dict[int, nn.Parameter] = {}
-    for name, module, (how, gather) in plans:
+    for name, module, how, gather in plans:
+        if how == "whole":
+            replaced.update(_made_whole(module))
+            continue
         local = _local_linear(module)
         split = ColumnParallelLinear.from_piece(local, comm, gather) if how == "column" \
             else RowParallelLinear.from_piece(local, comm)
@@ -60,17 +93,40 @@ def adopt_dtensor_linears(model: nn.Module, comm: Communicator) -> dict[int, nn.
     return replaced
 
 
-def _style(name: str, module: nn.Linear, comm: Communicator) -> tuple[str, bool]:
-    """("column" or "row", whether the output is gathered) of a DTensor linear, read from its weight's placement and
-    the layouts torch's hooks were given; refused where they are not the ones split linears compute."""
-    weight = module.weight
+def _made_whole(module: nn.Module) -> dict[int, nn.Parameter]:
+    """The module's DTensor parameters gathered into whole ones (a collective over their mesh: every tensor rank
+    calls it, in the model's order), and the tensor-parallel forward its style installed taken off."""
+    replaced = {}
+    for attr, param in list(module.named_parameters(recurse=False)):
+        if isinstance(param, DTensor):
+            whole = nn.Parameter(param.full_tensor().detach(), requires_grad=param.requires_grad)
+            setattr(module, attr, whole)
+            replaced[id(param)] = whole
+    module.__dict__.pop("forward", None)  # transformers' install_forward replaces the instance's forward
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):  # torch's distribute_module hooks
+        for key in [key for key, hook in hooks.items() if _torch_style_call(hook)]:
+            del hooks[key]
+    return replaced
+
+
+def _check_mesh(name: str, weight: DTensor, tensor_group: list[int]) -> None:
     mesh = weight.device_mesh
-    group = next(ranks for ranks in comm.siblings if dist.get_rank() in ranks)
-    if mesh.ndim != 1 or mesh.mesh.flatten().tolist() != group:
+    if mesh.ndim != 1 or mesh.mesh.flatten().tolist() != tensor_group:
         raise ValueError(f"{name} is split over the ranks {mesh.mesh.flatten().tolist()}, not this rank's tensor "
-                         f"group {group}: parallelize the model on layout.device_mesh(...)['tensor']")
-    layouts = _hook_layouts(module)
+                         f"group {tensor_group}: parallelize the model on layout.device_mesh(...)['tensor']")
+
+
+def _style(name: str, module: nn.Linear, tensor_group: list[int]) -> tuple[str, bool]:
+    """("column" or "row", whether the output is gathered) of a DTensor linear, read from its weight's placement and
+    the layouts its style was given (torch's hooks, or transformers' forward); refused where they are not the ones
+    split linears compute, or where the split dimension does not divide evenly."""
+    weight = module.weight
+    _check_mesh(name, weight, tensor_group)
+    layouts = _style_layouts(module)
     placement = weight.placements[0]
+    if isinstance(placement, Shard) and weight.shape[placement.dim] % len(tensor_group):
+        raise ValueError(f"{name}: its {weight.shape[placement.dim]} {'outputs' if placement.dim == 0 else 'inputs'} "
+                         f"do not split evenly over {len(tensor_group)} tensor ranks; zerokit splits evenly")
     if placement == Shard(0) and layouts.get("input") == (Replicate(),) and layouts.get("local"):
         if layouts.get("output") in ((Shard(-1),), (Replicate(),)):
             return "column", layouts["output"] == (Replicate(),)
@@ -81,20 +137,36 @@ def _style(name: str, module: nn.Linear, comm: Communicator) -> tuple[str, bool]
                      f"{WHAT_IS_ACCEPTED}")
 
 
-def _hook_layouts(module: nn.Module) -> dict[str, Any]:
-    """The input and output layouts (and use_local_output) torch's ParallelStyle gave the module's hooks: the
-    arguments of the partial functions its hooks call (torch/distributed/tensor/parallel/style.py, distribute_module
-    in _api.py)."""
+def _style_layouts(module: nn.Module) -> dict[str, Any]:
+    """The input and output layouts (and use_local_output) the module's tensor-parallel style was given: the
+    arguments of the partial functions torch's hooks call (torch/distributed/tensor/parallel/style.py,
+    distribute_module in _api.py), or the attributes of the transformers style whose forward replaced the module's
+    (transformers/distributed/tensor_parallel.py, install_forward)."""
     found: dict[str, Any] = {}
     for hook in [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]:
-        for cell in getattr(hook, "__closure__", None) or ():
-            call = cell.cell_contents
-            name = getattr(getattr(call, "func", None), "__name__", "")
-            if name == "_prepare_input_fn" and len(call.args) >= 1:
+        for call in _torch_style_call(hook):
+            if call.func.__name__ == "_prepare_input_fn" and len(call.args) >= 1:
                 found["input"] = tuple(call.args[0])
-            if name == "_prepare_output_fn" and len(call.args) >= 2:
+            if call.func.__name__ == "_prepare_output_fn" and len(call.args) >= 2:
                 found["output"], found["local"] = tuple(call.args[0]), bool(call.args[1])
+    forward = module.__dict__.get("forward")
+    for cell in getattr(forward, "__closure__", None) or ():
+        style = cell.cell_contents
+        if all(hasattr(style, key) for key in ("input_layouts", "output_layouts", "use_local_output")):
+            found.update(input=_as_tuple(style.input_layouts), output=_as_tuple(style.output_layouts),
+                         local=bool(style.use_local_output))
     return found
+
+
+def _torch_style_call(hook: Any) -> list[Any]:
+    """The partial calls of torch's ParallelStyle a hook closes over (none: not one of torch's)."""
+    calls = [cell.cell_contents for cell in getattr(hook, "__closure__", None) or ()]
+    return [call for call in calls if getattr(getattr(call, "func", None), "__name__", "") in
+            ("_prepare_input_fn", "_prepare_output_fn")]
+
+
+def _as_tuple(layouts: Any) -> tuple:
+    return tuple(layouts) if isinstance(layouts, (tuple, list)) else (layouts,)
 
 
 def _local_linear(module: nn.Linear) -> nn.Linear:

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from pathlib import Path
+from collections import OrderedDict
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -53,9 +55,11 @@ def layers(n_blocks: int = 4) -> list[nn.Module]:
 
 
 def stage_module(all_layers: list[nn.Module], stage: int, stages: int) -> nn.Module:
-    """Stage `stage` of `stages`: a contiguous run of the layers, as even as they split."""
+    """Stage `stage` of `stages`: a contiguous run of the layers, as even as they split, each named by its index in
+    the whole model (as torch's pipeline() tracer names them), so that a checkpoint loads into any layout."""
     bounds = [round(i * len(all_layers) / stages) for i in range(stages + 1)]
-    return nn.Sequential(*copy.deepcopy(all_layers[bounds[stage]:bounds[stage + 1]]))
+    return nn.Sequential(OrderedDict((str(index), copy.deepcopy(all_layers[index]))
+                                     for index in range(bounds[stage], bounds[stage + 1])))
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -195,8 +199,9 @@ def run_cases_and_refusals(rank: int, world_size: int, cases: list[PipeCase]) ->
 
 
 def resumed(rank: int, world_size: int, directory: str) -> dict[str, list[float]]:
-    """ZeRO-2, 1F1B: 3 steps straight, and 2 steps, a save, then new engines (a fresh model) that load it and take
-    the third: the third step's loss either way."""
+    """ZeRO-2, 1F1B: 4 steps straight, with a save after the second; new engines (a fresh model) that load it and take
+    the third; and the layouts crossed: flat ZeRO-3 over every rank loads the save and takes the third step on the
+    same micro-batches (See flat_step), saves, and a new pipeline loads that and takes the fourth."""
     import zerokit.pipeline
     from zerokit.layout import Layout
     case = PipeCase("resume", stage=2)
@@ -213,18 +218,92 @@ def resumed(rank: int, world_size: int, directory: str) -> dict[str, list[float]
     first = build()
     straight = [step(first, index) for index in range(2)]
     first.save_checkpoint(directory, tag="two")
-    straight.append(step(first, 2))
+    straight += [step(first, index) for index in (2, 3)]
     first.close()
     second = build()
     second.load_checkpoint(directory, tag="two")
     again = step(second, 2)
     second.close()
-    return {"straight": straight, "resumed": again}
+    flat, consolidated = flat_step(rank, world_size, case, directory)
+    third = build()
+    third.load_checkpoint(f"{directory}-flat")
+    back = step(third, 3)
+    third.close()
+    return {"straight": straight, "resumed": again, "flat": flat, "back": back, "consolidated": consolidated}
+
+
+def flat_step(rank: int, world_size: int, case: PipeCase, directory: str) -> tuple[float, bool | None]:
+    """Flat ZeRO-3 over every rank, on the whole model, loads the pipeline's checkpoint `directory` (tag "two") and
+    takes the third step: rank r reads half r % 2 of replica r // 2's rows, in micro-batches of the pipeline's size,
+    so the step averages the pipeline's micro-batches. Saves into `directory`-flat; returns the step's loss, averaged
+    over the micro-batches and ranks as the pipeline reports it, and consolidated_as_loaded."""
+    import zerokit
+    replicas = world_size // case.stages
+    window = case.micro_batches * replicas // world_size
+    model = nn.Sequential(*layers(case.n_blocks))
+    config = {**replace(case, stage=3).config(), "gradient_accumulation_steps": window}
+    engine = zerokit.initialize(model, optimizer_for(model), config)
+    engine.load_checkpoint(directory, tag="two")
+    consolidated = consolidated_as_loaded(engine, directory, "two")
+    inputs, target = batch(rank // (world_size // replicas), 2, case.micro * case.micro_batches)
+    rows = case.micro * window
+    half = slice(rank % (world_size // replicas) * rows, (rank % (world_size // replicas) + 1) * rows)
+    total = 0.0
+    for x, y in zip(inputs[half].chunk(window), target[half].chunk(window)):
+        loss = lm_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        total += loss.item() / window
+    engine.save_checkpoint(f"{directory}-flat")
+    engine.close()
+    mean = torch.tensor([total])
+    torch.distributed.all_reduce(mean)
+    return mean.item() / world_size, consolidated
+
+
+def consolidated_as_loaded(engine, directory: str, tag: str | None = None) -> bool | None:
+    """Rank 0: whether the consolidated file of the checkpoint in `directory` (saved per stage or tensor rank) holds
+    exactly what `engine` loaded from it, every key of its state dict (None on the other ranks)."""
+    from safetensors.torch import load_file
+
+    from zerokit.checkpoint import consolidate
+    loaded = engine.full_state_dict()  # every rank: a collective at stage 3
+    if torch.distributed.get_rank() != 0:
+        return None
+    out = Path(directory).parent / f"{Path(directory).name}-consolidated.safetensors"
+    consolidate(directory, out, tag=tag)
+    whole = load_file(out)
+    return whole.keys() == loaded.keys() and all(torch.equal(whole[key], loaded[key]) for key in whole)
+
+
+def locally_named_refused(rank: int, world_size: int, directory: str) -> str:
+    """Stages named locally (a Sequential of each stage's layers: "0.weight" on every stage) save; flat ZeRO loading
+    that checkpoint must refuse it rather than take one stage's layer for another's: the one line it raises."""
+    import zerokit
+    import zerokit.pipeline
+    from zerokit.layout import Layout
+    case = PipeCase("local-names", stage=1)
+    layout = Layout.resolve(world_size, pipeline=2)
+    stage, _, _ = layout.coordinates(rank)
+    module = nn.Sequential(*stage_module(layers(case.n_blocks), stage, 2).children())
+    pipe = zerokit.pipeline.initialize(module, optimizer_for(module), case.config(), layout, loss_fn=lm_loss)
+    pipe.save_checkpoint(directory)
+    pipe.close()
+    model = nn.Sequential(*layers(case.n_blocks))
+    engine = zerokit.initialize(model, optimizer_for(model), case.config())
+    try:
+        engine.load_checkpoint(directory)
+    except ValueError as error:
+        return str(error)
+    finally:
+        engine.close()
+    return ""
 
 
 def run_cases_refusals_and_resume(rank: int, world_size: int, cases: list[PipeCase], directory: str) -> dict:
-    """run_cases_and_refusals, then resumed, in one spawn."""
-    return {**run_cases_and_refusals(rank, world_size, cases), "resume": resumed(rank, world_size, directory)}
+    """run_cases_and_refusals, then resumed and locally_named_refused, in one spawn."""
+    return {**run_cases_and_refusals(rank, world_size, cases), "resume": resumed(rank, world_size, directory),
+            "locally_named": locally_named_refused(rank, world_size, f"{directory}-local")}
 
 
 def traced_and_hand_split(rank: int, world_size: int) -> dict[str, list[float]]:

@@ -44,10 +44,17 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | 
                                          join=False)
             _join(context, timeout)
         except Exception as error:
-            errors = sorted(Path(workdir).glob("error_*.txt"))
-            detail = errors[0].read_text() if errors else ""
-            raise RuntimeError(f"a rank failed:\n{detail}") from error
+            raise RuntimeError(f"a rank failed:\n{_failures(Path(workdir))}") from error
         return [torch.load(Path(workdir) / f"result_{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def _failures(workdir: Path) -> str:
+    """The failed ranks' last lines, the first to fail first (a rank that failed after a peer died reports the
+    lost connection, not the cause), then the first failure's whole traceback."""
+    errors = sorted(workdir.glob("error_*.txt"), key=lambda path: path.stat().st_mtime)
+    texts = [(path.stem.removeprefix("error_"), path.read_text()) for path in errors]
+    lines = [f"rank {rank}: {text.strip().splitlines()[-1]}" for rank, text in texts if text.strip()]
+    return "\n".join(lines + [texts[0][1]]) if texts else ""
 
 
 def _join(context: mp.ProcessContext, timeout: float | None) -> None:

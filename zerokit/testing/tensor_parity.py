@@ -6,14 +6,16 @@ replica's batch, as DeepSpeed's AutoTP requires."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from pathlib import Path
 
 import torch
 
 from zerokit.layout import Layout
+from zerokit.testing.pipeline import consolidated_as_loaded
 from zerokit.testing.parity import Case, engine_config, forward_loss, make_batch, make_model, make_optimizer
 
 
@@ -49,6 +51,11 @@ def start_engine(model: torch.nn.Module, case: Case, tensor: int, route: str, co
         layout = Layout.resolve(torch.distributed.get_world_size(), tensor=tensor)
         parallelize_llama(model, layout.device_mesh("cpu")["tensor"])
         return zerokit.initialize(model, make_optimizer(case, model), config or engine_config(case), layout=layout)
+    if route == "hf":  # Hugging Face's own plan and styles, as from_pretrained(tp_plan="auto") applies them
+        import zerokit
+        layout = Layout.resolve(torch.distributed.get_world_size(), tensor=tensor)
+        model = hf_tensor_parallel(model, layout.device_mesh("cpu")["tensor"])
+        return zerokit.initialize(model, make_optimizer(case, model), config or engine_config(case), layout=layout)
     import zerokit.deepspeed as deepspeed
     os.environ["LOCAL_RANK"] = str(torch.distributed.get_rank())  # as torchrun sets it: one node
     config = config or deepspeed_config(case, tensor)
@@ -71,6 +78,18 @@ def parallelize_llama(model: torch.nn.Module, mesh) -> None:
                                                                   "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")})
         plan.update({prefix + name: RowwiseParallel() for name in ("self_attn.o_proj", "mlp.down_proj")})
     parallelize_module(model, mesh, plan)
+
+
+def hf_tensor_parallel(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    """`model` with Hugging Face's own tensor parallelism on `mesh`: its plan resolved and applied as
+    from_pretrained(tp_plan="auto") resolves and applies it (DistributedMixin._resolve_parallel_plans, then
+    apply_tensor_parallelism: transformers' ColwiseParallel/RowwiseParallel forwards and its vocabulary-split
+    embedding). from_pretrained itself builds its mesh over every rank (transformers 5.24: "The parallel mesh
+    requires 2 processes, but world_size is 4"), so a tensor group inside a larger job takes this path."""
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+    plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_plan="auto", tp_size=mesh.size()))
+    return apply_tensor_parallelism(model, mesh, plan)
 
 
 def run_tensor_engine(rank: int, world_size: int, case: Case, tensor: int, route: str = "zerokit",
@@ -131,4 +150,53 @@ def run_resume(rank: int, world_size: int, case: Case, tensor: int, route: str =
         runs.append({"loss": loss.item(), "params": engine.full_state_dict(), "files": sorted(
             path.name for path in Path(directory[0]).iterdir())})
         engine.close()
+    _remove_when_all_done(rank, directory[0])
     return {"uninterrupted": runs[0], "resumed": runs[1]}
+
+
+def run_relayout(rank: int, world_size: int, case: Case, tensor: int) -> dict:
+    """The case's three steps across layouts: the first on `tensor` x data ranks, saved; the second on flat ZeRO-3
+    over every rank, loaded from that (rank r reads micro-batch r % accumulation of replica r // accumulation, so the
+    step averages the same micro-batches), and saved; the third on the tensor layout again, loaded from that. The
+    last loss and the whole parameters, to set beside run_resume's uninterrupted run."""
+    import zerokit
+    directory = [tempfile.mkdtemp(prefix="zerokit-tp-relayout-") if rank == 0 else None]
+    torch.distributed.broadcast_object_list(directory, src=0)
+    root = Path(directory[0])
+    replica = Layout.resolve(world_size, tensor=tensor).coordinates(rank).replica
+    window = [(micro, replica) for micro in range(case.accumulation)]
+
+    def train(engine, step: int, batches: list[tuple[int, int]]) -> float:
+        for micro, which in batches:
+            loss = forward_loss(engine, make_batch(case, step, micro, which))
+            engine.backward(loss)
+            engine.step()
+        return loss.item()
+
+    first = start_engine(make_model(case), case, tensor, "zerokit", None)
+    train(first, 0, window)
+    first.save_checkpoint(root / "tensor")
+    first.close()
+    flat_case = replace(case, stage=3, accumulation=1)
+    model = make_model(flat_case)
+    flat = zerokit.initialize(model, make_optimizer(flat_case, model),
+                              {**engine_config(flat_case), "train_micro_batch_size_per_gpu": case.micro_batch})
+    flat.load_checkpoint(root / "tensor")
+    consolidated = consolidated_as_loaded(flat, str(root / "tensor"))
+    train(flat, 1, [(rank % case.accumulation, rank // case.accumulation)])
+    flat.save_checkpoint(root / "flat")
+    flat.close()
+    last = start_engine(make_model(case), case, tensor, "zerokit", None)
+    last.load_checkpoint(root / "flat")
+    loss = train(last, 2, window)
+    out = {"loss": loss, "params": last.full_state_dict(), "consolidated": consolidated,
+           "tensor_parts": sorted(path.name for path in (root / "tensor").iterdir())}
+    last.close()
+    _remove_when_all_done(rank, root)
+    return out
+
+
+def _remove_when_all_done(rank: int, directory: str | Path) -> None:
+    torch.distributed.barrier()
+    if rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)

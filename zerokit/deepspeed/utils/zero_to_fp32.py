@@ -12,7 +12,7 @@ import torch
 
 from zerokit.checkpoint.consolidate import _items, _pieces
 from zerokit.checkpoint.files import Readers
-from zerokit.checkpoint.load import checkpoint_directory
+from zerokit.checkpoint.locate import checkpoint_directory
 from zerokit.checkpoint.manifest import read_manifest
 
 

@@ -1,0 +1,38 @@
+"""The engine's checkpoint calls (a mixin of Engine): where this rank's stage and tensor rank save under the
+directory the caller names, and loading from any layout. See zerokit/checkpoint and [Note: a checkpoint per stage
+and tensor rank, read as one] in zerokit/checkpoint/relayout.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from zerokit.checkpoint.locate import layout_directory
+
+
+class Checkpoints:
+    """save_checkpoint and load_checkpoint of Engine (it uses the engine's layout and _refuse_if_closed)."""
+
+    tied_names: frozenset[str] = frozenset()  # parameters tied to copies on other pipeline stages (zerokit.pipeline)
+
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict[str, Any] | None = None,
+                        save_latest: bool = True, async_save: bool = False, within_window: bool = False) -> bool:
+        """Save the whole training state under save_dir/tag (default global_step<N>), atomically, every rank its
+        own shards; loadable at any world size and stage, and, from a pipeline or tensor-parallel layout (whose
+        stages and tensor ranks save under save_dir/stage<s>/tensor<j>-of-<t>), into any other layout.
+        async_save: return once a host copy is taken. within_window: save inside an accumulation window too,
+        without its gradients, as DDP does (refused otherwise). See zerokit/checkpoint and docs/checkpoints.md."""
+        from zerokit.checkpoint import save_checkpoint
+        self._refuse_if_closed("save_checkpoint")
+        return save_checkpoint(self, layout_directory(save_dir, self.layout), tag, client_state,
+                               save_latest=save_latest, async_save=async_save, within_window=within_window)
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_module_only: bool = False, load_lr_scheduler_states: bool = True
+                        ) -> tuple[str, dict[str, Any] | None]:
+        """Resume from load_dir/tag (default: the tag in load_dir/latest), saved at any world size, stage and
+        layout, by zerokit or DeepSpeed; returns (load_path, client_state). See zerokit/checkpoint."""
+        from zerokit.checkpoint import load_checkpoint
+        self._refuse_if_closed("load_checkpoint")
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+                               load_module_only=load_module_only, load_lr_scheduler_states=load_lr_scheduler_states)

@@ -117,7 +117,7 @@ def _open_relayout(engine: Checkpointed, parts: list[Path], tag: str | None) -> 
     targets = targets_of(engine.module, share.split, share.comm.rank, share.comm.world_size) if share else {}
     source = open_relayout(parts, tag, engine.module, targets)
     if engine.rank == 0:
-        logger.info(f"loading {len(parts)} part(s) saved by another layout ({parts[0].parent}) into this one: each "
+        logger.info(f"loading {', '.join(part.name for part in parts)}, saved by another layout, into this one: each "
                     "parameter whole, then cut as this engine holds it; random generators not restored")
     return source
 

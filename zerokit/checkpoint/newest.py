@@ -25,7 +25,7 @@ from typing import Any
 
 from zerokit.checkpoint.commit import LATEST
 from zerokit.checkpoint.deepspeed_import import is_deepspeed_checkpoint
-from zerokit.checkpoint.locate import checkpoint_directory
+from zerokit.checkpoint.locate import checkpoint_directory, saved_parts
 from zerokit.checkpoint.manifest import MANIFEST, Manifest, read_manifest
 from zerokit.checkpoint.session import session_of
 from zerokit.runtime import logger
@@ -87,10 +87,10 @@ def _saved_at(directory: Path, manifest: Manifest) -> tuple[int, int, float]:
 
 
 def nothing_named(load_dir: str | os.PathLike) -> bool:
-    """`load_dir` has no `latest` and is no checkpoint itself: DeepSpeed's load_checkpoint(load_dir) warns and
+    """`load_dir` has no `latest`, is no checkpoint itself and holds no stage's or tensor rank's: DeepSpeed's load_checkpoint(load_dir) warns and
     returns (None, None) there, and the drop-in does as DeepSpeed, naming the complete checkpoints it passes over."""
     load_dir = Path(load_dir)
-    if (load_dir / LATEST).is_file() or (load_dir / MANIFEST).is_file() or is_deepspeed_checkpoint(load_dir):
+    if saved_parts(load_dir) or is_deepspeed_checkpoint(load_dir):  # a checkpoint, or a layout's parts of one
         return False
     found = [path.name for path in complete_checkpoints(load_dir)] if load_dir.is_dir() else []
     logger.warning(f"{load_dir / LATEST}: missing, so no checkpoint was loaded (as DeepSpeed does)"

@@ -38,7 +38,7 @@ import torch
 
 import zerokit
 from zerokit.checkpoint.collect import collect
-from zerokit.checkpoint.commit import LATEST, cause, write_and_commit
+from zerokit.checkpoint.commit import cause, write_and_commit
 from zerokit.checkpoint.data_position import DATA_POSITION
 from zerokit.checkpoint.faults import SaveFault
 from zerokit.checkpoint.manifest import CLIENT_STATE, LR_SCHEDULES, dtype_name, state_dict_keys

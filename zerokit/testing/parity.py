@@ -32,7 +32,7 @@ class Case:
     name: str
     stage: int
     # tiny | moe | hf-gpt2 | hf-llama (Hugging Face transformers, built from a tiny config) | hf-llama-untied (its own
-    # LM head, which tensor parallelism splits)
+    # LM head, which tensor parallelism splits) | hf-llama-mha (untied, 4 key-value heads: a tensor degree of 4 fits)
     model: str = "tiny"
     dtype: str = "fp32"
     # adamw | adam | sgd | adafactor | muon+adamw (two optimizers) | adamw-block (as an `optimizer` block builds it)
@@ -100,11 +100,12 @@ def make_model(case: Case) -> torch.nn.Module:
                                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                          bos_token_id=0, eos_token_id=0)
         return transformers.GPT2LMHeadModel(config)
-    if case.model in ("hf-llama", "hf-llama-untied"):
+    if case.model in ("hf-llama", "hf-llama-untied", "hf-llama-mha"):
         tied = case.model == "hf-llama"
         # untied: 68 words, so that a tensor degree of 2 or 4 splits the LM head's outputs (the batches use 67)
         config = transformers.LlamaConfig(vocab_size=67 if tied else 68, hidden_size=32, intermediate_size=64,
-                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=4 if case.model == "hf-llama-mha" else 2,
                                           max_position_embeddings=16, tie_word_embeddings=tied, bos_token_id=0,
                                           eos_token_id=0)
         return transformers.LlamaForCausalLM(config)

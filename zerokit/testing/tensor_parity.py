@@ -154,15 +154,17 @@ def run_resume(rank: int, world_size: int, case: Case, tensor: int, route: str =
     return {"uninterrupted": runs[0], "resumed": runs[1]}
 
 
-def run_relayout(rank: int, world_size: int, case: Case, tensor: int) -> dict:
-    """The case's three steps across layouts: the first on `tensor` x data ranks, saved; the second on flat ZeRO-3
-    over every rank, loaded from that (rank r reads micro-batch r % accumulation of replica r // accumulation, so the
-    step averages the same micro-batches), and saved; the third on the tensor layout again, loaded from that. The
-    last loss and the whole parameters, to set beside run_resume's uninterrupted run."""
-    import zerokit
+def run_relayout(rank: int, world_size: int, case: Case, tensor: int, middle: str) -> dict:
+    """The case's three steps across layouts: the first on `tensor` x data ranks, saved; the second on the `middle`
+    layout, loaded from that, on the same micro-batches, and saved; the third on the tensor layout again, loaded from
+    that. `middle`: "flat" (ZeRO-3 over every rank, rank r reading micro-batch r % accumulation of replica
+    r // accumulation) or "all-tensor" (the case's ZeRO stage with every rank one tensor group, reading every
+    replica's micro-batches in turn). The last loss and the whole parameters, to set beside run_resume's
+    uninterrupted run."""
     directory = [tempfile.mkdtemp(prefix="zerokit-tp-relayout-") if rank == 0 else None]
     torch.distributed.broadcast_object_list(directory, src=0)
     root = Path(directory[0])
+    replicas = world_size // tensor
     replica = Layout.resolve(world_size, tensor=tensor).coordinates(rank).replica
     window = [(micro, replica) for micro in range(case.accumulation)]
 
@@ -177,20 +179,28 @@ def run_relayout(rank: int, world_size: int, case: Case, tensor: int) -> dict:
     train(first, 0, window)
     first.save_checkpoint(root / "tensor")
     first.close()
-    flat_case = replace(case, stage=3, accumulation=1)
-    model = make_model(flat_case)
-    flat = zerokit.initialize(model, make_optimizer(flat_case, model),
-                              {**engine_config(flat_case), "train_micro_batch_size_per_gpu": case.micro_batch})
-    flat.load_checkpoint(root / "tensor")
-    consolidated = consolidated_as_loaded(flat, str(root / "tensor"))
-    train(flat, 1, [(rank % case.accumulation, rank // case.accumulation)])
-    flat.save_checkpoint(root / "flat")
-    flat.close()
+    if middle == "flat":
+        middle_case, batches = replace(case, stage=3, accumulation=1), [(rank % case.accumulation,
+                                                                          rank // case.accumulation)]
+        model = make_model(middle_case)
+        import zerokit
+        other = zerokit.initialize(model, make_optimizer(middle_case, model),
+                                   {**engine_config(middle_case), "train_micro_batch_size_per_gpu": case.micro_batch})
+    else:
+        middle_case = replace(case, accumulation=case.accumulation * replicas)
+        batches = [(micro, which) for which in range(replicas) for micro in range(case.accumulation)]
+        other = start_engine(make_model(middle_case), middle_case, world_size, "zerokit", None)
+    other.load_checkpoint(root / "tensor")
+    consolidated = consolidated_as_loaded(other, str(root / "tensor"))
+    train(other, 1, batches)
+    other.save_checkpoint(root / "middle")
+    other.close()
     last = start_engine(make_model(case), case, tensor, "zerokit", None)
-    last.load_checkpoint(root / "flat")
+    last.load_checkpoint(root / "middle")
     loss = train(last, 2, window)
     out = {"loss": loss, "params": last.full_state_dict(), "consolidated": consolidated,
-           "tensor_parts": sorted(path.name for path in (root / "tensor").iterdir())}
+           "tensor_parts": sorted(path.name for path in (root / "tensor").iterdir()),
+           "middle_parts": sorted(path.name for path in (root / "middle").iterdir())}
     last.close()
     _remove_when_all_done(rank, root)
     return out

@@ -12,7 +12,8 @@ import torch
 from zerokit.layout import Layout
 from zerokit.pipeline import BubbleWarning
 from zerokit.pipeline.checks import schedule_class_of, warn_about_the_bubble
-from zerokit.testing.pipeline import PipeCase, reference, run_cases_refusals_and_resume, run_pipeline_cases
+from zerokit.testing.pipeline import (TENSOR_SPLIT_CASES, PipeCase, mlp_layers, reference,
+                                      run_cases_refusals_and_resume, run_pipeline_cases)
 from zerokit.testing.spawn import spawn
 
 # fp32: the same sums in another order, so rounding (rtol 1e-5); atol 1e-6 for weights near zero, whose Adam steps
@@ -174,6 +175,18 @@ def test_stages_that_name_their_layers_locally_are_refused_into_another_layout(t
         message = result["locally_named"]
         assert message.startswith("rank ") and "is on stages 0 and 1, and not as a tied weight" in message, message
         assert "\n" not in message
+
+
+@pytest.mark.parametrize("case", TENSOR_SPLIT_CASES, ids=[case.name for case in TENSOR_SPLIT_CASES])
+def test_stages_split_over_a_tensor_group_equal_one_process(two_by_two, case) -> None:
+    """2 stages x a tensor group of 2 (the same 4 ranks): each stage's MLP blocks split by torch's parallelize_module
+    on the layout's tensor mesh, at ZeRO-1 and ZeRO-3: the losses and global norms of one process, every rank alike
+    (fp32, rtol 1e-5 as this file's parity; measured: losses within 6e-8 relative, norms within 1e-8)."""
+    expected = reference(case, replicas=1, make_layers=mlp_layers)
+    for result in two_by_two:
+        got = result["tensor_split"][case.name]
+        assert got["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+        assert got["norms"] == pytest.approx(expected["norms"], rel=1e-5)
 
 
 def test_stages_cut_by_torchs_tracer_train_as_stages_cut_by_hand() -> None:

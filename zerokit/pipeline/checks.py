@@ -20,9 +20,6 @@ def check_pipeline_arguments(layout: Layout, loss_fn: Callable[..., Any] | None,
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a zerokit.Layout (Layout.resolve(world_size, pipeline=...)), got "
                         f"{type(layout).__name__}")
-    if layout.tensor != 1:
-        raise ValueError(f"a pipeline with tensor parallelism ({layout.describe()}) is not supported; accepted: "
-                         "Layout.resolve(world_size, pipeline=p) with tensor=1")
     if loss_fn is None:
         raise ValueError("a pipeline needs loss_fn(output, target), the last stage's loss of one micro-batch")
     if gathering not in GATHERINGS:

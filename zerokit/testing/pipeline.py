@@ -141,9 +141,10 @@ def run_pipeline_cases(rank: int, world_size: int, cases: list[PipeCase], stages
     return results
 
 
-def reference(case: PipeCase, replicas: int) -> dict:
-    """See [Note: what the pipeline reference computes]: losses, norms and every stage's final weights."""
-    all_layers = layers(case.n_blocks)
+def reference(case: PipeCase, replicas: int, make_layers=None) -> dict:
+    """See [Note: what the pipeline reference computes]: losses, norms and every stage's final weights.
+    `make_layers`: the model's layers (default: layers)."""
+    all_layers = (make_layers or layers)(case.n_blocks)
     stages = [stage_module(all_layers, s, case.stages) for s in range(case.stages)]
     model = nn.Sequential(*stages)
     optimizers = [optimizer_for(s) for s in stages]  # one per stage: the same param groups as the engines'
@@ -300,10 +301,58 @@ def locally_named_refused(rank: int, world_size: int, directory: str) -> str:
     return ""
 
 
+class MLPBlock(nn.Module):
+    """A residual MLP block: what a tensor group splits inside a stage (its up projection column-wise, its down
+    projection row-wise) without the attention's head count in its shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+def mlp_layers(n_blocks: int = 4) -> list[nn.Module]:
+    torch.manual_seed(1234)
+    return [Embed(), *(MLPBlock() for _ in range(n_blocks)), Head()]
+
+
+def tensor_split_stages(rank: int, world_size: int, cases: list[PipeCase]) -> dict[str, dict]:
+    """Per case, a pipeline of 2 stages whose MLP blocks are split over a tensor group of 2 (torch's
+    parallelize_module on the layout's tensor mesh; one data replica): the losses and global norms each step
+    reported."""
+    import zerokit.pipeline
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from zerokit.layout import Layout
+    layout = Layout.resolve(world_size, pipeline=2, tensor=2)
+    stage, replica, _ = layout.coordinates(rank)
+    results = {}
+    for case in cases:
+        module = stage_module(mlp_layers(case.n_blocks), stage, 2)
+        plan = {}
+        for name, block in module.named_children():
+            if isinstance(block, MLPBlock):
+                plan.update({f"{name}.up": ColwiseParallel(), f"{name}.down": RowwiseParallel()})
+        parallelize_module(module, layout.device_mesh("cpu")["tensor"], plan)
+        pipe = zerokit.pipeline.initialize(module, optimizer_for(module), case.config(), layout, loss_fn=lm_loss)
+        steps = [pipe.train_step(*batch(replica, step, case.micro * case.micro_batches)) for step in range(case.steps)]
+        results[case.name] = {"losses": [done.loss.item() for done in steps],
+                              "norms": [done.result.grad_norm for done in steps]}
+        pipe.close()
+    return results
+
+
+TENSOR_SPLIT_CASES = [PipeCase("tensor-split-zero1", stage=1), PipeCase("tensor-split-zero3", stage=3)]
+
+
 def run_cases_refusals_and_resume(rank: int, world_size: int, cases: list[PipeCase], directory: str) -> dict:
-    """run_cases_and_refusals, then resumed and locally_named_refused, in one spawn."""
+    """run_cases_and_refusals, then resumed, locally_named_refused and tensor_split_stages, in one spawn."""
     return {**run_cases_and_refusals(rank, world_size, cases), "resume": resumed(rank, world_size, directory),
-            "locally_named": locally_named_refused(rank, world_size, f"{directory}-local")}
+            "locally_named": locally_named_refused(rank, world_size, f"{directory}-local"),
+            "tensor_split": tensor_split_stages(rank, world_size, TENSOR_SPLIT_CASES)}
 
 
 def traced_and_hand_split(rank: int, world_size: int) -> dict[str, list[float]]:

@@ -90,6 +90,8 @@ BAD = [  # (what, config given to initialize, model sizes or a torch plan) -> th
     # nothing else split, the layout splits nothing
     ("a vocabulary-split embedding alone", {}, {"plan": "embedding"},
      "the layout has 2 tensor ranks but the model has no split layers"),
+    ("an embedding tied to a split head", {}, {"plan": "tied"},
+     "lm_head and model.embed_tokens share a parameter (tied weights) that the plan splits"),
 ]
 
 
@@ -128,13 +130,17 @@ def refusal(config: dict, sizes: dict) -> tuple[str, bool]:
 
 def torch_plan(model, mesh, plan: str) -> None:
     """A plan zerokit refuses: "none": nothing split; "sequence": an MLP input projection whose output is sharded
-    on the sequence dimension; "embedding": a vocabulary-split embedding (torchtitan's)."""
-    from torch.distributed.tensor import Shard
+    on the sequence dimension; "embedding": a vocabulary-split embedding (torchtitan's) and nothing else; "tied": the
+    embedding tied to a column-split head's weight."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     if plan == "none":
         return
     if plan == "sequence":
         parallelize_module(model, mesh, {"model.layers.0.mlp.up_proj": ColwiseParallel(output_layouts=Shard(1))})
+    elif plan == "tied":  # the head split column-wise, then the embedding tied to its DTensor weight
+        parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+        model.model.embed_tokens.weight = model.lm_head.weight
     else:
         parallelize_module(model, mesh, {"model.embed_tokens": RowwiseParallel()})
 

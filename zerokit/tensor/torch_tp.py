@@ -64,12 +64,26 @@ def planned_adoptions(model: nn.Module, tensor_group: list[int]) -> list[Adoptio
         elif isinstance(module, nn.Embedding) and isinstance(weight, DTensor):
             _check_mesh(name, weight, tensor_group)
             plans.append(Adoption(name, module, "whole", False))
+    _refuse_shared(plans)
     adopted = {id(p) for plan in plans for p in plan.module.parameters(recurse=False)}
     for name, param in model.named_parameters():
         if isinstance(param, DTensor) and id(param) not in adopted:
             raise ValueError(f"{name} is a DTensor outside a ColwiseParallel/RowwiseParallel linear or an embedding "
                              f"({_placements(param)}): ZeRO cannot shard it; {WHAT_IS_ACCEPTED}")
     return plans
+
+
+def _refuse_shared(plans: list[Adoption]) -> None:
+    """A DTensor parameter two planned modules share (an LM head tied to the embedding) would become two parameters,
+    a split piece and a whole copy, trained apart: refused."""
+    holder: dict[int, str] = {}
+    for plan in plans:
+        for param in plan.module.parameters(recurse=False):
+            if id(param) in holder:
+                raise ValueError(f"{plan.name} and {holder[id(param)]} share a parameter (tied weights) that the plan "
+                                 "splits: zerokit would train a split piece and a whole copy apart; untie them "
+                                 "(tie_word_embeddings=False) or leave the embedding and the head out of the plan")
+            holder[id(param)] = plan.name
 
 
 def adopt_dtensor_linears(model: nn.Module, plans: list[Adoption], comm: Communicator) -> dict[int, nn.Parameter]:

@@ -9,6 +9,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from zerokit.checkpoint.commit import LATEST
 from zerokit.checkpoint.manifest import MANIFEST
 from zerokit.runtime import logger
@@ -50,7 +52,6 @@ def layout_directory(root: str | Path, layout: Any) -> Path:
     root = Path(root)
     if layout is None:
         return root
-    import torch.distributed as dist
     stage, _, tensor = layout.coordinates(dist.get_rank())
     if layout.pipeline > 1:
         root = root / f"stage{stage}"

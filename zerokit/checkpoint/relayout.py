@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zerokit.checkpoint.files import Readers, TensorSpec
+from zerokit.checkpoint.restore import read_range
 from zerokit.checkpoint.locate import STAGE_DIR, TENSOR_DIR, checkpoint_directory
 from zerokit.checkpoint.manifest import (MANIFEST, Manifest, ParamRecord, rank_file, read_manifest, state_dict_keys,
                                          state_key, values_key)
@@ -38,7 +40,6 @@ from zerokit.stages.view import persistent_buffers
 def parallel_record(layout: Any, module: nn.Module, split: dict[int, int], tied: frozenset[str]
                     ) -> dict[str, Any]:
     """What a manifest records of the saving engine's place in its layout."""
-    import torch.distributed as dist
     stage, _, tensor = layout.coordinates(dist.get_rank()) if layout is not None else (0, 0, 0)
     return {"stage": stage, "stages": layout.pipeline if layout is not None else 1, "tensor_rank": tensor,
             "tensors": layout.tensor if layout is not None else 1,
@@ -67,7 +68,6 @@ class Part:
 
     def whole(self, name: str, key: str) -> torch.Tensor:
         """This part's tensor `key` of parameter `name`, in the part's shape (a piece where split)."""
-        from zerokit.checkpoint.restore import read_range
         record = self.manifest.params[name]
         if record.whole_tensor and key.startswith("state/"):
             return self.readers(rank_file(record.parts[0][0])).read_tensor(key)

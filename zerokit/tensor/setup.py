@@ -68,8 +68,8 @@ def parallelize(model: nn.Module, layout: Layout | None, config: ZeroConfig, opt
     tensor_group = next(ranks for ranks in layout.tensor_groups() if dist.get_rank() in ranks)
     adoptions = planned_adoptions(model, tensor_group) if has_dtensors(model) else []
     # See [Note: the local piece of a DTensor is the parameter ZeRO shards] in torch_tp.py
-    planned = [model.get_submodule(split.name) for split in splits] + [plan.module for plan in adoptions]
-    cut = [module for module in planned if not any(plan.module is module and plan.how == "whole" for plan in adoptions)]
+    cut = [model.get_submodule(split.name) for split in splits] + [p.module for p in adoptions if p.how != "whole"]
+    planned = cut + [plan.module for plan in adoptions if plan.how == "whole"]
     if not cut and not split_parameters(model):  # every tensor rank would train a whole copy on the same batches
         raise ValueError(f"the layout has {layout.tensor} tensor ranks but the model has no split layers: give "
                          "the config's tensor_parallel.autotp_size, or parallelize the model on "

@@ -16,7 +16,8 @@ is smaller than the model states): whether two steps train (finite losses), the 
 DeepSpeed's offload wants its own CPU Adam, a C++ extension it builds at first use (4.7 minutes on this 2-core
 machine, the CUDA toolkit on a GPU image); by default DeepSpeed runs torch's AdamW on the host instead
 (`zero_force_ds_cpu_optimizer: false`), as zerokit does, so that the two differ in how they offload, not in their
-Adam; --deepspeed-adam deepspeed asks for its own. The row names which. Every contender runs in a process of its own, so that its peak RSS and pinned memory are its own.
+Adam; --deepspeed-adam deepspeed asks for its own. The row names which. --phases adds zerokit's own phase times
+(wall_clock_breakdown: forward, backward, and the step's norm, optimizer and publishing), to see where a step goes. Every contender runs in a process of its own, so that its peak RSS and pinned memory are its own.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", default="", help="contenders, comma-separated (default: the part's all)")
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps after one untimed")
     parser.add_argument("--fused", action="store_true", help="torch's AdamW with fused=True (also on the host)")
+    parser.add_argument("--phases", action="store_true",
+                        help="zerokit's wall_clock_breakdown: each timed step's phases (forward, backward, the norm, "
+                             "the optimizer, publishing), medians in the row (each reading synchronizes the device)")
     parser.add_argument("--deepspeed-adam", choices=("torch", "deepspeed"), default="torch",
                         help="DeepSpeed's host optimizer: torch's AdamW, or its own CPU Adam (built at first use: "
                              "minutes, and the CUDA toolkit on a GPU image)")
@@ -85,7 +89,7 @@ def train(model, args: argparse.Namespace, family: str, stage: int, offload: boo
     engine, which_adam = (deepspeed_engine if family == "deepspeed" else zerokit_engine)(
         model, args, stage, offload, micro_batch)
     generator = torch.Generator().manual_seed(0)
-    seconds, losses = [], []
+    seconds, losses, phases = [], [], []
     for step in range(1 + args.steps):
         torch.cuda.synchronize(device) if device.type == "cuda" else None
         started = time.perf_counter()
@@ -99,11 +103,13 @@ def train(model, args: argparse.Namespace, family: str, stage: int, offload: boo
         torch.cuda.synchronize(device) if device.type == "cuda" else None
         if step:
             seconds.append(time.perf_counter() - started)
+            phases.append(getattr(getattr(engine, "monitor", None), "wall_clock_times", {}))
     step_s = sorted(seconds)[len(seconds) // 2]
+    phase_ms = {phase: sorted(times[phase] for times in phases)[len(phases) // 2] for phase in phases[-1]}
     parameters = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
     return {"trains": all(math.isfinite(loss) for loss in losses), "adam": which_adam, "parameters": parameters,
             "step_s": step_s, "tokens_per_s": args.accumulate * micro_batch * seq / step_s,
-            "losses": losses[-3:], **memory(device)}
+            "losses": losses[-3:], **({"phase_ms": phase_ms} if phase_ms else {}), **memory(device)}
 
 
 def parse_contender(name: str) -> tuple[str, int, bool]:
@@ -154,7 +160,7 @@ def zerokit_engine(model, args: argparse.Namespace, stage: int, offload: bool, m
         if stage == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     config = {"zero_optimization": zero, "bf16": {"enabled": True}, "gradient_accumulation_steps": args.accumulate,
-              "train_micro_batch_size_per_gpu": micro_batch}
+              "train_micro_batch_size_per_gpu": micro_batch, "wall_clock_breakdown": args.phases}
     on_meta = next(model.parameters()).is_meta
     engine = zerokit.initialize(model, adamw(model.parameters(), args.fused), config,
                                 param_init=_normal_init if on_meta else None)
@@ -217,7 +223,8 @@ def run_child(args: argparse.Namespace, contender: str, accumulate: int, model: 
     command = [sys.executable, __file__, "child", "--contender", contender, "--accumulate", str(accumulate),
                "--model", model, "--steps", str(args.steps), "--hidden", str(args.hidden),
                "--n-layer", str(args.n_layer), "--mlp-hidden", str(args.mlp_hidden), "--seq", str(args.seq),
-               "--deepspeed-adam", args.deepspeed_adam, *(["--fused"] if args.fused else [])]
+               "--deepspeed-adam", args.deepspeed_adam, *(["--fused"] if args.fused else []),
+               *(["--phases"] if args.phases else [])]
     environment = {key: value for key, value in os.environ.items()
                    if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     started = time.perf_counter()
@@ -257,8 +264,9 @@ def largest(args: argparse.Namespace) -> dict[str, Any]:
 def _line(row: dict[str, Any]) -> str:
     if "step_s" not in row:
         return row.get("error", "?")[:300]
+    phases = "".join(f"\n    {phase} {ms:,.1f} ms" for phase, ms in row.get("phase_ms", {}).items())
     return (f"trains {row['trains']}  step s {row['step_s']:.3f}  tokens/s {row['tokens_per_s']:,.0f}  GPU peak MiB "
-            f"{row['gpu_peak_mib'] or 0:,.0f}  peak RSS GiB {row['peak_rss_gib']:.1f}  ({row['adam']})")
+            f"{row['gpu_peak_mib'] or 0:,.0f}  peak RSS GiB {row['peak_rss_gib']:.1f}  ({row['adam']}){phases}")
 
 
 def _imports(name: str) -> bool:

@@ -60,10 +60,13 @@ def test_wall_clock_breakdown_times_each_phase(one_process, capsys) -> None:
     train(engine, 4)
     lines = [line for line in zerokit_lines(capsys.readouterr().err) if "time (ms)" in line]
     assert [line.split(" time")[0] for line in lines] == ["step 1", "step 2"]
-    assert all(f"| {phase}: " in lines[0] for phase in ("forward", "backward", "backward_inner", "backward_reduce", "step"))
+    phases = ("forward", "backward", "backward_inner", "backward_reduce", "step", "optimizer_gradients",
+              "optimizer_step", "optimizer_allgather")
+    assert all(f"| {phase}: " in lines[0] for phase in phases)
     times = engine.monitor.wall_clock_times
-    assert all(value > 0 for value in times.values())
+    assert set(times) == set(phases) and all(value > 0 for value in times.values())
     assert times["backward"] >= times["backward_inner"] + times["backward_reduce"]
+    assert times["step"] >= times["optimizer_gradients"] + times["optimizer_step"] + times["optimizer_allgather"]
 
 
 def test_comms_logger_reports_what_each_step_moved(one_process, capsys) -> None:

@@ -121,8 +121,8 @@ class Engine(ExternalBackward, Checkpoints):
     def step(self) -> StepResult:
         """Step the optimizer if this micro-step ended an accumulation window; report either way."""
         self._refuse_if_closed("step")
-        with self.monitor.step() as done:  # observability (zerokit/observe): step time, logs, monitors
-            result = done(self.stepper.step(self.progress))
+        with self.monitor.step() as (done, lap):  # observability (zerokit/observe): step times, logs, monitors
+            result = done(self.stepper.step(self.progress, lap))
         self.preemption.after_step(result)  # a signal any rank got: save and exit (See [Note: preemption])
         return result
 

@@ -83,22 +83,36 @@ def make_loss_scaler(policy: LossScaling | None) -> DynamicLossScaler | NoLossSc
 
 # [Note: the float64 sum of squares in chunks]
 # Each gradient is squared and summed in float64 a chunk at a time. On the CPU, cache-sized chunks keep the
-# float64 copy small and hot (8x faster than a bucket-sized copy, which also showed up in peak memory). On a GPU
-# each chunk is three kernel launches: 256 KiB chunks made 31,000 launches a step for 337M parameters, and the step
-# took 0.28 s where torch's took 0.01 s (H200, benchmarks/bench_gpu.py); 32 MiB chunks make about 240.
-NORM_CHUNK_NUMEL = {"cpu": 1 << 15, "cuda": 1 << 22}  # elements: 256 KiB, 32 MiB of float64
+# float64 copy small and hot (8x faster than a bucket-sized copy, which also showed up in peak memory); a chunk is
+# 32K elements (256 KiB of float64) for each of torch's threads, as torch splits an element-wise op into 32K-element
+# grains: a chunk of one grain runs on one thread however many the host has. Over 150M host elements (2 threads,
+# this 2-core machine) 32K-element chunks took 0.16-0.19 s, 64K ones 0.09 s; a GPU machine's host steps an
+# offloaded optimizer's gradients with all its cores. On a GPU each chunk is three kernel launches: 256 KiB chunks
+# made 31,000 launches a step for 337M parameters, and the step took 0.28 s where torch's took 0.01 s (H200,
+# benchmarks/bench_gpu.py); 32 MiB chunks make about 240.
+CPU_NORM_CHUNK_NUMEL_PER_THREAD = 1 << 15
+CUDA_NORM_CHUNK_NUMEL = 1 << 22  # 32 MiB of float64
 
 
-def square_sum(grads: list[torch.Tensor]) -> float:
+def norm_chunk_numel(device: torch.device) -> int:
+    """Elements of one float64 chunk of the sum of squares on `device`: See [Note: the float64 sum of squares in
+    chunks]."""
+    if device.type == "cpu":
+        return CPU_NORM_CHUNK_NUMEL_PER_THREAD * torch.get_num_threads()
+    return CUDA_NORM_CHUNK_NUMEL
+
+
+def square_sum(grads: list[torch.Tensor], chunk_numel: int | None = None) -> float:
     """The sum of the squares of every element, in float64: exact for each fp32 square, and the same however
-    the parameters happen to be split into shards and buckets. Tensors may live on several devices."""
+    the parameters happen to be split into shards and buckets. Tensors may live on several devices. `chunk_numel`:
+    elements squared in float64 at a time (None: the device's, See norm_chunk_numel)."""
     total = 0.0
     for device_grads in by_device(grads).values():
         device = device_grads[0].device
         squares = torch.zeros((), dtype=torch.float64, device=device)
-        chunk_numel = NORM_CHUNK_NUMEL.get(device.type, NORM_CHUNK_NUMEL["cuda"])
+        chunk_size = chunk_numel or norm_chunk_numel(device)
         for grad in device_grads:  # See [Note: the float64 sum of squares in chunks]
-            for chunk in grad.reshape(-1).split(chunk_numel):
+            for chunk in grad.reshape(-1).split(chunk_size):
                 as_double = chunk.double()
                 squares += torch.dot(as_double, as_double)
         total += squares.item()

@@ -74,16 +74,16 @@ def bucket_numel(bucket_bytes: int, element_bytes: int) -> int:
     return max(1, bucket_bytes // element_bytes)
 
 
-def optimizer_piece_numel(sub_group_size: int | None, master_on_host: bool) -> int:
+def optimizer_piece_numel(sub_group_size: int | None, master_on_host: bool, fused: bool = False) -> int:
     """The most elements an optimizer piece holds (See [Note: optimizer pieces] in masters/shards.py):
     sub_group_size where given, except 0, which is one piece per parameter (DeepSpeed's 0 makes every
-    parameter its own sub-group); else cache-sized pieces for a master in host memory, whole parameter parts
-    on a device."""
+    parameter its own sub-group); else cache-sized pieces for a master in host memory stepped by a for-loop
+    optimizer, whole parameter parts on a device or under a fused kernel."""
     if sub_group_size == 0:
         return ONE_PIECE_PER_PARAMETER
     if sub_group_size:
         return sub_group_size
-    return CPU_OPTIMIZER_PIECE_NUMEL if master_on_host else ONE_PIECE_PER_PARAMETER
+    return CPU_OPTIMIZER_PIECE_NUMEL if master_on_host and not fused else ONE_PIECE_PER_PARAMETER
 
 
 def ring_share(kind: str, n: int) -> Fraction:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from zerokit.comm import Communicator
+from zerokit.observe.monitor import Lap, no_lap
 from zerokit.precision import DynamicLossScaler, NoLossScaler, StepResult, clip_coefficient, global_norm
 from zerokit.reliability import Safeguards
 from zerokit.stages import ZeroStage
@@ -74,8 +75,9 @@ class Stepper:
         a tied weight once: ds_pipe_replicated)."""
         self._uncounted = self._uncounted | frozenset(param_indices)
 
-    def step(self, progress: Progress) -> StepResult:
-        """Step the optimizer if the last backward ended an accumulation window; report either way."""
+    def step(self, progress: Progress, lap: Lap = no_lap) -> StepResult:
+        """Step the optimizer if the last backward ended an accumulation window; report either way. `lap(phase)`
+        charges the time since the last lap to one of the step's phases (wall_clock_breakdown: zerokit/observe)."""
         self.safeguards.before_step()  # an engine without an optimizer refuses
         if not progress.backward_since_step:
             raise RuntimeError("engine.step() was called without an engine.backward() since the last step; "
@@ -91,14 +93,17 @@ class Stepper:
         norm = self._norm_and_usage(squares)
         overflow = norm != norm  # nan: some gradient was inf or nan on some rank
         self.loss_scaler.update(overflow)
+        lap("optimizer_gradients")
         if overflow:
             stage.release_grads()
             return self._skip(progress)
         masters.drop_unused(stage.usage.agreed)
         coefficient = clip_coefficient(norm, self.gradient_clipping)
         masters.step(coefficient)
+        lap("optimizer_step")
         stage.release_grads()
         stage.publish_params()
+        lap("optimizer_allgather")
         for schedule in self.lr_schedules:  # only on steps not skipped, as DeepSpeed steps its schedules
             schedule.step()
         progress.optimizer_step += 1

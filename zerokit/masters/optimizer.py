@@ -40,6 +40,9 @@ class GroupRef:
     optimizer: int
     group: int
     whole_tensor: bool
+    fused: bool = False
+    """Its optimizer steps it with a fused kernel, one pass over each tensor (See [Note: optimizer pieces] in
+    masters/shards.py)."""
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer, declared: Mapping[Any, str], allow_untested: bool) -> str:
@@ -83,7 +86,7 @@ def trainable_groups(model: nn.Module, optimizers: Sequence[torch.optim.Optimize
             raise ValueError("the optimizer already has state; pass a freshly built optimizer to initialize()")
         for index, group in enumerate(optimizer.param_groups):
             groups.append(_check_group(group["params"], index, names, seen))
-            refs.append(GroupRef(which, index, kind == WHOLE_TENSOR))
+            refs.append(GroupRef(which, index, kind == WHOLE_TENSOR, group.get("fused") is True))
     orphans = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
     if orphans:
         raise ValueError(f"parameter {orphans[0]!r} requires grad but is in no optimizer param group; "

@@ -8,13 +8,17 @@ and host memory; nvme_masters.py, files), so the same step runs on every tier.
 A master is one flat tensor per bucket (25 MiB by default), but the optimizer does not step it whole.
 Each parameter's part of it is its own piece, so that a parameter no rank used can be skipped with its
 own step count and state (See [Note: parameters no rank used] in stages/usage.py), and a whole-tensor
-optimizer sees each parameter whole and shaped. Where the master lives in host memory the pieces are
-also cut to at most 64K elements: torch's CPU optimizers run one element-wise op after another over each
-tensor, and over a tensor far larger than the cache every op streams it from memory again; cache-sized
-pieces halve AdamW's step time on this 2-core machine (77 ms -> 36 ms for 10.9M elements) and are exact,
-as these optimizers update each element from its own gradient and state alone. On CUDA the fused and
-foreach kernels want few large tensors, so a master on a GPU is cut only at parameter boundaries. The
-piece size follows where the master lives, not where the model computes.
+optimizer sees each parameter whole and shaped. Where the master lives in host memory and the optimizer
+steps with torch's for-loop implementation (its CPU default), the pieces are also cut to at most 64K elements:
+that implementation runs one element-wise op after another over each tensor, and over a tensor far larger than
+the cache every op streams it from memory again; cache-sized pieces halve AdamW's step time on this 2-core
+machine (77 ms -> 36 ms for 10.9M elements) and are exact, as these optimizers update each element from its own
+gradient and state alone. A fused kernel (`fused=True`, what a config's `optimizer` block builds: See [Note:
+fused optimizer kernels] in zerokit/schedules.py) makes one pass over each element already, so cutting gains it
+nothing and costs a kernel call and a thread-pool round per piece: over 150M host elements, torch's fused AdamW
+stepped 2,288 pieces of 64K in 0.173 s and 100 whole parameters in 0.118 s (2 threads; a 4.5B-parameter model
+is 69,000 pieces). So a fused optimizer's master, like one on a GPU, is cut only at parameter boundaries. The
+piece size follows where the master lives and how its optimizer steps, not where the model computes.
 """
 
 from __future__ import annotations
@@ -36,10 +40,10 @@ from zerokit.tiers.homes import Home
 TIERS = ("device", "host", "nvme")
 
 
-def piece_numel(sub_group_size: int | None, device_type: str) -> int:
-    """The most elements an optimizer piece of a master on `device_type` holds (the decision is the planner's
-    too: zerokit/settings.py)."""
-    return optimizer_piece_numel(sub_group_size, master_on_host=device_type == "cpu")
+def piece_numel(sub_group_size: int | None, device_type: str, fused: bool = False) -> int:
+    """The most elements an optimizer piece of a master on `device_type` holds, under a fused kernel or not (the
+    decision is the planner's too: zerokit/settings.py)."""
+    return optimizer_piece_numel(sub_group_size, master_on_host=device_type == "cpu", fused=fused)
 
 
 class PieceRef(NamedTuple):
@@ -64,6 +68,13 @@ class OptimizerPlan:
         return [type(optimizer).__name__ for optimizer in self.optimizers]
 
 
+def piece_size(home: Home, ref: GroupRef, sub_group_size: int | None) -> int:
+    """The piece size of a master in `home` stepped by `ref`'s optimizer: a fused kernel's pieces are whole parameter
+    parts, except on NVMe, whose records (runs of pieces) bound the host memory a paged step takes (See [Note: paging
+    a master through a bounded pool] in zerokit/tiers/nvme_masters.py)."""
+    return piece_numel(sub_group_size, home.master.device.type, fused=ref.fused and not home.paged)
+
+
 class Piece(NamedTuple):
     param: nn.Parameter  # what the optimizer steps: a view of the master
     param_index: int  # the model parameter it is part of
@@ -71,12 +82,10 @@ class Piece(NamedTuple):
     param_begin: int  # where it begins in its parameter
 
 
-def cut_pieces(master: nn.Parameter, parts: list[ParamSlice], whole_tensor: bool,
-               sub_group_size: int | None) -> list[Piece]:
-    """A master's optimizer pieces: each parameter part whole for a whole-tensor optimizer, else cut to the piece
-    size (See [Note: optimizer pieces])."""
+def cut_pieces(master: nn.Parameter, parts: list[ParamSlice], whole_tensor: bool, size: int) -> list[Piece]:
+    """A master's optimizer pieces: each parameter part whole for a whole-tensor optimizer, else cut to `size`
+    elements (See [Note: optimizer pieces])."""
     values = master.detach()
-    size = piece_numel(sub_group_size, master.device.type)
     pieces = []
     for part in parts:
         if whole_tensor and not part.whole:
@@ -98,8 +107,8 @@ class ShardMasters:
         self.homes = homes
         self.masters = [nn.Parameter(home.master) for home in homes]
         self.pieces: list[list[Piece]] = [
-            cut_pieces(master, parts, plan.refs[group].whole_tensor, sub_group_size)
-            for master, parts, group in zip(self.masters, slices, groups)]
+            cut_pieces(master, parts, plan.refs[group].whole_tensor, piece_size(home, plan.refs[group], sub_group_size))
+            for home, master, parts, group in zip(homes, self.masters, slices, groups)]
         for home, pieces in zip(homes, self.pieces):
             if home.paged:  # its records are runs of pieces (See [Note: paging a master through a bounded pool])
                 home.divide([(piece.offset, piece.offset + piece.param.numel()) for piece in pieces])

@@ -51,7 +51,21 @@ class Observed(Protocol):
     def trainable_numel(self) -> int: ...
 
 
-def _no_lap(phase: str) -> None:
+def lap_clock(timers: PhaseTimers | None) -> Lap:
+    """`lap(phase)`: the time since the previous lap (or now) belongs to `phase`; nothing without timers."""
+    if timers is None:
+        return no_lap
+    mark = timers.now()
+
+    def lap(phase: str) -> None:
+        nonlocal mark
+        now = timers.now()
+        timers.add(phase, now - mark)
+        mark = now
+    return lap
+
+
+def no_lap(phase: str) -> None:
     pass
 
 
@@ -88,24 +102,18 @@ class EngineMonitor:
             self.losses.append(loss.detach())
         timers = self.timers
         if timers is None and self.flops is None:
-            yield _no_lap
+            yield no_lap
             return
-        started = mark = timers.now() if timers else 0.0
-
-        def lap(phase: str) -> None:
-            nonlocal mark
-            if timers:
-                now = timers.now()
-                timers.add(phase, now - mark)
-                mark = now
+        started = timers.now() if timers else 0.0
         with self.flops.backward_phase(self.completed) if self.flops else nullcontext():
-            yield lap
+            yield lap_clock(timers)
         if timers:
             timers.add("backward", timers.now() - started)
 
     @contextmanager
-    def step(self) -> Iterator[Callable[[StepResult], StepResult]]:
-        """Yields `done(result)`, to be called with the step's result, which it returns."""
+    def step(self) -> Iterator[tuple[Callable[[StepResult], StepResult], Lap]]:
+        """Yields `done(result)`, to be called with the step's result, which it returns, and `lap(phase)` for the
+        step's own phases (optimizer_gradients, optimizer_step, optimizer_allgather)."""
         started = self.timers.now() if self.timers else 0.0
 
         def done(result: StepResult) -> StepResult:
@@ -114,7 +122,7 @@ class EngineMonitor:
             if result.boundary:
                 self._boundary(result)
             return result
-        yield done
+        yield done, lap_clock(self.timers)
 
     # --- at each optimizer step ----------------------------------------------------------------------
     def _boundary(self, result: StepResult) -> None:

@@ -2,11 +2,14 @@
 optimizer step.
 
 Phases, with DeepSpeed's names for what they measure:
-  forward          the module's forward (stage 3: with its parameter gathers)
-  backward         all of engine.backward(): the two below and the stage's bookkeeping
-  backward_inner   autograd's backward (with the bucket reductions it overlaps)
-  backward_reduce  waiting for the reductions still in flight after autograd (DeepSpeed: backward_allreduce)
-  step             engine.step(): unscale, norm, clip, optimizer, publish
+  forward              the module's forward (stage 3: with its parameter gathers)
+  backward             all of engine.backward(): the two below and the stage's bookkeeping
+  backward_inner       autograd's backward (with the bucket reductions it overlaps)
+  backward_reduce      waiting for the reductions still in flight after autograd (DeepSpeed: backward_allreduce)
+  step                 engine.step(): the three below, the LR schedules and the report
+  optimizer_gradients  unscale, the global norm and overflow check (a float64 sum of squares and its all-reduce)
+  optimizer_step       clipping and the optimizer on the fp32 masters (an offloaded one's on the host)
+  optimizer_allgather  publishing the masters into the compute-dtype shards (stages 1-2: and all-gathering them)
 
 On a GPU every reading synchronizes the device first, as DeepSpeed's timers do, so that a phase is charged
 for the kernels it launched; that costs a little overlap, and only while the key is on.
@@ -19,7 +22,8 @@ from collections import defaultdict
 
 import torch
 
-PHASES = ("forward", "backward", "backward_inner", "backward_reduce", "step")
+PHASES = ("forward", "backward", "backward_inner", "backward_reduce", "step", "optimizer_gradients", "optimizer_step",
+          "optimizer_allgather")
 
 
 class PhaseTimers:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT
 from zerokit.planner.calibration import Calibration
 from zerokit.planner.compute import flops_per_token
-from zerokit.planner.device import DeviceProfile
+from zerokit.planner.device import DeviceProfile, optimizer_key
 from zerokit.planner.engine_model import (
     BYTES_PER_ELEMENT,
     EngineSetup,
@@ -153,7 +153,7 @@ def predicted_seconds(record: dict, setup: EngineSetup, inventory: ParamInventor
     seconds = {k: wire[k] / device.link_bandwidth + e["calls"] * steps.get(k, n - 1) * device.link_latency
                for k, e in per_kind(comm).items()}
     out["communication"] = sum(seconds.values())
-    per_element = device.optimizer_seconds_per_element.get(setup.optimizer)
+    per_element = device.optimizer_seconds_per_element.get(optimizer_key(setup.optimizer, setup.fused_optimizer))
     if per_element is not None:
         # the optimizer on the owned elements; the norm reads their gradients and publishing writes the
         # compute copy (memory-bound); then the step's own collectives: the norm and, at stages 1-2, the

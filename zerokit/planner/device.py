@@ -17,6 +17,12 @@ from typing import ClassVar
 from zerokit.jsonfile import JsonRecord
 
 
+def optimizer_key(kind: str, fused: bool) -> str:
+    """A DeviceProfile's key for optimizer `kind` (adamw, sgd-momentum, ...) stepped by its for-loop or its fused
+    kernel, whose host pieces differ (See [Note: optimizer pieces] in zerokit/masters/shards.py)."""
+    return f"{kind} fused" if fused else kind
+
+
 @dataclass(frozen=True)
 class DeviceProfile(JsonRecord):
     WHAT: ClassVar[str] = "device file"
@@ -32,7 +38,8 @@ class DeviceProfile(JsonRecord):
     link_latency: float
     """seconds per ring step."""
     optimizer_seconds_per_element: dict[str, float] = field(default_factory=dict)
-    """Per optimizer (adamw, sgd-momentum, ...): seconds to step one fp32 master element."""
+    """Per optimizer (adamw, sgd-momentum, ...; "adamw fused": torch's fused kernel, See optimizer_key): seconds to
+    step one fp32 master element."""
     resident_bytes: int = 0
     """Resident memory of one rank after joining its process group, before building a model."""
     memory_bytes: int = 0

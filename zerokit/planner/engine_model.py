@@ -21,7 +21,8 @@ zerokit.profiling.inventory). From it, as the engine does (zerokit/flat/layout.p
     until the step releases it. Stages 2-3 keep only the reduced shards, in the reduce dtype.
   - optimizer state: fp32 masters of the owned slices (not when training in fp32: the parameter is the
     master) plus the optimizer's state per piece: Adam's two moments and a 4-byte step count, stepped in
-    CPU_OPTIMIZER_PIECE_NUMEL-element pieces on the CPU (See [Note: optimizer pieces] in the engine).
+    CPU_OPTIMIZER_PIECE_NUMEL-element pieces on the CPU unless a fused kernel steps them (See [Note: optimizer
+    pieces] in the engine).
   - collectives: each bucket's gradient reduction, an all-reduce on gloo unless reduce_scatter is forced
     (See [Note: reducing a bucket to a shard]), the all-gather of updated parameters (stages 1-2), the
     stage-3 gathers (a unit before its forward and again before its backward, the root once, a
@@ -114,6 +115,9 @@ class EngineSetup:
     precision: str = "fp32"
     reduce_dtype: str = "fp32"
     optimizer: str = "adamw"
+    fused_optimizer: bool = False
+    """The optimizer steps with a fused kernel (torch's fused=True, what a config's optimizer block builds): its
+    host-memory masters are cut at parameter boundaries only (See [Note: optimizer pieces] in the engine)."""
     backend: str = "gloo"
     device: str = "cpu"
     reduce_scatter: bool | None = None
@@ -192,9 +196,11 @@ class EngineSetup:
 
     @property
     def piece_numel(self) -> int:
-        # the piece size follows where the master lives: an offloaded one is in host memory
+        # the piece size follows where the master lives (an offloaded one is in host memory) and how it is stepped
+        # (a fused kernel's pieces are whole parameter parts, but on NVMe, whose records are runs of pieces)
         return optimizer_piece_numel(self.sub_group_size,
-                                     master_on_host=self.device == "cpu" or self.offload_optimizer != "none")
+                                     master_on_host=self.device == "cpu" or self.offload_optimizer != "none",
+                                     fused=self.fused_optimizer and self.offload_optimizer != "nvme")
 
     @property
     def reduce_every_step(self) -> bool:

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from zerokit.config import DTYPES_BY_NAME
-from zerokit.defaults import CPU_OPTIMIZER_PIECE_NUMEL
-from zerokit.planner.device import DeviceProfile
+from zerokit.planner.device import DeviceProfile, optimizer_key
 from zerokit.profiling.measure import resident_bytes
+from zerokit.settings import optimizer_piece_numel
 
 DTYPES = {name: DTYPES_BY_NAME[name] for name in ("fp32", "bf16")}  # the compute dtypes the catalogue rates
 
@@ -46,23 +46,25 @@ def copy_bandwidth(numel: int = 32 * 2**20) -> float:
     return 2 * 4 * numel / _best_of(3, lambda: target.copy_(source))
 
 
-def optimizer_seconds(kind: str, numel: int = 2 * 2**20) -> float:
-    """Seconds per fp32 element of one step of torch's optimizer over masters in the engine's CPU pieces."""
-    pieces = [torch.nn.Parameter(torch.randn(CPU_OPTIMIZER_PIECE_NUMEL)) for _ in range(numel // CPU_OPTIMIZER_PIECE_NUMEL)]
+def optimizer_seconds(kind: str, fused: bool = False, numel: int = 2 * 2**20) -> float:
+    """Seconds per fp32 element of one step of torch's optimizer (its for-loop or its fused kernel) over masters in
+    host memory cut as the engine cuts them (See [Note: optimizer pieces] in zerokit/masters/shards.py)."""
+    size = min(numel, optimizer_piece_numel(None, master_on_host=True, fused=fused))
+    pieces = [torch.nn.Parameter(torch.randn(size)) for _ in range(numel // size)]
     for piece in pieces:
         piece.grad = torch.randn_like(piece)
-    return _best_of(3, torch_optimizer(kind, pieces).step) / numel
+    return _best_of(3, torch_optimizer(kind, pieces, fused).step) / numel
 
 
 OPTIMIZER_KINDS = ("adamw", "adam", "sgd", "sgd-momentum")  # what a run record names (record.optimizer_name)
 
 
-def torch_optimizer(kind: str, params: Any) -> torch.optim.Optimizer:
-    """torch's optimizer for one of OPTIMIZER_KINDS."""
+def torch_optimizer(kind: str, params: Any, fused: bool = False) -> torch.optim.Optimizer:
+    """torch's optimizer for one of OPTIMIZER_KINDS: its default implementation, or its fused kernel."""
     check_optimizer_kind(kind)
     if kind in ("adamw", "adam"):
-        return (torch.optim.AdamW if kind == "adamw" else torch.optim.Adam)(params)
-    return torch.optim.SGD(params, lr=0.01, momentum=0.9 if kind == "sgd-momentum" else 0.0)
+        return (torch.optim.AdamW if kind == "adamw" else torch.optim.Adam)(params, fused=fused or None)
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9 if kind == "sgd-momentum" else 0.0, fused=fused or None)
 
 
 def check_optimizer_kind(kind: str) -> None:
@@ -109,8 +111,10 @@ def measure_device(threads: int = 1, world: int = 2, name: str = "this CPU") -> 
         flops = {key: matmul_flops(dtype) for key, dtype in DTYPES.items()}
         flops["fp16"] = flops["bf16"]  # the CPU runs both 16-bit types through the same kernels' speed class
         bandwidth = copy_bandwidth()
-        optimizer = {kind: optimizer_seconds(kind) for kind in ("adamw", "sgd-momentum", "sgd")}
-        optimizer["adam"] = optimizer["adamw"]
+        optimizer = {optimizer_key(kind, fused): optimizer_seconds(kind, fused)
+                     for kind in ("adamw", "sgd-momentum", "sgd") for fused in (False, True)}
+        for fused in (False, True):
+            optimizer[optimizer_key("adam", fused)] = optimizer[optimizer_key("adamw", fused)]
     finally:
         torch.set_num_threads(previous)
     link, latency, resident = link_numbers(world)

@@ -66,6 +66,7 @@ def engine_setup(engine: Any, optimizer_name: str) -> EngineSetup:
     return EngineSetup(stage=config.stage, world=engine.world_size,
                        precision=DTYPE_NAMES[config.precision.param_dtype],
                        reduce_dtype=DTYPE_NAMES[config.precision.reduce_dtype], optimizer=optimizer_name,
+                       fused_optimizer=steps_fused(engine.optimizer),
                        backend="nccl" if engine.comm.backend == "nccl" else "gloo",
                        device="cuda" if engine.comm.backend == "nccl" else "cpu",
                        reduce_scatter=config.reduce_scatter, bucket_bytes=config.reduce_bucket_bytes,
@@ -116,6 +117,12 @@ def _hybrid_keys(setup: dict, zero: dict) -> None:
         zero["mics_shard_size"] = shard_size
     if k not in (None, 1):
         zero["zero_hpz_partition_size"] = k
+
+
+def steps_fused(optimizer: Any) -> bool:
+    """Whether the engine's optimizer (or every one of a list) steps with a fused kernel: it decides the pieces."""
+    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+    return all(group.get("fused") is True for item in optimizers for group in item.param_groups)
 
 
 def optimizer_name(optimizer: Any) -> str:

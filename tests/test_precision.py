@@ -7,7 +7,8 @@ import math
 import torch
 
 from zerokit.config import LossScaling
-from zerokit.precision import DynamicLossScaler, clip_coefficient, global_grad_norm, unscale_
+from zerokit.precision import (DynamicLossScaler, clip_coefficient, device_square_sum, global_grad_norm, global_norm,
+                               square_sum, unscale_, unscaled_square_sum)
 
 
 def test_dynamic_scale_halves_after_hysteresis_and_doubles_after_window() -> None:
@@ -80,3 +81,20 @@ def test_unscale() -> None:
     grads = [torch.tensor([4.0, 8.0])]
     unscale_(grads, 4.0)
     assert grads[0].tolist() == [1.0, 2.0]
+
+
+def test_squares_taken_before_unscaling_count_as_the_unscaled_ones() -> None:
+    """[Note: squares taken before the gradient leaves the device]: an offload tier's sum, taken of the scaled
+    gradient, divided by the scale's square, is the sum of the unscaled gradient's squares; an inf among them is
+    still a nan norm."""
+    torch.manual_seed(0)
+    scale = 2.0 ** 12
+    scaled = [torch.randn(70_001) * scale, torch.randn(5) * scale]
+    taken = [device_square_sum([scaled[0]]), None]  # the first offloaded, the second read at the step
+    unscaled = [grad.clone() for grad in scaled]
+    unscale_(unscaled, scale)
+    assert unscaled_square_sum(unscaled, taken, scale) == square_sum(unscaled)
+    assert unscaled_square_sum(unscaled, [device_square_sum([scaled[0]]), device_square_sum([scaled[1]])],
+                               scale) == square_sum(unscaled)
+    overflowed = [device_square_sum([torch.tensor([1.0, float("inf")])])]
+    assert math.isnan(global_norm(unscaled_square_sum([torch.ones(2)], overflowed, scale), None))

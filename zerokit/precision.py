@@ -106,16 +106,28 @@ def square_sum(grads: list[torch.Tensor], chunk_numel: int | None = None) -> flo
     """The sum of the squares of every element, in float64: exact for each fp32 square, and the same however
     the parameters happen to be split into shards and buckets. Tensors may live on several devices. `chunk_numel`:
     elements squared in float64 at a time (None: the device's, See norm_chunk_numel)."""
-    total = 0.0
-    for device_grads in by_device(grads).values():
-        device = device_grads[0].device
-        squares = torch.zeros((), dtype=torch.float64, device=device)
-        chunk_size = chunk_numel or norm_chunk_numel(device)
-        for grad in device_grads:  # See [Note: the float64 sum of squares in chunks]
-            for chunk in grad.reshape(-1).split(chunk_size):
-                as_double = chunk.double()
-                squares += torch.dot(as_double, as_double)
-        total += squares.item()
+    return float(sum(device_square_sum(group, chunk_numel).item() for group in by_device(grads).values()))
+
+
+def device_square_sum(grads: list[torch.Tensor], chunk_numel: int | None = None) -> torch.Tensor:
+    """square_sum of tensors on one device, as a 0-d float64 tensor there: nothing waits for the device."""
+    device = grads[0].device
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    chunk_size = chunk_numel or norm_chunk_numel(device)
+    for grad in grads:  # See [Note: the float64 sum of squares in chunks]
+        for chunk in grad.reshape(-1).split(chunk_size):
+            as_double = chunk.double()
+            squares += torch.dot(as_double, as_double)
+    return squares
+
+
+def unscaled_square_sum(grads: list[torch.Tensor], taken: list[torch.Tensor | None], scale: float) -> float:
+    """square_sum of `grads`, already divided by the loss `scale`, where `taken[i]` is None; where it is not, it is
+    grads[i]'s sum of squares taken before that division (by an offload tier, on the device: See [Note: squares taken
+    before the gradient leaves the device] in zerokit/tiers/homes.py), divided by scale squared here."""
+    total = square_sum([grad for grad, squares in zip(grads, taken) if squares is None])
+    for sums in by_device([squares for squares in taken if squares is not None]).values():
+        total += torch.stack(sums).sum().item() / (scale * scale)
     return total
 
 

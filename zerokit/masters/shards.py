@@ -33,7 +33,7 @@ from torch import nn
 
 from zerokit.flat import ParamSlice, tensor_bytes
 from zerokit.masters.optimizer import GroupRef, rebuild_optimizer
-from zerokit.precision import scale_, square_sum, unscale_
+from zerokit.precision import scale_, square_sum, unscale_, unscaled_square_sum
 from zerokit.settings import optimizer_piece_numel
 from zerokit.tiers.homes import Home
 
@@ -148,8 +148,8 @@ class ShardMasters:
                     piece.param.grad = grad[piece.offset:piece.offset + piece.param.numel()].view(piece.param.shape)
         self._grads = grads
         unscale_(grads, scale)
-        if not uncounted:
-            return square_sum(grads)
+        if not uncounted:  # an offload tier summed its squares on the device already
+            return unscaled_square_sum(grads, [home.squares() for home in self.homes], scale)
         counted: list[torch.Tensor] = []
         left_out: list[torch.Tensor] = []
         for pieces, grad in zip(self.pieces, grads):

@@ -13,6 +13,14 @@ itself: nothing is saved there, but the path that runs is the one a GPU machine 
 comm_stats() as host_to_device and device_to_host), so the tests exercise it. With CUDA the buffers are
 pinned and the copies asynchronous: a gradient shard's copy is started as soon as its bucket is
 reduced and waited for only at the optimizer step.
+
+[Note: squares taken before the gradient leaves the device]
+The global norm needs every gradient element's square. A master in host memory would have them summed there, at
+the step: a pass over its whole fp32 gradient in host memory, 18 GB for a 4.5B-parameter model, on the CPU, after
+the last copy. So the host tier sums its shard's squares (float64, See [Note: the float64 sum of squares in chunks]
+in zerokit/precision.py) as it accepts the shard, on the device, while backward goes on, as DeepSpeed's offload
+takes its partitions' norms on the GPU before moving them; the step adds those sums (unscaled by the loss scale's
+square) and reads no host gradient for the norm. Without CUDA the same sum is taken on the CPU at the same moment.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import torch
 
 from zerokit.comm import CommStats, Transfer
 from zerokit.flat.buffers import copy_edits
+from zerokit.precision import device_square_sum
 from zerokit.tiers.copies import copy_to_host
 from zerokit.tiers.pinned import host_buffer
 
@@ -46,6 +55,9 @@ class Home(Protocol):
     def initialise(self, values: torch.Tensor) -> None: ...
     def accept_grad(self, grad: torch.Tensor) -> None: ...
     def grad32(self) -> torch.Tensor: ...
+    def squares(self) -> torch.Tensor | None:
+        """The accepted gradient's float64 sum of squares, taken before it left the device, or None: read the gradient
+        at the step (See [Note: squares taken before the gradient leaves the device])."""
     def release(self) -> None: ...
     def publish(self) -> None: ...
     def write_back(self) -> None: ...
@@ -81,6 +93,9 @@ class HeldGradient:
                 raise RuntimeError("a master got no gradient before the optimizer step (an internal bug)")
             self._grad32 = self._grad if self._grad.dtype == torch.float32 else self._grad.float()
         return self._grad32
+
+    def squares(self) -> None:
+        return None  # the gradient is where the step reads it
 
     def release(self) -> None:
         self._grad = self._grad32 = None
@@ -133,6 +148,7 @@ class HostHome:
         self.staging = (host_buffer(compute.numel(), dtype=compute.dtype, pin=pin)
                         if self.crosses and compute.is_cuda and compute.dtype != torch.float32 else None)
         self._copied: torch.cuda.Event | None = None
+        self._squares: torch.Tensor | None = None
         self._has_grad = False
 
     def initialise(self, values: torch.Tensor) -> None:
@@ -140,7 +156,9 @@ class HostHome:
 
     def accept_grad(self, grad: torch.Tensor) -> None:
         """Start copying the reduced shard into the host buffer; the caller may let go of `grad` at once (See [Note: a
-        gradient's copy to the host] in zerokit/tiers/copies.py)."""
+        gradient's copy to the host] in zerokit/tiers/copies.py), its squares summed first (See [Note: squares taken
+        before the gradient leaves the device])."""
+        self._squares = device_square_sum([grad])
         self._copied = copy_to_host(self.grad, grad)
         self.stats.record(Transfer.DEVICE_TO_HOST, grad)
         self._has_grad = True
@@ -153,8 +171,11 @@ class HostHome:
             self._copied = None
         return self.grad
 
+    def squares(self) -> torch.Tensor | None:
+        return self._squares
+
     def release(self) -> None:
-        self._has_grad = False
+        self._has_grad, self._squares = False, None
 
     def publish(self) -> None:
         source = self.master

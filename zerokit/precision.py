@@ -86,8 +86,9 @@ def make_loss_scaler(policy: LossScaling | None) -> DynamicLossScaler | NoLossSc
 # float64 copy small and hot (8x faster than a bucket-sized copy, which also showed up in peak memory); a chunk is
 # 32K elements (256 KiB of float64) for each of torch's threads, as torch splits an element-wise op into 32K-element
 # grains: a chunk of one grain runs on one thread however many the host has. Over 150M host elements (2 threads,
-# this 2-core machine) 32K-element chunks took 0.16-0.19 s, 64K ones 0.09 s; a GPU machine's host steps an
-# offloaded optimizer's gradients with all its cores. On a GPU each chunk is three kernel launches: 256 KiB chunks
+# this 2-core machine) 32K-element chunks took 0.16-0.19 s, 64K ones 0.09 s. (An offloaded optimizer's squares are
+# summed where its gradients were reduced: See [Note: squares taken before the gradient leaves the device] in
+# zerokit/tiers/homes.py.) On a GPU each chunk is three kernel launches: 256 KiB chunks
 # made 31,000 launches a step for 337M parameters, and the step took 0.28 s where torch's took 0.01 s (H200,
 # benchmarks/bench_gpu.py); 32 MiB chunks make about 240.
 CPU_NORM_CHUNK_NUMEL_PER_THREAD = 1 << 15

@@ -146,8 +146,7 @@ class Relayout:
 
     def whole(self, name: str, key: str) -> torch.Tensor:
         """Tensor `key` (values or a state) of parameter `name`, whole: its stage's tensor pieces concatenated."""
-        ranks = self.stages[self.owner[name]]
-        part = ranks[min(ranks)]
+        ranks, part = self.stages[self.owner[name]], self.first_of(self.owner[name])
         dim = part.split.get(name)
         if dim is None:
             return part.whole(name, key)

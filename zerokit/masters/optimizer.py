@@ -69,6 +69,12 @@ def optimizer_kind(optimizer: torch.optim.Optimizer, declared: Mapping[Any, str]
     return kind
 
 
+def fused_group(group: dict[str, Any]) -> bool:
+    """A param group its optimizer steps with a fused kernel (torch's fused=True): See [Note: optimizer pieces] in
+    masters/shards.py."""
+    return group.get("fused") is True
+
+
 def trainable_groups(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                      kinds: Sequence[str]) -> tuple[list[list[nn.Parameter]], list[GroupRef]]:
     """The trainable parameters of every param group of every optimizer (flattened, in order), checked
@@ -86,7 +92,7 @@ def trainable_groups(model: nn.Module, optimizers: Sequence[torch.optim.Optimize
             raise ValueError("the optimizer already has state; pass a freshly built optimizer to initialize()")
         for index, group in enumerate(optimizer.param_groups):
             groups.append(_check_group(group["params"], index, names, seen))
-            refs.append(GroupRef(which, index, kind == WHOLE_TENSOR, group.get("fused") is True))
+            refs.append(GroupRef(which, index, kind == WHOLE_TENSOR, fused_group(group)))
     orphans = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
     if orphans:
         raise ValueError(f"parameter {orphans[0]!r} requires grad but is in no optimizer param group; "

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from zerokit.config import DTYPE_NAMES
+from zerokit.masters.optimizer import fused_group
 from zerokit.planner.engine_model import EngineSetup, per_kind
 from zerokit.profiling.inventory import blocks_of, param_inventory
 from zerokit.profiling.measure import AllocationTimeline, SavedTensorCounter, backward_phases, resident_peak
@@ -122,7 +123,7 @@ def _hybrid_keys(setup: dict, zero: dict) -> None:
 def steps_fused(optimizer: Any) -> bool:
     """Whether the engine's optimizer (or every one of a list) steps with a fused kernel: it decides the pieces."""
     optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
-    return all(group.get("fused") is True for item in optimizers for group in item.param_groups)
+    return all(fused_group(group) for item in optimizers for group in item.param_groups)
 
 
 def optimizer_name(optimizer: Any) -> str:

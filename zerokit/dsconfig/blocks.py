@@ -9,7 +9,7 @@ import signal
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Sequence
 
-from zerokit.dsconfig import values as v
+import zerokit.dsconfig.values as v
 from zerokit.dsconfig.keys import KeyClass
 from zerokit.dsconfig.schema_optim import (OPTIMIZER_TYPES, REQUIRED_PARAMS, SCHEDULER_TYPES, canonical_type,
                                            params_table)

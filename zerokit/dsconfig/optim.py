@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from zerokit.dsconfig import values as v
+import zerokit.dsconfig.values as v
 from zerokit.dsconfig.schema import children
 from zerokit.dsconfig.schema_optim import (OPTIMIZER_TYPES, OWN_SCHEDULE, REFUSED_OPTIMIZERS, REQUIRED_PARAMS,
                                            SCHEDULER_TYPES, canonical_type, params_table)

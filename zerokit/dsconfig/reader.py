@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
-from zerokit.dsconfig import values as v
+import zerokit.dsconfig.values as v
 from zerokit.dsconfig.keys import Key, KeyClass, Kind
 from zerokit.dsconfig.legacy import apply_legacy
 from zerokit.dsconfig.optim import read_typed_block

@@ -8,7 +8,9 @@ depend on the type and so sit in tables of their own).
 
 from __future__ import annotations
 
-from zerokit.dsconfig import schema_blocks, schema_top, schema_zero
+import zerokit.dsconfig.schema_blocks as schema_blocks
+import zerokit.dsconfig.schema_top as schema_top
+import zerokit.dsconfig.schema_zero as schema_zero
 from zerokit.dsconfig.keys import Key, KeyClass, Kind
 from zerokit.dsconfig.values import show
 from zerokit.dsconfig.schema_optim import OPTIMIZER_PARAMS, SCHEDULER_PARAMS

@@ -37,9 +37,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils._pytree import tree_map
 
+from zerokit._support.log import logger
 from zerokit.comm import CommStats, Transfer
 from zerokit.config import ActivationCheckpointing
-from zerokit.runtime import logger
 
 
 class ActivationCheckpointer:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from zerokit.runtime import configure_logging
+from zerokit._support.log import configure_logging
 
 logger = logging.getLogger("zerokit")
 

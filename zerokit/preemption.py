@@ -44,10 +44,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from zerokit._support.log import logger
 from zerokit.comm import Communicator
 from zerokit.dsconfig.blocks import Preemption
 from zerokit.precision import StepResult
-from zerokit.runtime import logger
 
 
 class Preempted(SystemExit):

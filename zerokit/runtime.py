@@ -1,4 +1,5 @@
-"""Process group, device and logging: torchrun's environment, or one plain process; and what is left at exit.
+"""Process group, device and the start-up log (the logger itself is _support/log.py's): torchrun's environment, or one
+plain process; and what is left at exit.
 
 [Note: leaving at exit]
 Scripts end in two common ways: with dist.destroy_process_group() while the engine is still referenced (DeepSpeed's
@@ -28,27 +29,21 @@ from __future__ import annotations
 import atexit
 import functools
 import itertools
-import logging
 import os
-import sys
 import weakref
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from zerokit.stages.base import ZeroStage
-
-logger = logging.getLogger("zerokit")
+from zerokit._support.log import configure_logging, logger  # noqa: F401  (scripts import both from here too)
+from zerokit.comm.rendezvous import init_job_group
 
 
 def ensure_process_group() -> None:
     """Join the group torchrun describes (NCCL with CUDA, gloo on CPU), or make a 1-rank group of the
     same back-end so that a plain `python train.py` runs the same code path as a launched job. Either way the
     groups are left at exit if the script does not leave them (See `leave_process_groups_at_exit`)."""
-    from zerokit.comm.rendezvous import init_job_group  # here: zerokit.comm imports this module
-
     leave_process_groups_at_exit()
     if dist.is_initialized():
         return
@@ -111,41 +106,16 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever sys.stderr is when a record is emitted (a test's capture, a redirect made after
-    start-up), never to a stream that has since been closed."""
+class Describing(Protocol):
+    """What the start-up log reads of a stage (stages/base.py's ZeroStage). Named by its shape, not imported: the
+    process group and exit handling sit below the stages, and a type is named only downward."""
 
-    @property
-    def stream(self):  # type: ignore[override]
-        return sys.stderr
+    global_rank: int
 
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
+    def describe(self) -> list[str]: ...
 
 
-class _RankFilter(logging.Filter):
-    """Puts the rank into every record (`%(rank)s`), so that lines from many ranks can be told apart."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = dist.get_rank() if dist.is_initialized() else 0
-        return True
-
-
-def configure_logging() -> None:
-    """The `zerokit` logger writes INFO and above to stderr as `[zerokit rank R] message`, unless the
-    application configured it (gave it handlers) first; ZEROKIT_LOG_LEVEL changes the level."""
-    if logger.handlers:
-        return
-    handler = _StderrHandler()
-    handler.addFilter(_RankFilter())
-    handler.setFormatter(logging.Formatter("[zerokit rank %(rank)s] %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(os.environ.get("ZEROKIT_LOG_LEVEL", "INFO").upper())
-    logger.propagate = False
-
-
-def log_startup(stage: "ZeroStage", config_lines: list[str], config_warnings: tuple[str, ...] = ()) -> None:
+def log_startup(stage: Describing, config_lines: list[str], config_warnings: tuple[str, ...] = ()) -> None:
     """What a user should see once, on rank 0: the stage, its buckets, how they are reduced, the units, and
     what the config reader accepted, derived or resolved (INFO), and what it ignored (WARNING)."""
     configure_logging()

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from zerokit.runtime import logger
+from zerokit._support.log import logger
 
 ORDER_KEYS = ("seed", "shuffle", "drop_last", "dataset_size")  # what the order of an epoch depends on
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from zerokit.runtime import logger
+from zerokit._support.log import logger
 
 DATA_POSITION = "data_position.pt"  # {rank: the tracked source's state_dict()}, pickled by rank 0
 

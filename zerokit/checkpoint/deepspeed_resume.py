@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from zerokit._support.log import logger
 from zerokit.checkpoint.deepspeed_import import (DEEPSPEED_MODEL_KEYS, MODEL_KEYS, DeepSpeedCheckpointError,
                                                  _check_world_size, _config_precision, _load, _rank_files, _require,
                                                  _stage, check_shapes)
@@ -38,7 +39,6 @@ from zerokit.checkpoint.files import TensorSpec
 from zerokit.checkpoint.manifest import (BUFFER, FROZEN, MASTER, Manifest, ParamRecord, dtype_name, rank_file,
                                          state_key, values_key)
 from zerokit.checkpoint.optimizer_state import encode_hyperparameters, encode_scalar
-from zerokit.runtime import logger
 from zerokit.checkpoint.checkpointed import Checkpointed
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from zerokit._support.log import logger
 from zerokit.checkpoint.deepspeed_import import deepspeed_directory, is_deepspeed_checkpoint
 from zerokit.checkpoint.deepspeed_resume import DeepSpeedReaders, open_deepspeed, restore_schedule
 from zerokit.checkpoint.files import Readers
@@ -31,7 +32,6 @@ from zerokit.checkpoint.optimizer_state import restore_groups
 from zerokit.checkpoint.restore import check_model, restore_buffers, restore_frozen, restore_trainable
 from zerokit.checkpoint.rng import RNG_KEYS, restore_rng
 from zerokit.checkpoint.session import session_of
-from zerokit.runtime import logger
 from zerokit.checkpoint.checkpointed import Checkpointed
 
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from zerokit._support.log import logger
 from zerokit.checkpoint.commit import LATEST
 from zerokit.checkpoint.manifest import MANIFEST
-from zerokit.runtime import logger
 
 STAGE_DIR, TENSOR_DIR = re.compile(r"stage(\d+)$"), re.compile(r"tensor(\d+)-of-(\d+)$")
 

@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from zerokit._support.log import logger
 from zerokit.checkpoint.commit import LATEST
 from zerokit.checkpoint.deepspeed_import import is_deepspeed_checkpoint
 from zerokit.checkpoint.locate import checkpoint_directory, saved_parts
 from zerokit.checkpoint.manifest import MANIFEST, Manifest, read_manifest
 from zerokit.checkpoint.session import session_of
-from zerokit.runtime import logger
 
 
 def newest_checkpoint(load_dir: str | os.PathLike) -> Path | None:

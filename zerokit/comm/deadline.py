@@ -42,6 +42,7 @@ from typing import Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from zerokit._support.log import logger
 from zerokit.comm.flight import FlightEntry, FlightRecorder
 from zerokit.comm.liveness import SignOfLife, default_store, headline, read_beats, signs_of_life
 
@@ -219,8 +220,6 @@ class Watcher:
         return failure(self.comm, late.entry, TimeoutError("deadline passed"), now - late.entry.start)
 
     def _run(self) -> None:
-        from zerokit.runtime import logger
-
         while not self.stopping.wait(self.period):
             error = self.check(time.time())
             if error is not None:

@@ -32,6 +32,7 @@ from typing import ContextManager, NamedTuple
 
 import torch
 
+from zerokit._support.log import logger
 from zerokit.comm import CommStats, Transfer
 from zerokit.config import Offload
 from zerokit.flat.layout import RankShards
@@ -39,7 +40,6 @@ from zerokit.tiers.pinned import host_buffer
 from zerokit.tiers.preflight import check_host_memory, check_nvme
 from zerokit.tiers.read_order import ReadOrder
 from zerokit.tiers.swap import BufferPool, SwapDirectory, round_up
-from zerokit.runtime import logger
 
 ChunkKey = tuple[str, int]  # (file, byte offset)
 WRITES_IN_FLIGHT = 2  # one write queued behind another keeps a drive busy; more would only hold pool buffers

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from zerokit._support.log import logger
 from zerokit.comm import CommStats
 from zerokit.config import ZeroConfig
 from zerokit.defaults import NVME_SUB_GROUP_NUMEL
@@ -22,7 +23,6 @@ from zerokit.tiers.nvme_shards import NvmeShards
 from zerokit.tiers.shards import DeviceShards, HostShards
 from zerokit.tiers.preflight import aligned, check_host_memory, check_nvme, state_bytes_per_element
 from zerokit.tiers.swap import BufferPool, SwapDirectory
-from zerokit.runtime import logger
 
 
 def master_homes(compute: list[torch.Tensor], config: ZeroConfig, stats: CommStats, device: torch.device, rank: int,

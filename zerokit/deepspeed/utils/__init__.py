@@ -12,7 +12,7 @@ from typing import Any, Iterable
 
 import torch.distributed as dist
 
-from zerokit.runtime import configure_logging
+from zerokit._support.log import configure_logging
 
 logger = logging.getLogger("zerokit")
 

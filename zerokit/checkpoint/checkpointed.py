@@ -11,7 +11,22 @@ from torch import nn
 from zerokit.checkpoint.data_position import DataPosition
 from zerokit.config import ZeroConfig
 from zerokit.stages.view import ParameterView
-from zerokit.step import Progress
+
+
+class SavedProgress(Protocol):
+    """What checkpoints read and write of where training stands (zerokit/step.py's Progress, a dataclass: saved with
+    dataclasses.asdict, restored with dataclasses.replace). Named by its shape, not imported: the engine's step
+    sits above the checkpoints, and a type is named only downward."""
+
+    micro_step: int
+    optimizer_step: int
+    total_skips: int
+    backward_since_step: bool
+
+    @property
+    def inside_window(self) -> bool: ...
+
+    def without_window(self) -> SavedProgress: ...
 
 
 class Checkpointed(Protocol):
@@ -20,7 +35,7 @@ class Checkpointed(Protocol):
     module: nn.Module
     config: ZeroConfig
     view: ParameterView
-    progress: Progress
+    progress: SavedProgress
     loss_scaler: Any  # precision.py's DynamicLossScaler or NoLossScaler: state_dict() and load_state_dict()
     lr_schedules: list[Any]  # the LR schedules the engine steps: state_dict() and load_state_dict()
     data_position: DataPosition  # the loader or sampler whose position checkpoints save
@@ -29,4 +44,4 @@ class Checkpointed(Protocol):
     tied_names: frozenset[str]  # parameters tied to copies on other pipeline stages
 
 
-__all__ = ["Checkpointed"]
+__all__ = ["Checkpointed", "SavedProgress"]

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 import zerokit
+from zerokit._support.log import logger
 from zerokit.checkpoint.collect import collect
 from zerokit.checkpoint.commit import cause, write_and_commit
 from zerokit.checkpoint.data_position import DATA_POSITION
@@ -46,9 +47,7 @@ from zerokit.checkpoint.optimizer_state import encode_groups
 from zerokit.checkpoint.relayout import parallel_record
 from zerokit.checkpoint.session import CheckpointGroup, session_of
 from zerokit.masters.optimizer import optimizer_kind
-from zerokit.runtime import logger
-from zerokit.checkpoint.checkpointed import Checkpointed
-from zerokit.step import Progress
+from zerokit.checkpoint.checkpointed import Checkpointed, SavedProgress
 
 
 def save_checkpoint(engine: Checkpointed, save_dir: str | os.PathLike, tag: str | None = None,
@@ -83,7 +82,7 @@ def save_checkpoint(engine: Checkpointed, save_dir: str | os.PathLike, tag: str 
     return True
 
 
-def _progress_to_save(engine: Checkpointed, save_dir: Path, within_window: bool) -> Progress:
+def _progress_to_save(engine: Checkpointed, save_dir: Path, within_window: bool) -> SavedProgress:
     """The progress the checkpoint records. A window ends where its last backward said so, not at a multiple of
     gradient_accumulation_steps: the Trainer ends each epoch with a short window
     (set_gradient_accumulation_boundary). See [Note: a save inside an accumulation window]."""
@@ -158,7 +157,7 @@ def _save_pickle(value: Any, staging: Path, name: str) -> None:
     os.replace(temporary, staging / name)
 
 
-def describe(engine: Checkpointed, tag: str, progress: Progress) -> dict[str, Any]:
+def describe(engine: Checkpointed, tag: str, progress: SavedProgress) -> dict[str, Any]:
     """What rank 0 alone puts in the manifest: the run and the model, not any rank's tensors."""
     config, module = engine.config, engine.module
     hf_config = getattr(module, "config", None)

@@ -18,14 +18,11 @@ fullgraph=True)`, so that the unit's hooks sit on the compiled wrapper, outside 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch import nn
 
 from zerokit.config import ZeroConfig
-
-if TYPE_CHECKING:
-    from zerokit.engine import Engine
 
 FULLGRAPH_AT_STAGE_3 = ("{what} with fullgraph=True around stage-3 unit {unit!r}, whose gather and free "
                         "must run between compiled graphs; compile each unit instead (e.g. model.blocks[i] = "
@@ -49,7 +46,16 @@ def refuse_fullgraph_around_units(model: nn.Module, config: ZeroConfig) -> None:
                                                              unit=inside))
 
 
-def compile_model(engine: "Engine", backend: Any = "inductor", **compile_kwargs: Any) -> None:
+class Compilable(Protocol):
+    """What compile_model reads of an engine (zerokit/engine.py's Engine, or the drop-in's). Named by its shape, not
+    imported: the engine imports the reliability checks, and a type is named only downward."""
+
+    config: ZeroConfig
+    stage: Any  # stages/base.py's ZeroStage; at stage 3 its `units`, the model's root unit first
+    module: nn.Module
+
+
+def compile_model(engine: Compilable, backend: Any = "inductor", **compile_kwargs: Any) -> None:
     """Compile the engine's model in place (nn.Module.compile), as DeepSpeed's engine.compile() does; zerokit's
     hooks stay eager (See [Note: torch.compile and zerokit's hooks]). `compile_kwargs` go to torch.compile."""
     if engine.config.stage == 3 and compile_kwargs.get("fullgraph") and len(engine.stage.units) > 1:

@@ -33,7 +33,7 @@ import torch
 
 from benchmarks.contenders import CONTENDERS, Contender, Trainer, zerokit_trainer
 from benchmarks.workload import BenchSettings, make_batch, make_model
-from zerokit.runtime import default_device, ensure_process_group
+from zerokit.comm.process import default_device, ensure_process_group
 from zerokit.testing.models import lm_loss
 
 DEFAULT_CONTENDERS = ("single-process", "torch-ddp", "fsdp2", "zerokit-0", "zerokit-1", "zerokit-2", "zerokit-3")

@@ -71,7 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # --- one contender, in a process of its own ---------------------------------------------------------------------
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
-    from zerokit.runtime import default_device, ensure_process_group
+    from zerokit.comm.process import default_device, ensure_process_group
     ensure_process_group()
     device = default_device()
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -1,7 +1,7 @@
 """Time one optimizer step of an `optimizer` block as zerokit builds it (torch's fused kernel) against the same
 block with `"fused": false` (torch's default implementation), over fp32 masters cut into the engine's CPU
 pieces (See [Note: optimizer pieces] in zerokit/masters/shards.py and [Note: fused optimizer kernels] in
-zerokit/schedules.py).
+zerokit/engine/schedules.py).
 
     python benchmarks/bench_optimizer_step.py                         # AdamW and SGD, 10.9M elements, 1 thread
     python benchmarks/bench_optimizer_step.py --elements 2000000 --threads 2 --types AdamW
@@ -9,7 +9,7 @@ zerokit/schedules.py).
 
 Each row: the median of --repeats timed steps after two warm-up steps (the first fills the optimizer state).
 --norm adds the step's float64 sum of squares over as many gradient elements, in chunks of one 32K-element grain and
-of one grain per thread (the engine's: See [Note: the float64 sum of squares in chunks] in zerokit/precision.py).
+of one grain per thread (the engine's: See [Note: the float64 sum of squares in chunks] in zerokit/precision/__init__.py).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import time
 
 import torch
 
-from zerokit.defaults import CPU_OPTIMIZER_PIECE_NUMEL
+from zerokit.config.defaults import CPU_OPTIMIZER_PIECE_NUMEL
 from zerokit.precision import CPU_NORM_CHUNK_NUMEL_PER_THREAD, square_sum
-from zerokit.dsconfig.blocks import OptimizerSpec
-from zerokit.schedules import build_optimizer
+from zerokit.config.dsconfig.blocks import OptimizerSpec
+from zerokit.engine.schedules import build_optimizer
 
 PARAMS = {"AdamW": {"lr": 1e-3, "weight_decay": 0.01}, "Adam": {"lr": 1e-3}, "SGD": {"lr": 0.1, "momentum": 0.9}}
 

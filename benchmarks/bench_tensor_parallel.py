@@ -67,7 +67,7 @@ def start(name: str, args: argparse.Namespace, model):
                                           config=config)
         return engine, engine.backward, engine.step
     from torch.distributed.fsdp import fully_shard
-    from zerokit.layout import Layout
+    from zerokit.parallel.mesh import Layout
     from zerokit.testing.tensor_parity import parallelize_llama
     mesh = Layout.resolve(dist.get_world_size(), tensor=args.tensor).device_mesh("cpu")
     parallelize_llama(model, mesh["tensor"])

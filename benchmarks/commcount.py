@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from zerokit.settings import ring_share
+from zerokit.config.settings import ring_share
 
 c10d = torch.ops.c10d
 # operator -> (the collective it is, which argument holds the logical tensor(s))
@@ -36,7 +36,7 @@ COLLECTIVES: dict[Any, tuple[str, int]] = {
 }
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
 # Bytes one rank sends per logical byte on a ring of N ranks (a reduce to one rank: as a reduce-scatter): the
-# engine's own rule, zerokit/settings.py's ring_share.
+# engine's own rule, zerokit/config/settings.py's ring_share.
 RING_FACTOR = {kind: (lambda n, kind=kind: float(ring_share(kind, n))) for kind in KINDS}
 
 

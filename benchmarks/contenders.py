@@ -27,7 +27,7 @@ from torch import nn
 from benchmarks.accounting import optimizer_state_tensors, storage_bytes
 from benchmarks.workload import (DTYPES, OPTIMIZERS, BenchSettings, adamw_hyperparameters, make_optimizer,
                                  muon_hyperparameters, optimizer_groups)
-from zerokit.runtime import default_device
+from zerokit.comm.process import default_device
 
 
 class Trainer(NamedTuple):

@@ -50,7 +50,7 @@ from benchmarks import bench_gpu
 from benchmarks.contenders import Contender
 from benchmarks.llama import Llama, LlamaConfig, flops_per_token
 from benchmarks.workload import BenchSettings, make_batch
-from zerokit.runtime import default_device, ensure_process_group
+from zerokit.comm.process import default_device, ensure_process_group
 from zerokit.testing.models import lm_loss
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,7 +191,7 @@ faulthandler.dump_traceback_later(15, repeat=False)  # a slow teardown: where ev
 import torch, torch.distributed as dist
 sys.path.insert(0, {root!r})
 import zerokit
-from zerokit.runtime import ensure_process_group
+from zerokit.comm.process import ensure_process_group
 started = time.perf_counter()
 ensure_process_group()
 figures = {{"backend": dist.get_backend(), "init_s": time.perf_counter() - started, "close_s": []}}

@@ -80,7 +80,7 @@ def test_load_state_resumes_the_uninterrupted_run(runs: dict[str, list[dict]], s
 
 def test_steps_per_print_infinity_means_never() -> None:
     """accelerate's DeepSpeedPlugin writes float("inf") to silence DeepSpeed's step lines."""
-    from zerokit.config import load_config
+    from zerokit.config.typed import load_config
 
     config = {"train_micro_batch_size_per_gpu": 1}
     assert load_config({**config, "steps_per_print": math.inf}).steps_per_print is None

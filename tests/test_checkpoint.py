@@ -21,7 +21,7 @@ import zerokit
 import zerokit.checkpoint as checkpoint
 from test_engine_state import train, train_loss  # the same few steps on the same batches
 from zerokit.cli import main as cli_main
-from zerokit.preemption import Preempted
+from zerokit.reliability.preemption import Preempted
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, param_groups
 from zerokit.testing.spawn import spawn
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 import zerokit
 from test_parity import allowed_update_error, update_error
 from zerokit.checkpoint import checkpoint_directory, consolidate, read_manifest
-from zerokit.config import DTYPES_BY_NAME
+from zerokit.config.typed import DTYPES_BY_NAME
 from zerokit.testing.parity import (Case, engine_config, forward_loss, fp32_state, make_batch, make_model,
                                     make_optimizer, run_reference)
 from zerokit.testing.spawn import spawn

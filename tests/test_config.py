@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from zerokit.config import DEFAULT_BUCKET_BYTES, LossScaling, MixedPrecision, ZeroConfig, load_config, replace
+from zerokit.config.typed import DEFAULT_BUCKET_BYTES, LossScaling, MixedPrecision, ZeroConfig, load_config, replace
 
 
 def test_deepspeed_dict_is_read() -> None:
@@ -214,7 +214,7 @@ def test_offload_optimizer_at_stage_0_is_dropped_from_a_dict_and_refused_when_ty
     """A DeepSpeed dict at stage 0 with an offload_optimizer block trains as DeepSpeed trains it, which ignores the
     block (issue 31: Megatron-DeepSpeed's ds_config-gpt.json); a typed ZeroConfig asks for the offload by name,
     and is refused."""
-    from zerokit.config import Offload
+    from zerokit.config.typed import Offload
 
     block = {"device": device, "nvme_path": "/nvme"}
     config = load_config({"zero_optimization": {"stage": 0, "offload_optimizer": block}}).resolve(world_size=2)
@@ -226,7 +226,7 @@ def test_offload_optimizer_at_stage_0_is_dropped_from_a_dict_and_refused_when_ty
 
 
 def test_typed_fields_for_what_the_reader_honours():
-    from zerokit.config import ActivationCheckpointing, Offload, OptimizerSpec, SchedulerSpec
+    from zerokit.config.typed import ActivationCheckpointing, Offload, OptimizerSpec, SchedulerSpec
 
     config = load_config({
         "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local_nvme",
@@ -253,7 +253,7 @@ def test_typed_fields_for_what_the_reader_honours():
 
 
 def test_the_preemption_block_is_read_off_by_default_and_named_at_start():
-    from zerokit.config import Preemption
+    from zerokit.config.typed import Preemption
 
     assert not ZeroConfig().preemption.enabled
     config = load_config({"preemption": {"enabled": True, "save_dir": "ckpt", "signals": ["usr1", "SIGTERM"]}})
@@ -285,7 +285,7 @@ def test_resolve_fills_in_auto_and_logs_it():
 def test_hidden_size_of_reads_model_configs():
     from types import SimpleNamespace
 
-    from zerokit.config import hidden_size_of
+    from zerokit.config.typed import hidden_size_of
 
     def model(**config):
         module = torch.nn.Linear(1, 1)
@@ -322,8 +322,8 @@ def test_resolve_keeps_fields_replaced_after_reading():
 def test_typed_defaults_are_the_schemas():
     """Every field a DeepSpeed key holds as it is defaults to that key's schema default (an absent key and a typed
     config mean the same), except the accumulation steps, which the schema leaves to be derived."""
-    from zerokit.config import FIELDS
-    from zerokit.dsconfig.schema import default
+    from zerokit.config.typed import FIELDS
+    from zerokit.config.dsconfig.schema import default
 
     typed, read = ZeroConfig(), load_config({})
     for path, name in FIELDS.items():

@@ -29,7 +29,7 @@ from torch import nn
 import zerokit
 from conftest import cases_for
 from test_parity import assert_matches_reference
-from zerokit.runtime import ensure_process_group, open_engines
+from zerokit.comm.process import ensure_process_group, open_engines
 from zerokit.testing.parity import Case, run_engine
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (this runs on a GPU machine)")

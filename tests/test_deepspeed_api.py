@@ -18,7 +18,7 @@ import zerokit
 import zerokit.deepspeed as deepspeed
 import zerokit.deepspeed.comm as ds_comm
 from zerokit.deepspeed.accelerator import get_accelerator
-from zerokit.schedules import warmup_decay_lr
+from zerokit.engine.schedules import warmup_decay_lr
 from zerokit.testing.spawn import spawn
 
 

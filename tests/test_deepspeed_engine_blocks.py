@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import zerokit
-from zerokit.schedules import warmup_decay_lr
+from zerokit.engine.schedules import warmup_decay_lr
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups
 from zerokit.testing.spawn import spawn
 

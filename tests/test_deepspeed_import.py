@@ -259,7 +259,7 @@ def test_fp16_loss_scaler_state_reads_as_zerokits(monkeypatch) -> None:
     import deepspeed.runtime.fp16.loss_scaler as ds_scaler
 
     from zerokit.checkpoint.deepspeed_resume import loss_scaler_state
-    from zerokit.config import LossScaling
+    from zerokit.config.typed import LossScaling
     from zerokit.precision import DynamicLossScaler
 
     monkeypatch.setattr(ds_scaler, "dist", SimpleNamespace(get_rank=lambda: 1))  # its overflow log asks the rank

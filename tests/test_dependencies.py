@@ -1,5 +1,5 @@
 """Every package the tree imports is declared in pyproject.toml: the core ones as dependencies, the others in the
-extra zerokit/extras.py names for them, and imported only inside the function that needs them, so that a fresh
+extra zerokit/_support/extras.py names for them, and imported only inside the function that needs them, so that a fresh
 machine with the core dependencies alone imports every zerokit module. (A machine that happens to have a package
 installed hides a missing declaration from the tests that use it: this reads the source instead.)"""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from zerokit import extras
+from zerokit._support import extras
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
@@ -74,7 +74,7 @@ def _refuses_import(path: Path) -> bool:
 
 def test_the_extras_table_and_pyproject_agree():
     for package, extra in extras.EXTRA_OF.items():
-        assert package in EXTRAS.get(extra, set()), f"zerokit/extras.py says {package} comes with [{extra}]"
+        assert package in EXTRAS.get(extra, set()), f"zerokit/_support/extras.py says {package} comes with [{extra}]"
 
 
 def test_zerokit_imports_only_core_packages_at_module_level():
@@ -89,7 +89,7 @@ def test_zerokit_imports_only_core_packages_at_module_level():
 def test_every_optional_package_zerokit_imports_has_its_extra():
     optional = {name for path in _files("zerokit") for name, _, _ in _imports(path)} - CORE
     undeclared = {name for name in optional if name not in EXTRAS.get(extras.EXTRA_OF.get(name, ""), set())}
-    assert not undeclared, f"add each to an extra and to zerokit/extras.py EXTRA_OF: {sorted(undeclared)}"
+    assert not undeclared, f"add each to an extra and to zerokit/_support/extras.py EXTRA_OF: {sorted(undeclared)}"
 
 
 @pytest.mark.parametrize("folder,extra", [("tests", "test"), ("benchmarks", "bench")])

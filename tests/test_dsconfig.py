@@ -1,4 +1,4 @@
-"""zerokit.dsconfig: DeepSpeed's keys read one way, as DeepSpeed reads them; "auto" resolved and reported."""
+"""zerokit.config.dsconfig: DeepSpeed's keys read one way, as DeepSpeed reads them; "auto" resolved and reported."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from zerokit.dsconfig import AUTO, SCHEMA, KeyClass, Kind, pending, read, resolve
-from zerokit.dsconfig import blocks
-from zerokit.dsconfig.schema_optim import OPTIMIZER_PARAMS, SCHEDULER_PARAMS
+from zerokit.config.dsconfig import AUTO, SCHEMA, KeyClass, Kind, pending, read, resolve
+from zerokit.config.dsconfig import blocks
+from zerokit.config.dsconfig.schema_optim import OPTIMIZER_PARAMS, SCHEDULER_PARAMS
 
 
 def test_importable_without_torch():
-    code = ("import sys, zerokit.dsconfig, zerokit.dsconfig.table, zerokit.planner, zerokit.planner.translate; "
-            "zerokit.dsconfig.read({'zero_optimization': {'stage': 3}}); "
+    code = ("import sys, zerokit.config.dsconfig, zerokit.config.dsconfig.table, zerokit.planner, zerokit.planner.translate; "
+            "zerokit.config.dsconfig.read({'zero_optimization': {'stage': 3}}); "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerokit.config import load_config
-from zerokit.dsconfig import read
-from zerokit.dsconfig.blocks import SchedulerSpec
-from zerokit.schedules import build_scheduler
+from zerokit.config.typed import load_config
+from zerokit.config.dsconfig import read
+from zerokit.config.dsconfig.blocks import SchedulerSpec
+from zerokit.engine.schedules import build_scheduler
 
 deepspeed = pytest.importorskip("deepspeed")
 from deepspeed.runtime import lr_schedules  # noqa: E402
@@ -140,7 +140,7 @@ def test_every_key_deepspeeds_models_accept_is_in_the_schema():
     from deepspeed.runtime.zero.offload_config import (DeepSpeedZeroOffloadOptimizerConfig,
                                                        DeepSpeedZeroOffloadParamConfig)
 
-    from zerokit.dsconfig import SCHEMA
+    from zerokit.config.dsconfig import SCHEMA
 
     sections = {"zero_optimization": DeepSpeedZeroConfig, "zero_optimization.offload_param":
                 DeepSpeedZeroOffloadParamConfig, "zero_optimization.offload_optimizer":

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerokit.config import load_config
-from zerokit.schedules import build_optimizer, build_scheduler
+from zerokit.config.typed import load_config
+from zerokit.engine.schedules import build_optimizer, build_scheduler
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ds_configs"
 ACCEPTED = sorted(FIXTURES.glob("*.json"))

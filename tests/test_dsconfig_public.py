@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 import zerokit
-from zerokit.config import Offload, ZeroConfig, load_config
-from zerokit.defaults import DEFAULT_BUCKET_BYTES
-from zerokit.dsconfig import read
+from zerokit.config.typed import Offload, ZeroConfig, load_config
+from zerokit.config.defaults import DEFAULT_BUCKET_BYTES
+from zerokit.config.dsconfig import read
 from zerokit.masters.shards import piece_numel
-from zerokit.runtime import configure_logging
+from zerokit.comm.process import configure_logging
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups
 from zerokit.testing.parity import Case, fp32_state, make_model, run_cases, run_reference
 from zerokit.testing.spawn import spawn

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from zerokit.dsconfig import SCHEMA, rows
-from zerokit.dsconfig.schema_optim import OPTIMIZER_PARAMS, SCHEDULER_PARAMS
-from zerokit.dsconfig.table import DOC, markdown_table, table_in
+from zerokit.config.dsconfig import SCHEMA, rows
+from zerokit.config.dsconfig.schema_optim import OPTIMIZER_PARAMS, SCHEDULER_PARAMS
+from zerokit.config.dsconfig.table import DOC, markdown_table, table_in
 
 
 def test_the_docs_table_is_the_schema():
-    assert table_in(DOC.read_text()) == markdown_table(), "run: python -m zerokit.dsconfig.table --write"
+    assert table_in(DOC.read_text()) == markdown_table(), "run: python -m zerokit.config.dsconfig.table --write"
 
 
 def test_the_table_lists_every_key_once_with_its_class():

@@ -1,4 +1,4 @@
-"""DeepSpeed's `elasticity` block, accepted and honoured (issue 33, item 6): zerokit/dsconfig/elastic.py chooses the
+"""DeepSpeed's `elasticity` block, accepted and honoured (issue 33, item 6): zerokit/config/dsconfig/elastic.py chooses the
 global batch, micro-batch and accumulation for a world size as DeepSpeed's `compute_elastic_config` did (See [Note:
 elastic batch sizes]). DeepSpeed 0.19.8 removed the function, so its results over a grid of 576 blocks and world sizes
 1-8 were written by DeepSpeed 0.18.0's own code into tests/fixtures/elasticity/deepspeed_0.18.0.json
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from zerokit.config import from_dict
-from zerokit.dsconfig.elastic import ElasticPolicy, elastic_batch
+from zerokit.config.typed import from_dict
+from zerokit.config.dsconfig.elastic import ElasticPolicy, elastic_batch
 
 FIXTURE = Path(__file__).parent / "fixtures" / "elasticity" / "deepspeed_0.18.0.json"
 BLOCK = {"enabled": True, "max_train_batch_size": 12, "micro_batch_sizes": [1, 2], "min_gpus": 1, "max_gpus": 4,

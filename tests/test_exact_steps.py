@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import zerokit
-from zerokit.config import ZeroConfig
+from zerokit.config.typed import ZeroConfig
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss
 
 

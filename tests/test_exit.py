@@ -1,5 +1,5 @@
 """Scripts that end as most scripts end must not abort a rank at exit, and Engine.close() releases what the engine
-holds outside itself (See [Note: leaving at exit] in zerokit/runtime.py).
+holds outside itself (See [Note: leaving at exit] in zerokit/comm/process.py).
 
 The endings run as real process exits, 8 two-rank runs of each ending at each stage (tests/scripts/exit_endings.py
 forks both ranks of a run from one process that imported torch once, so that 32 runs take a minute, not five).

@@ -207,7 +207,7 @@ def test_real_deepspeed_trains_the_same_script_as_zerokit(runs: Runs, stage: int
 # --- what the drop-in reads differently from zerokit's own API --------------------------------------------
 
 def test_an_absent_gradient_clipping_clips_at_one_as_deepspeed_does() -> None:
-    from zerokit.config import load_config
+    from zerokit.config.typed import load_config
     from zerokit.deepspeed.start import deepspeed_defaults
 
     config = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 2}

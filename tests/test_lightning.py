@@ -41,7 +41,7 @@ pytest.importorskip("lightning")
 
 from lightning.pytorch import Trainer  # noqa: E402
 
-from zerokit.config import ZeroConfig  # noqa: E402
+from zerokit.config.typed import ZeroConfig  # noqa: E402
 from zerokit.integrations.lightning import (ZerokitPrecision, ZerokitStrategy, as_zerokit_precision,  # noqa: E402
                                             engine_config)
 

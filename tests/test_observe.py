@@ -16,7 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import zerokit
-from zerokit.config import load_config
+from zerokit.config.typed import load_config
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss
 
 TOKENS = torch.randint(0, 67, (4, 17), generator=torch.Generator().manual_seed(3))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 import zerokit
-from zerokit.config import ActivationCheckpointing
-from zerokit import activations
+from zerokit.config.typed import ActivationCheckpointing
+from zerokit.engine import activations
 from zerokit.testing.models import Block, TinyGPT, TinyGPTConfig, lm_loss, param_groups
 
 

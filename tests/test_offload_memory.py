@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import zerokit
-from zerokit.defaults import NVME_SUB_GROUP_NUMEL
+from zerokit.config.defaults import NVME_SUB_GROUP_NUMEL
 from zerokit.masters.state import masters_state_dict
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups, rank_batch, small_zero_config
 from zerokit.testing.spawn import spawn

@@ -1,4 +1,4 @@
-"""The pipeline x data x tensor layout (zerokit/layout.py): its rank arithmetic against torch's DeviceMesh and
+"""The pipeline x data x tensor layout (zerokit/parallel/mesh.py): its rank arithmetic against torch's DeviceMesh and
 DeepSpeed's topology order, its errors, and an engine that shards over its data group."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zerokit
-from zerokit.layout import Layout
+from zerokit.parallel.mesh import Layout
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, rank_batch, small_zero_config
 from zerokit.testing.spawn import spawn
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from zerokit.layout import Layout
+from zerokit.parallel.mesh import Layout
 from zerokit.pipeline import BubbleWarning
 from zerokit.pipeline.checks import schedule_class_of, warn_about_the_bubble
 from zerokit.testing.pipeline import (TENSOR_SPLIT_CASES, PipeCase, mlp_layers, reference,

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from zerokit.config import LossScaling
+from zerokit.config.typed import LossScaling
 from zerokit.precision import (DynamicLossScaler, clip_coefficient, device_square_sum, global_grad_norm, global_norm,
                                square_sum, unscale_, unscaled_square_sum)
 

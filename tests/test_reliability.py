@@ -20,7 +20,7 @@ from torch import nn
 
 import zerokit
 from zerokit.comm import CollectiveError
-from zerokit.config import load_config
+from zerokit.config.typed import load_config
 from zerokit.stages.agreement import SkippedUnitError
 from zerokit.reliability.fingerprint import RanksDisagreeError
 from zerokit.testing.models import Block, TinyGPT, TinyGPTConfig, lm_loss, param_groups, rank_batch, small_zero_config

@@ -22,8 +22,8 @@ import torch
 import zerokit
 import zerokit.deepspeed as deepspeed
 from zerokit.checkpoint.newest import newest_checkpoint
-from zerokit.runtime import configure_logging
-from zerokit.sampling import ResumableLoader, ResumableSampler, resumable_loader
+from zerokit.comm.process import configure_logging
+from zerokit.checkpoint.sampling import ResumableLoader, ResumableSampler, resumable_loader
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, lm_loss, param_groups
 
 SCRIPT = Path(__file__).parent / "scripts" / "resume_job.py"

@@ -1,4 +1,4 @@
-"""zerokit.schedules: DeepSpeed's LR schedules, step by step against their formulas, and the optimizers an
+"""zerokit.engine.schedules: DeepSpeed's LR schedules, step by step against their formulas, and the optimizers an
 `optimizer` block builds."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from zerokit.dsconfig.blocks import OptimizerSpec, SchedulerSpec
-from zerokit.schedules import DeepSpeedLR, both_given_error, build_optimizer, build_scheduler
+from zerokit.config.dsconfig.blocks import OptimizerSpec, SchedulerSpec
+from zerokit.engine.schedules import DeepSpeedLR, both_given_error, build_optimizer, build_scheduler
 
 
 def lrs(schedule_type: str, params: dict, steps: int, lr: float = 1.0, optimizer: str = "SGD") -> list[float]:
@@ -158,7 +158,7 @@ def test_optimizer_blocks_build_torch_optimizers(block, cls, settings):
     ({"type": "SGD", "params": {"differentiable": True}}, None),
 ])
 def test_blocks_use_torchs_fused_kernel_unless_they_choose_another(block, fused):
-    """See [Note: fused optimizer kernels] in zerokit/schedules.py."""
+    """See [Note: fused optimizer kernels] in zerokit/engine/schedules.py."""
     optimizers = build_optimizer(OptimizerSpec(**block), model())
     assert [group["fused"] for group in optimizers[0].param_groups] == [fused]
     muon, adam = build_optimizer(OptimizerSpec(type="Muon"), model())

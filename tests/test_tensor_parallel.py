@@ -1,4 +1,4 @@
-"""Tensor parallelism inside a node, ZeRO across the replicas (zerokit/tensor): a Hugging Face Llama split by its
+"""Tensor parallelism inside a node, ZeRO across the replicas (zerokit/parallel/tensor): a Hugging Face Llama split by its
 tp_plan over 2 tensor ranks x 2 data replicas equals one process on the union of the replicas' batches at ZeRO 1-3
 (parity.run_reference with 2 ranks); DeepSpeed's AutoTP + ZeRO-2 run of the same script and config equals the
 drop-in's; torch's own tensor parallelism trains the same; the LLaMA-Factory AutoTP config trains; a checkpoint
@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerokit.layout import Layout
+from zerokit.parallel.mesh import Layout
 from zerokit.testing.parity import Case, run_reference
 from zerokit.testing.spawn import spawn
 from zerokit.testing.tensor_parity import AUTOTP_CASE, deepspeed_config, run_relayout, run_resume, run_tensor_cases

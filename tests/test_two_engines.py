@@ -73,9 +73,9 @@ def _train(rank: int, engines: list, cases: list[Case]) -> list[dict]:
 
 
 def _together_and_alone(rank: int, world_size: int) -> dict:
-    import zerokit.runtime
+    import zerokit.comm.process
 
-    zerokit.runtime.logger.setLevel(logging.INFO)
+    zerokit.comm.process.logger.setLevel(logging.INFO)
     cases = [ACTOR, CRITIC]
     together = _train(rank, [_engine(case) for case in cases], cases)
     alone = [_train(rank, [_engine(case)], [case])[0] for case in cases]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerokit.config import Stage3Policy, from_dict
+from zerokit.config.typed import Stage3Policy, from_dict
 from zerokit.stages.units import Unit, find_units
 from zerokit.testing.models import Block, CausalSelfAttention, TinyGPT, TinyGPTConfig
 

@@ -5,7 +5,7 @@ Python imports this module at start-up when its folder is on PYTHONPATH (benchma
 for the peers' ranks only, with ZEROKIT_WIRE_OUT and ZEROKIT_WIRE_RANKS_PER_NODE set), so the peer's script runs as it
 is. It wraps torch.distributed's point-to-point sends (a send to a rank on another node counts its bytes) and
 collectives (a ring over the group in ascending ranks: this rank's ring share of the logical bytes counts where the
-next rank is on another node, as zerokit.settings.ring_crosses_nodes says), and at exit writes
+next rank is on another node, as zerokit.config.settings.ring_crosses_nodes says), and at exit writes
 ZEROKIT_WIRE_OUT/rank<r>.json: {"bytes": ..., "calls": ..., "by": {function: bytes}}, start-up included.
 """
 
@@ -29,7 +29,7 @@ def _install(out: Path, ranks_per_node: int) -> None:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from zerokit.settings import ring_crosses_nodes, ring_share
+    from zerokit.config.settings import ring_crosses_nodes, ring_share
     counted = {"bytes": 0.0, "calls": 0, "rank": None, "by": {}}
 
     def add(name: str, size: float) -> None:

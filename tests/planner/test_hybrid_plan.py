@@ -181,7 +181,7 @@ def picked(layout, stage):
 @pytest.mark.parametrize("layout, stage", [({"replicas": 2}, 1), ({"replicas": 2}, 2), ({"replicas": 2}, 3),
                                            ({"secondary": 8}, 3)])
 def test_zerokit_and_deepspeed_configs_round_trip(layout, stage):
-    from zerokit.config import load_config
+    from zerokit.config.typed import load_config
 
     result = picked(layout, stage)
     expected_mics = result.scenario.shard if "replicas" in layout else -1
@@ -247,7 +247,7 @@ def test_cli_takes_hpz_and_prints_the_comparison(capsys):
 def test_stage_0_with_replicas_emits_plain_data_parallel():
     """Stage 0 shards nothing, so replicas change nothing there: no mics_shard_size (which zerokit refuses at
     stage 0); an hpZ layout asked for is planned at stage 3 only."""
-    from zerokit.config import load_config
+    from zerokit.config.typed import load_config
 
     emitted = emit(picked({"replicas": 2}, 0), "zerokit")
     assert load_config(emitted.config).mics_shard_size == -1

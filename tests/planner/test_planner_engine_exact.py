@@ -267,7 +267,7 @@ def test_a_recorded_setup_gives_back_the_config_it_was_recorded_from(changes):
     """Copies of a recorded run are built with engine_config(setup): every setting the record holds survives."""
     from dataclasses import asdict
 
-    from zerokit.config import from_dict
+    from zerokit.config.typed import from_dict
     from zerokit.profiling.record import engine_config
 
     setup = asdict(EngineSetup(**{"stage": 0, "world": 2, **changes}))

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 import zerokit  # noqa: E402
 from zerokit.planner import Architecture, estimate, make_scenario  # noqa: E402
 from zerokit.planner.compute import ComputeEstimate, cpu_update_bytes, offload_estimate  # noqa: E402
-from zerokit.defaults import CPU_OPTIMIZER_PIECE_NUMEL  # noqa: E402
+from zerokit.config.defaults import CPU_OPTIMIZER_PIECE_NUMEL  # noqa: E402
 from zerokit.planner.engine_model import EngineSetup  # noqa: E402
 from zerokit.planner.engine_offload import NVME_BLOCK, TRANSFERS, engine_transfers  # noqa: E402
 from zerokit.planner.memory import RankParams  # noqa: E402

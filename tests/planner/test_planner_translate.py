@@ -132,8 +132,8 @@ def test_bad_deepspeed_configs(zero, message):
 
 def test_zerokit_keys_are_what_the_engine_reads():
     """Everything the emitter writes for zerokit is a key the engine's reader honours (one schema for both)."""
-    config = pytest.importorskip("zerokit.config")
-    from zerokit.dsconfig import SCHEMA, KeyClass, read
+    config = pytest.importorskip("zerokit.config.typed")
+    from zerokit.config.dsconfig import SCHEMA, KeyClass, read
 
     emitted = emit_zerokit(estimate(make_scenario("llama2-13b", seq_len=4096), 3))
     assert {SCHEMA[path].klass for path in read(emitted).values} <= {KeyClass.HONOURED, KeyClass.ZEROKIT}
@@ -194,7 +194,7 @@ def test_emitted_deepspeed_config_translates_back_to_the_pick():
 def test_emitted_zerokit_config_offloads_as_the_pick_does(optimizer, params):
     """The engine offloads to both tiers, so an offloaded pick is emitted with its blocks, which the engine's
     own config reader turns back into the pick's tiers."""
-    config = pytest.importorskip("zerokit.config")
+    config = pytest.importorskip("zerokit.config.typed")
     result = estimate(make_scenario("llama2-70b", seq_len=4096), 3, Offload(optimizer=optimizer, params=params))
     emitted = emit(result, "zerokit")
     zero = emitted.config["zero_optimization"]
@@ -251,7 +251,7 @@ def test_reduce_bucket_bytes_become_elements_of_the_reduce_dtype():
 
 def test_every_zero_key_has_an_fsdp_mapping():
     """FSDP_KNOBS is the translator's only table; it must name every zero_optimization key the schema knows."""
-    from zerokit.dsconfig import SCHEMA, KeyClass
+    from zerokit.config.dsconfig import SCHEMA, KeyClass
     from zerokit.planner.translate import FSDP_KNOBS, MAPPED_WITH_THE_STAGE, Z, short_name
 
     zero_keys = {short_name(path) for path, key in SCHEMA.items() if path.startswith(Z)

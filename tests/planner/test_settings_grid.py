@@ -1,4 +1,4 @@
-"""The engine's decisions, made once (zerokit/settings.py), are the ones the planner predicts from: for a grid of
+"""The engine's decisions, made once (zerokit/config/settings.py), are the ones the planner predicts from: for a grid of
 configs on 3 gloo ranks (a world size that divides no bucket), the settings the engine resolved equal the planner's
 for the same setup, and the planner's bucket layout, bucket count and collectives per optimizer step equal what the
 engine then built and sent (one spawn for the whole grid)."""

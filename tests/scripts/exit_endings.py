@@ -9,7 +9,7 @@ module global as a script does, and then ends:
 and then really exits: the forked rank returns to the end of this module and the interpreter finalizes as a
 script's does. The parent records how each rank ended (exit status or signal, and its stderr), and how many of
 gloo's threads (pt_gloo_runloop, gloo_tcp_loop) were still alive when the interpreter began to finalize (an
-atexit hook registered before zerokit's, so it runs after it). See [Note: leaving at exit] in zerokit/runtime.py.
+atexit hook registered before zerokit's, so it runs after it). See [Note: leaving at exit] in zerokit/comm/process.py.
 
     python exit_endings.py --stage 3 --ending destroy --runs 25 --out results.json
 """

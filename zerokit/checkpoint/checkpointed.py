@@ -1,4 +1,4 @@
-"""What checkpoints read and write of an engine (zerokit/engine.py's Engine, or the drop-in's): its counters,
+"""What checkpoints read and write of an engine (zerokit/engine/engine.py's Engine, or the drop-in's): its counters,
 its schedules and its per-parameter view, never its stage (See [Note: a per-parameter view of the stage] in
 stages/view.py)."""
 
@@ -9,12 +9,12 @@ from typing import Any, Protocol
 from torch import nn
 
 from zerokit.checkpoint.data_position import DataPosition
-from zerokit.config import ZeroConfig
+from zerokit.config.typed import ZeroConfig
 from zerokit.stages.view import ParameterView
 
 
 class SavedProgress(Protocol):
-    """What checkpoints read and write of where training stands (zerokit/step.py's Progress, a dataclass: saved with
+    """What checkpoints read and write of where training stands (zerokit/engine/step.py's Progress, a dataclass: saved with
     dataclasses.asdict, restored with dataclasses.replace). Named by its shape, not imported: the engine's step
     sits above the checkpoints, and a type is named only downward."""
 
@@ -36,11 +36,11 @@ class Checkpointed(Protocol):
     config: ZeroConfig
     view: ParameterView
     progress: SavedProgress
-    loss_scaler: Any  # precision.py's DynamicLossScaler or NoLossScaler: state_dict() and load_state_dict()
+    loss_scaler: Any  # precision/__init__.py's DynamicLossScaler or NoLossScaler: state_dict() and load_state_dict()
     lr_schedules: list[Any]  # the LR schedules the engine steps: state_dict() and load_state_dict()
     data_position: DataPosition  # the loader or sampler whose position checkpoints save
     layout: Any  # zerokit.Layout of the job (None: flat data parallel), See relayout.py
-    tensor: Any  # tensor/share.py's TensorShare (None: no tensor parallelism): its `split` parameters
+    tensor: Any  # parallel/tensor/share.py's TensorShare (None: no tensor parallelism): its `split` parameters
     tied_names: frozenset[str]  # parameters tied to copies on other pipeline stages
 
 

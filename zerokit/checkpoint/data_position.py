@@ -1,5 +1,5 @@
 """The data position an engine saves in its checkpoints: the state of the loader or sampler it tracks (See [Note:
-the data position] in zerokit/sampling.py), one per rank, in the checkpoint's `data_position.pt`.
+the data position] in zerokit/checkpoint/sampling.py), one per rank, in the checkpoint's `data_position.pt`.
 
 [Note: a position loaded before its loader exists]
 A resume at start-up (the config's `resume` block) loads the checkpoint inside initialize, before the script has
@@ -34,7 +34,7 @@ class DataPosition:
         position loaded before (a resume at start-up) goes into it now. Returns `source`."""
         if not (callable(getattr(source, "state_dict", None)) and callable(getattr(source, "load_state_dict", None))):
             raise ValueError(f"engine.data_position.track({type(source).__name__}): it needs state_dict() and "
-                             "load_state_dict(); use zerokit.sampling.ResumableSampler or ResumableLoader")
+                             "load_state_dict(); use zerokit.checkpoint.sampling.ResumableSampler or ResumableLoader")
         self.source = source
         if self.waiting is not None:
             waiting, self.waiting = self.waiting, None

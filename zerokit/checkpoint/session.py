@@ -42,7 +42,7 @@ class CheckpointGroup:
                 self.rank, self.world_size, self.group = part.index(me), len(part), group
 
     def close(self) -> None:
-        """Destroy the group and let go of it (See [Note: leaving at exit] in zerokit/runtime.py)."""
+        """Destroy the group and let go of it (See [Note: leaving at exit] in zerokit/comm/process.py)."""
         group, self.group = self.group, None
         if group is not None:
             try:

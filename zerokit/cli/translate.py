@@ -6,7 +6,7 @@
 
 The mapping table is printed first; anything without an equivalent then ends the command with a
 one-line error (exit code 2), so a script cannot miss it. DeepSpeed and zerokit files are read by
-zerokit.dsconfig, the reader the engine uses: a key the engine would refuse, or a misspelt one, is the
+zerokit.config.dsconfig, the reader the engine uses: a key the engine would refuse, or a misspelt one, is the
 same one-line error here.
 """
 
@@ -24,7 +24,7 @@ from zerokit.planner.translate import (
     parse_fsdp_terms,
     zerokit_to_deepspeed,
 )
-from zerokit.jsonfile import read_json_object
+from zerokit._support.jsonfile import read_json_object
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

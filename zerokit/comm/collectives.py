@@ -20,7 +20,7 @@ one node; collectives before the stage made its groups (the start-up checks, pla
 across.
 
 The counting itself is counting.py's (CommStats for an engine, GroupCount for each of its groups); the groups'
-ranks and whether a ring crosses nodes are settings.py's (consecutive_groups, strided_groups, ring_crosses_nodes),
+ranks and whether a ring crosses nodes are config/settings.py's (consecutive_groups, strided_groups, ring_crosses_nodes),
 which the planner calls too.
 
 [Note: all-gather on gloo]
@@ -33,7 +33,7 @@ instead: N broadcasts of 1/N each, in which every rank sends its own slice to th
 [Note: groups made beside the siblings']
 torch's new_group is a collective over the whole job: every rank calls it, in the same order, with the same ranks,
 and the group is named by how many groups came before it. An engine over one data group of a layout (the replicas
-of one pipeline stage: See zerokit/layout.py) makes more groups as it builds (stage 3's gather twin, MiCS's
+of one pipeline stage: See zerokit/parallel/mesh.py) makes more groups as it builds (stage 3's gather twin, MiCS's
 splits, a gloo control group beside NCCL); if only its own ranks made them, the engines of the other stages would
 make theirs under the same names over other ranks, and the two would meet in the store and hang. So a
 Communicator knows its `siblings`, the global ranks of every group of its dimension, and each group it makes is
@@ -104,7 +104,7 @@ class Communicator:
     def create(cls, timeout_seconds: float, stats: CommStats | None = None,
                parts: list[list[int]] | None = None, name: str = "shard") -> "Communicator":
         """The engine's: a new group over every rank (or over this rank's of `parts`, a layout's dimension: See
-        zerokit/layout.py) whose own timeout is the deadline (See [Note: deadlines on collectives]); the job's
+        zerokit/parallel/mesh.py) whose own timeout is the deadline (See [Note: deadlines on collectives]); the job's
         default group is left as the application set it. `name`: its label in reports."""
         backend = dist.get_backend()
         if backend == "fake":  # torch's fake back-end (shard arithmetic at sizes CI cannot spawn): nothing waits
@@ -176,7 +176,7 @@ class Communicator:
     def close(self) -> None:
         """Destroy the process group zerokit made for this Communicator (and its control group, when that is a
         group of its own), and let go of it, so that gloo's threads for it are joined now, while the interpreter
-        can still give them the GIL (See [Note: leaving at exit] in zerokit/runtime.py). Idempotent; a collective
+        can still give them the GIL (See [Note: leaving at exit] in zerokit/comm/process.py). Idempotent; a collective
         after it raises."""
         if self.closed:
             return

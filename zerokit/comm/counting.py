@@ -13,7 +13,7 @@ from enum import Enum
 import torch
 import torch.distributed as dist
 
-from zerokit.settings import ring_crosses_nodes, ring_share
+from zerokit.config.settings import ring_crosses_nodes, ring_share
 
 
 class Collective(str, Enum):
@@ -34,7 +34,7 @@ class Transfer(str, Enum):
 
 
 RING_FACTOR = {kind: (lambda n, name=kind.value: float(ring_share(name, n))) for kind in Collective}
-"""Ring traffic per rank as a multiple of the logical bytes, for N ranks (settings.py's ring_share, which the planner
+"""Ring traffic per rank as a multiple of the logical bytes, for N ranks (config/settings.py's ring_share, which the planner
 reads too)."""
 
 
@@ -99,7 +99,7 @@ class GroupCount:
     """One process group's counting into the CommStats it shares: under the group's name, with the share of its ring
     traffic that crosses nodes (See [Note: bytes that cross nodes]). It is handed the group at each count rather than
     keeping it: a reference held here would outlive Communicator.close() and keep gloo's threads for the group alive
-    until the interpreter finalizes (See [Note: leaving at exit] in zerokit/runtime.py)."""
+    until the interpreter finalizes (See [Note: leaving at exit] in zerokit/comm/process.py)."""
 
     def __init__(self, stats: CommStats, name: str, rank: int, world_size: int) -> None:
         self.stats, self.name, self.rank, self.world_size = stats, name, rank, world_size

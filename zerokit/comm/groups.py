@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerokit.comm.collectives import Communicator
-from zerokit.settings import EngineSettings, consecutive_groups, strided_groups
+from zerokit.config.settings import EngineSettings, consecutive_groups, strided_groups
 
 
 @dataclass(frozen=True)

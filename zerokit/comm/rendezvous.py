@@ -17,7 +17,7 @@ a prefix no earlier attempt wrote:
   - every rank then starts the group in a PrefixStore under the id.
 Ranks may come back in any order and at any time within the start-up timeout. A script that starts the group
 itself keeps torch's keys, and so does every group made after it (zerokit's own too): `import zerokit`, in a
-restarted attempt, warns which setting avoids the fault (zerokit/torchrun.py).
+restarted attempt, warns which setting avoids the fault (zerokit/_support/torchrun.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from zerokit.torchrun import under_agent_store
+from zerokit._support.torchrun import under_agent_store
 
 ATTEMPT_KEY = "zerokit/attempt"
 POLL_SECONDS = 0.1

@@ -14,7 +14,7 @@ Launch with torchrun (the deepspeed launcher is out of scope). For frameworks th
 What each module covers: start.py (initialize,
 add_config_arguments), distributed.py (init_distributed), engine.py (the engine's DeepSpeed methods), comm.py,
 accelerator.py, zero.py (Init, GatheredParameters), utils.py, ops/adam.py, autotp.py (tp_model_init: AutoTP
-training, split by zerokit/tensor), pipe.py (PipelineModule: pipeline parallelism at ZeRO 0-3). MoE layers, the
+training, split by zerokit/parallel/tensor), pipe.py (PipelineModule: pipeline parallelism at ZeRO 0-3). MoE layers, the
 inference engine and DeepSpeed's kernels are refused in one line naming them.
 """
 

@@ -3,7 +3,7 @@ supports at every stage. Lightning calls configure() when its config has an `act
 
 configure()'s settings only trade memory for speed (partition_activations, contiguous memory, CPU copies,
 synchronisation, profiling): they are accepted and logged. checkpoint() recomputes as torch does, with the
-activation_checkpointing block of the engine whose forward is running (See zerokit/activations.py).
+activation_checkpointing block of the engine whose forward is running (See zerokit/engine/activations.py).
 Model parallelism (mpu_) is refused, as everywhere in zerokit.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from zerokit import activations
+from zerokit.engine import activations
 
 logger = logging.getLogger("zerokit")
 _SETTINGS: dict[str, Any] = {}

@@ -12,7 +12,7 @@ class ConfigQueries:
     """Mixed into zerokit.deepspeed's engine, whose `config` and `progress` these read."""
 
     config: Any  # the engine's config (zerokit/deepspeed/config_view.py EngineConfig over ZeroConfig)
-    progress: Any  # zerokit/step.py Progress
+    progress: Any  # zerokit/engine/step.py Progress
 
     @property
     def global_steps(self) -> int:

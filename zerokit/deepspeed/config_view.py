@@ -16,7 +16,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from zerokit.config import ZeroConfig
+from zerokit.config.typed import ZeroConfig
 
 
 def config_dict(source: Any) -> dict[str, Any]:

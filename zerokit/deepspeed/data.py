@@ -9,7 +9,7 @@ starts two worker processes per rank, zerokit loads in the training process (num
 workers), since small scripts on a few cores lose more to worker start-up than they gain.
 
 The sampler is zerokit's ResumableSampler, DistributedSampler's order with a position (See [Note: the data
-position] in zerokit/sampling.py), and the loader a ResumableLoader. The engine's first training loader is tracked
+position] in zerokit/checkpoint/sampling.py), and the loader a ResumableLoader. The engine's first training loader is tracked
 (engine.data_position): every checkpoint saves where it stands, and a load puts it back, so that a resumed run sees
 the samples the uninterrupted run would have seen from the saved step on. DeepSpeed saves its loader's
 `data_sampler.state_dict()` only with its curriculum-learning sampler.
@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from zerokit.checkpoint.data_position import DataPosition
-from zerokit.sampling import ResumableLoader, ResumableSampler
+from zerokit.checkpoint.sampling import ResumableLoader, ResumableSampler
 
 
 def training_loader(dataset: Any, batch_size: int, rank: int, world_size: int, drop_last: bool = False,

@@ -50,15 +50,15 @@ import torch
 from torch import nn
 
 from zerokit.checkpoint.newest import nothing_named
-from zerokit.config import ZeroConfig
+from zerokit.config.typed import ZeroConfig
 from zerokit.deepspeed.config_queries import ConfigQueries
 from zerokit.deepspeed.module_view import ModuleView
 from zerokit.deepspeed.config_view import EngineConfig
 from zerokit.deepspeed.data import training_loader
-from zerokit.engine import Engine
+from zerokit.engine.engine import Engine
 from zerokit.precision import StepResult
 from zerokit.reliability.compiled import compile_model
-from zerokit.runtime import open_engines
+from zerokit.comm.process import open_engines
 from zerokit.stages.construction import ParamInit
 
 logger = logging.getLogger("zerokit")

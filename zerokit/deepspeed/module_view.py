@@ -18,7 +18,7 @@ class ModuleView:
 
     module: nn.Module
     config: Any
-    full_state_dict: Any  # the engine's (zerokit/engine.py): the whole model's state dict, gathered
+    full_state_dict: Any  # the engine's (zerokit/engine/engine.py): the whole model's state dict, gathered
     optimizer: Any
     _answering_ds_status: list[nn.Parameter] = []  # parameters given the class ZeroParameter, until close()
 

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerokit.layout import Layout
-from zerokit.runtime import ensure_process_group
+from zerokit.parallel.mesh import Layout
+from zerokit.comm.process import ensure_process_group
 
 
 class LayerSpec:

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-from zerokit.config import ZeroConfig
+from zerokit.config.typed import ZeroConfig
 from zerokit.deepspeed.pipe import PipelineModule, PipelineParallelGrid
 from zerokit.pipeline import initialize as initialize_pipeline
 

@@ -34,12 +34,12 @@ import torch
 from torch import nn
 
 from zerokit.checkpoint.newest import resume_from_newest
-from zerokit.config import ZeroConfig, load_config
+from zerokit.config.typed import ZeroConfig, load_config
 from zerokit.deepspeed.autotp import merge_recorded
 from zerokit.deepspeed.config_view import config_dict
 from zerokit.deepspeed.distributed import init_distributed
 from zerokit.deepspeed.engine import DeepSpeedEngine
-from zerokit.schedules import both_given_error
+from zerokit.engine.schedules import both_given_error
 from zerokit.stages.construction import ParamInit
 from zerokit.checkpoint.locate import layout_directory
 

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerokit.comm import Communicator
-from zerokit.config import ZeroConfig, load_config
+from zerokit.config.typed import ZeroConfig, load_config
 from zerokit.deepspeed.config_view import config_dict
 from zerokit.deepspeed.zero3_params import is_whole
 

@@ -1,7 +1,7 @@
 """Flat buffers and their shard arithmetic. layout.py is pure arithmetic, which the planner calls as the engine
 does, so names are imported on first use: importing zerokit.flat.layout does not import torch."""
 
-from zerokit.lazy import lazy_names
+from zerokit._support.lazy import lazy_names
 
 _LAZY = {
     **dict.fromkeys(["FlatParameters", "bucket_view", "copy_edits", "own_part", "shard_view",

@@ -1,5 +1,5 @@
 """zerokit inside training frameworks that are not DeepSpeed-shaped: each module here is one framework's plug-in,
-importable only where that framework is installed (its extra: see zerokit/extras.py).
+importable only where that framework is installed (its extra: see zerokit/_support/extras.py).
 
     lightning.py   ZerokitStrategy for Lightning's Trainer ("zerokit_stage_1" .. "zerokit_stage_3")
 

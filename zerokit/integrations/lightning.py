@@ -74,8 +74,8 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from zerokit.config import LossScaling, ZeroConfig, load_config
-from zerokit.extras import MissingExtra, installed, missing_message
+from zerokit.config.typed import LossScaling, ZeroConfig, load_config
+from zerokit._support.extras import MissingExtra, installed, missing_message
 
 if not installed("lightning"):  # the module IS the feature: refused in one line naming the extra
     raise MissingExtra(missing_message("lightning", "zerokit.integrations.lightning"))
@@ -93,7 +93,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E40
 
 from zerokit.deepspeed.engine import HyperparameterMirror  # noqa: E402
 from zerokit.deepspeed.zero import Init  # noqa: E402
-from zerokit.engine import Engine  # noqa: E402
+from zerokit.engine.engine import Engine  # noqa: E402
 from zerokit.precision import StepResult  # noqa: E402
 from zerokit.stages.construction import ParamInit  # noqa: E402
 

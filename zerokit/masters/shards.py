@@ -14,7 +14,7 @@ that implementation runs one element-wise op after another over each tensor, and
 the cache every op streams it from memory again; cache-sized pieces halve AdamW's step time on this 2-core
 machine (77 ms -> 36 ms for 10.9M elements) and are exact, as these optimizers update each element from its own
 gradient and state alone. A fused kernel (`fused=True`, what a config's `optimizer` block builds: See [Note:
-fused optimizer kernels] in zerokit/schedules.py) makes one pass over each element already, so cutting gains it
+fused optimizer kernels] in zerokit/engine/schedules.py) makes one pass over each element already, so cutting gains it
 nothing and costs a kernel call and a thread-pool round per piece: over 150M host elements, torch's fused AdamW
 stepped 2,288 pieces of 64K in 0.173 s and 100 whole parameters in 0.118 s (2 threads; a 4.5B-parameter model
 is 69,000 pieces). So a fused optimizer's master, like one on a GPU, is cut only at parameter boundaries. The
@@ -34,7 +34,7 @@ from torch import nn
 from zerokit.flat import ParamSlice, tensor_bytes
 from zerokit.masters.optimizer import GroupRef, rebuild_optimizer
 from zerokit.precision import scale_, square_sum, unscale_, unscaled_square_sum
-from zerokit.settings import optimizer_piece_numel
+from zerokit.config.settings import optimizer_piece_numel
 from zerokit.tiers.homes import Home
 
 TIERS = ("device", "host", "nvme")
@@ -42,7 +42,7 @@ TIERS = ("device", "host", "nvme")
 
 def piece_numel(sub_group_size: int | None, device_type: str, fused: bool = False) -> int:
     """The most elements an optimizer piece of a master on `device_type` holds, under a fused kernel or not (the
-    decision is the planner's too: zerokit/settings.py)."""
+    decision is the planner's too: zerokit/config/settings.py)."""
     return optimizer_piece_numel(sub_group_size, master_on_host=device_type == "cpu", fused=fused)
 
 
@@ -138,9 +138,9 @@ class ShardMasters:
 
     def unscaled_square_sum(self, scale: float, uncounted: frozenset[int] = frozenset()) -> float:
         """Attach every master's fp32 gradient to its pieces, divide it by the loss scale in place, and return
-        the sum of its squares (float64: See [Note: one scalar decides overflow and norm] in precision.py).
+        the sum of its squares (float64: See [Note: one scalar decides overflow and norm] in precision/__init__.py).
         `uncounted`: parameter indices whose squares are left out, though an inf or nan among them still makes the
-        sum nan (See [Note: each element counted once across tensor and data ranks] in zerokit/tensor/share.py)."""
+        sum nan (See [Note: each element counted once across tensor and data ranks] in zerokit/parallel/tensor/share.py)."""
         grads = [home.grad32() for home in self.homes]
         for home, pieces, grad in zip(self.homes, self.pieces, grads):
             if not home.paged:  # a paged master's gradient is attached when it is paged in (See tiers/nvme_masters.py)

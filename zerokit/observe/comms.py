@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from zerokit.comm.counting import Collective, CommStats, Transfer
-from zerokit.dsconfig.blocks import CommsLogger
+from zerokit.config.dsconfig.blocks import CommsLogger
 
 logger = logging.getLogger("zerokit")
 

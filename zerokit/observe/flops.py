@@ -19,7 +19,7 @@ from typing import Iterator
 
 from torch.utils.flop_counter import FlopCounterMode
 
-from zerokit.dsconfig.blocks import FlopsProfiler
+from zerokit.config.dsconfig.blocks import FlopsProfiler
 
 
 class FlopsProfile:

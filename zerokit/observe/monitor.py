@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Protocol
 import torch
 from torch import nn
 
-from zerokit.config import ZeroConfig
+from zerokit.config.typed import ZeroConfig
 from zerokit.observe.comms import CommsReport
 from zerokit.observe.flops import FlopsProfile
 from zerokit.observe.timers import PhaseTimers, breakdown_line

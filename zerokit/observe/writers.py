@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from zerokit.config import ZeroConfig
-from zerokit.extras import installed, monitor_missing
+from zerokit.config.typed import ZeroConfig
+from zerokit._support.extras import installed, monitor_missing
 
 Event = tuple[str, float, int]
 

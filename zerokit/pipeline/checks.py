@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
-from zerokit.layout import Layout
+from zerokit.parallel.mesh import Layout
 
 SCHEDULES = ("GPipe", "1F1B")
 GATHERINGS = ("step", "micro_batch")  # See [Note: stage 3 under a pipeline: gather once per step, or per micro-batch]

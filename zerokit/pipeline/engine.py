@@ -4,7 +4,7 @@ driven by one of torch's schedules; one call trains one optimizer step.
 One step, in order: (stage 3, gathering "step": every unit of the stage gathered) -> the schedule's forwards and
 backwards over gradient_accumulation_steps micro-batches, each backward reduced as engine.backward would (See
 [Note: a pipeline stage's engine] in stage.py) -> the loss, as DeepSpeed's train_batch reports it -> engine.step():
-the norm and overflow agreed over every stage and replica (See [Note: one norm across the pipeline] in step.py),
+the norm and overflow agreed over every stage and replica (See [Note: one norm across the pipeline] in engine/step.py),
 clipping, the optimizer on this rank's shards.
 
 [Note: stage 3 under a pipeline: gather once per step, or per micro-batch]
@@ -27,8 +27,8 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 from torch import nn
 
-from zerokit.engine import Engine, Optimizers, initialize as initialize_engine
-from zerokit.layout import Layout
+from zerokit.engine.engine import Engine, Optimizers, initialize as initialize_engine
+from zerokit.parallel.mesh import Layout
 from zerokit.pipeline.checks import (check_pipeline_arguments, check_stage_shapes, check_tied, schedule_class_of,
                                      warn_about_the_bubble)
 from zerokit.pipeline.stage import engine_stage
@@ -170,7 +170,7 @@ def reduced_once_per_step(config: Any) -> Any:
     """The config with stage 2 reducing once per optimizer step, at the window's last micro-batch, unless it says
     otherwise: a pipeline step has many micro-batches, and reducing each would send the stage's gradients m times
     (stages 0-1 reduce once anyway; stage 3 must reduce every micro-batch, its gradients have nowhere else to go)."""
-    from zerokit.config import load_config, read_json_object
+    from zerokit.config.typed import load_config, read_json_object
     if isinstance(config, (str, Path)):
         config = read_json_object(config, "config file")
     if isinstance(config, Mapping):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from zerokit.engine import Engine
+from zerokit.engine.engine import Engine
 
 
 def engine_stage(engine: Engine, stage_index: int, num_stages: int, defer_reduction: bool = False) -> Any:

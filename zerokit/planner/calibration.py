@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from zerokit.jsonfile import load_record, write_json
+from zerokit._support.jsonfile import load_record, write_json
 
 BASIS = ("1", "b*s", "b*s^2", "s^2")
 PHASES = ("forward", "head", "blocks", "tail")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT
+from zerokit.config.defaults import MAX_BUCKETS_IN_FLIGHT
 from zerokit.planner.calibration import Calibration
 from zerokit.planner.compute import flops_per_token
 from zerokit.planner.device import DeviceProfile, optimizer_key

@@ -61,7 +61,7 @@ from zerokit.planner.catalogue import Cluster, Link
 from zerokit.planner.memory import RankParams, broadcast_gathered, whole_tensor_fraction
 from zerokit.planner.models import ModelSpec
 from zerokit.planner.spec import Layout, Training
-from zerokit.settings import ring_share
+from zerokit.config.settings import ring_share
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "send_recv",
          "host_to_device", "device_to_host", "nvme_read", "nvme_write")  # the last four: offload transfers
@@ -79,7 +79,7 @@ def wire_factor(kind: str, n: int) -> float:
 
 
 def engine_ring_factor(kind: str, n: int) -> float:
-    """The share of a collective's logical bytes the engine counts a rank as sending (settings.py's ring_share):
+    """The share of a collective's logical bytes the engine counts a rank as sending (config/settings.py's ring_share):
     broadcast and reduce (n-1)/n there, not the chain's 1 x bytes of their time; a pipeline send all of it."""
     return 1.0 if kind == "send_recv" else float(ring_share(kind, n))
 
@@ -316,7 +316,7 @@ def data_parallel(rank: RankParams, training: Training, stage: int, groups: dict
             out += _split(reduce, _whole_reduce(training), shard, "boundary", buckets, trainable, whole, r)
         if stage < 3:
             out += _split("all_gather", "broadcast", shard, "after_step", buckets, trainable, whole, p)
-        # the global gradient norm over shards: one float64 sum of squares (zerokit/precision.py sums in
+        # the global gradient norm over shards: one float64 sum of squares (zerokit/precision/__init__.py sums in
         # float64 so the norm does not depend on the shard layout; the engine reports it every step)
         out.append(_collective("all_reduce", g["dp_shard"], "after_step", 1, 1, 8))
     if g["dp_replicate"].size > 1:

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
-from zerokit.jsonfile import JsonRecord
+from zerokit._support.jsonfile import JsonRecord
 
 
 def optimizer_key(kind: str, fused: bool) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerokit.planner.estimate import Estimate
-from zerokit.settings import bucket_numel
+from zerokit.config.settings import bucket_numel
 
 TARGETS = ("zerokit", "deepspeed", "fsdp")
 DEFAULT_CLIPPING = 1.0  # a common choice (Hugging Face Trainer's max_grad_norm); not part of the plan
@@ -118,7 +118,7 @@ def _common(result: Estimate, clipping: float) -> dict:
 
 
 def emit_zerokit(result: Estimate, clipping: float = DEFAULT_CLIPPING) -> dict:
-    """The keys zerokit's engine reads (zerokit/config.py), DeepSpeed-style: sizes in elements."""
+    """The keys zerokit's engine reads (zerokit/config/typed.py), DeepSpeed-style: sizes in elements."""
     _data_parallel_only(result, "zerokit")
     t = result.training
     zero = {"stage": result.stage, "reduce_bucket_size": bucket_numel(t.bucket_bytes, t.reduce_bytes),
@@ -246,6 +246,6 @@ def emit(result: Estimate, target: str, clipping: float = DEFAULT_CLIPPING) -> E
     if target not in TARGETS:
         raise ValueError(f"emit target {target!r} is not accepted; use one of {', '.join(TARGETS)}")
     if isinstance(clipping, bool) or not isinstance(clipping, (int, float)) or not clipping >= 0:
-        raise ValueError(f"gradient clipping={clipping!r} must be >= 0 (0 disables clipping, as in zerokit/config.py)")
+        raise ValueError(f"gradient clipping={clipping!r} must be >= 0 (0 disables clipping, as in zerokit/config/typed.py)")
     writer = {"zerokit": emit_zerokit, "deepspeed": emit_deepspeed, "fsdp": emit_fsdp}[target]
     return Emitted(target, writer(result, clipping), _notes(result, target))

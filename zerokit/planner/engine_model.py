@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from functools import cached_property
 
-from zerokit.defaults import DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
+from zerokit.config.defaults import DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
 from zerokit.flat.layout import build_layout, round_up
-from zerokit.settings import (EngineSettings, consecutive_groups, optimizer_piece_numel, ring_crosses_nodes,
+from zerokit.config.settings import (EngineSettings, consecutive_groups, optimizer_piece_numel, ring_crosses_nodes,
                               ring_share, strided_groups)
 from zerokit.planner.spec import BYTES_PER_ELEMENT, OFFLOAD_DEVICES, PRECISIONS, _choice, _positive_int
 
@@ -170,7 +170,7 @@ class EngineSetup:
 
     @cached_property
     def settings(self) -> EngineSettings:
-        """The engine's own decisions for this setup (zerokit/settings.py), not a copy of them."""
+        """The engine's own decisions for this setup (zerokit/config/settings.py), not a copy of them."""
         return EngineSettings.resolve(stage=self.stage, world_size=self.world, backend=self.backend,
                                       reduce_scatter=self.reduce_scatter,
                                       reduce_every_micro_step=self.reduce_every_micro_step,

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zerokit.defaults import NVME_SUB_GROUP_NUMEL
+from zerokit.config.defaults import NVME_SUB_GROUP_NUMEL
 from zerokit.planner.engine_model import (BucketPlan, EngineSetup, ParamInventory, UnitPlan, add_count, engine_buckets,
                                           persistent_units, round_up, stage3_units)
 from zerokit.planner.spec import BYTES_PER_ELEMENT

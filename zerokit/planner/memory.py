@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT, STAGE3_PARAM_PERSISTENCE_THRESHOLD
+from zerokit.config.defaults import MAX_BUCKETS_IN_FLIGHT, STAGE3_PARAM_PERSISTENCE_THRESHOLD
 from zerokit.planner.calibration import Calibration
 from zerokit.planner.models import Architecture, ModelSpec, ParamCounts
 from zerokit.planner.spec import WHOLE_TENSOR_OPTIMIZERS, Assumptions, Layout, Offload, Training
@@ -68,7 +68,7 @@ OPTIMIZER_STATE_BYTES = {
     ("muon", True): 8, ("muon", False): 4, ("adafactor", True): 4, ("adafactor", False): 0,
 }
 MUON_COMPANION = "adamw"  # steps what Muon does not: embeddings, head, norms (the root unit's parameters)
-IN_FLIGHT_BUCKETS = MAX_BUCKETS_IN_FLIGHT + 1  # the engine's BucketReducer: see zerokit/defaults.py
+IN_FLIGHT_BUCKETS = MAX_BUCKETS_IN_FLIGHT + 1  # the engine's BucketReducer: see zerokit/config/defaults.py
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zerokit.planner.spec import Trainable
-from zerokit.jsonfile import read_json
+from zerokit._support.jsonfile import read_json
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from zerokit.defaults import DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
-from zerokit.settings import ELEMENT_BYTES, reduces_by_scatter, reduces_every_micro_step
+from zerokit.config.defaults import DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
+from zerokit.config.settings import ELEMENT_BYTES, reduces_by_scatter, reduces_every_micro_step
 
 PRECISIONS = ("bf16", "fp16", "fp32")
 OPTIMIZERS = ("adamw", "adam", "sgd-momentum", "sgd", "muon", "adafactor")
@@ -24,7 +24,7 @@ BACKENDS = ("nccl", "gloo")
 STAGE3_GATHERINGS = ("micro_batch", "step")  # zerokit.pipeline's stage3_gathering
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
-BYTES_PER_ELEMENT = ELEMENT_BYTES  # the engine's table (zerokit/settings.py)
+BYTES_PER_ELEMENT = ELEMENT_BYTES  # the engine's table (zerokit/config/settings.py)
 GB = 10**9  # reports use decimal GB, as the ZeRO paper does; capacities are stored in bytes
 
 

@@ -6,7 +6,7 @@ dropped (a tuning knob the target sets by construction) and none (a semantic fea
 lacks). A translation with any `none` mapping raises ValueError naming each one, unless the caller
 asks for the partial result (the CLI prints the table, then the error).
 
-DeepSpeed configs are read by zerokit.dsconfig, as the engine reads them: the same keys, aliases, coercion
+DeepSpeed configs are read by zerokit.config.dsconfig, as the engine reads them: the same keys, aliases, coercion
 ("false" is false) and refusals; what zerokit does with each key is the schema's class, so the zerokit
 direction needs no table of its own. FSDP has one (FSDP_KNOBS), checked against the schema by the tests.
 
@@ -24,12 +24,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from zerokit.defaults import DEFAULT_BUCKET_BYTES
-from zerokit.dsconfig import SCHEMA, AUTO, DeepSpeedConfig, KeyClass, read
-from zerokit.dsconfig.auto import resolve
-from zerokit.dsconfig.precision import compute_dtype
-from zerokit.dsconfig.schema_zero import UNPREFIXED
-from zerokit.dsconfig.values import to_dtype, whole
+from zerokit.config.defaults import DEFAULT_BUCKET_BYTES
+from zerokit.config.dsconfig import SCHEMA, AUTO, DeepSpeedConfig, KeyClass, read
+from zerokit.config.dsconfig.auto import resolve
+from zerokit.config.dsconfig.precision import compute_dtype
+from zerokit.config.dsconfig.schema_zero import UNPREFIXED
+from zerokit.config.dsconfig.values import to_dtype, whole
 
 EXACT, APPROXIMATE, DROPPED, NONE = "exact", "approximate", "dropped", "none"
 FSDP1_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")

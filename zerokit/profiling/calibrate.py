@@ -18,8 +18,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from zerokit.config import DTYPES_BY_NAME
-from zerokit.extras import require
+from zerokit.config.typed import DTYPES_BY_NAME
+from zerokit._support.extras import require
 from zerokit.planner.calibration import RELATIVE_PHASES, Calibration, Fit
 from zerokit.planner.models import ModelSpec, resolve_model
 from zerokit.profiling.inventory import blocks_of

@@ -17,10 +17,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from zerokit.config import DTYPES_BY_NAME
+from zerokit.config.typed import DTYPES_BY_NAME
 from zerokit.planner.device import DeviceProfile, optimizer_key
 from zerokit.profiling.measure import resident_bytes
-from zerokit.settings import optimizer_piece_numel
+from zerokit.config.settings import optimizer_piece_numel
 
 DTYPES = {name: DTYPES_BY_NAME[name] for name in ("fp32", "bf16")}  # the compute dtypes the catalogue rates
 

@@ -31,7 +31,7 @@ def _group_of(model: nn.Module, param_groups: Any) -> dict[int, int]:
 
 def _unit_of(model: nn.Module, stage3: Any) -> dict[int, int]:
     """id(param) -> its stage-3 unit, found exactly as the engine finds units (zerokit.stages.units)."""
-    from zerokit.config import Stage3Policy
+    from zerokit.config.typed import Stage3Policy
     from zerokit.stages.units import find_units
 
     units = find_units(model, stage3 if stage3 is not None else Stage3Policy())

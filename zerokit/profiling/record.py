@@ -31,13 +31,13 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from zerokit.config import DTYPE_NAMES
+from zerokit.config.typed import DTYPE_NAMES
 from zerokit.masters.optimizer import fused_group
 from zerokit.planner.engine_model import EngineSetup, per_kind
 from zerokit.profiling.inventory import blocks_of, param_inventory
 from zerokit.profiling.measure import AllocationTimeline, SavedTensorCounter, backward_phases, resident_peak
-from zerokit.jsonfile import JsonRecord
-from zerokit.runtime import default_device
+from zerokit._support.jsonfile import JsonRecord
+from zerokit.comm.process import default_device
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 _LAST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its latest RunRecord

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from zerokit.config import ZeroConfig
+from zerokit.config.typed import ZeroConfig
 
 FULLGRAPH_AT_STAGE_3 = ("{what} with fullgraph=True around stage-3 unit {unit!r}, whose gather and free "
                         "must run between compiled graphs; compile each unit instead (e.g. model.blocks[i] = "
@@ -47,7 +47,7 @@ def refuse_fullgraph_around_units(model: nn.Module, config: ZeroConfig) -> None:
 
 
 class Compilable(Protocol):
-    """What compile_model reads of an engine (zerokit/engine.py's Engine, or the drop-in's). Named by its shape, not
+    """What compile_model reads of an engine (zerokit/engine/engine.py's Engine, or the drop-in's). Named by its shape, not
     imported: the engine imports the reliability checks, and a type is named only downward."""
 
     config: ZeroConfig

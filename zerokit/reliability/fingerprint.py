@@ -32,7 +32,7 @@ from torch import nn
 
 from zerokit.comm import Communicator
 from zerokit.comm.agreement import all_gather_bytes, min_max
-from zerokit.config import ZeroConfig
+from zerokit.config.typed import ZeroConfig
 
 PURPOSE = "start-up fingerprint"
 SHOWN_CHARS = 160  # of a value, in the error line

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from zerokit.comm import Communicator
-from zerokit.config import ZeroConfig, ranks_per_node_from_launcher
-from zerokit.forward_only import ForwardOnlyGuard
+from zerokit.config.typed import ZeroConfig, ranks_per_node_from_launcher
+from zerokit.reliability.forward_only import ForwardOnlyGuard
 from zerokit.reliability.buffers import BufferSync
 from zerokit.reliability.compiled import refuse_fullgraph_around_units
 from zerokit.reliability.fingerprint import check_ranks_agree, fingerprint
@@ -26,7 +26,7 @@ def check_at_start(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
     problem: ValueError | None = None
     try:
         refuse_wrapped(model)
-        if optimizers:  # none: an engine that runs forward only (See zerokit/forward_only.py)
+        if optimizers:  # none: an engine that runs forward only (See zerokit/reliability/forward_only.py)
             refuse_nothing_to_train(model)
         refuse_fullgraph_around_units(model, config)
         refuse_misnumbered_node(config.ranks_per_node or ranks_per_node_from_launcher(comm.world_size), comm.rank)
@@ -45,7 +45,7 @@ def check_at_start(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
 
 class Safeguards:
     """The training loop's guards: requires_grad as at start, backward/step order, buffers kept equal; with
-    forward_only (no optimizer), no training at all (See zerokit/forward_only.py)."""
+    forward_only (no optimizer), no training at all (See zerokit/reliability/forward_only.py)."""
 
     def __init__(self, model: nn.Module, comm: Communicator, config: ZeroConfig, forward_only: bool = False) -> None:
         self.trainable = TrainableGuard(model)

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from zerokit.comm import Pending, ProcessGroups, Reduction, wait
-from zerokit.config import ZeroConfig
+from zerokit.config.typed import ZeroConfig
 from zerokit.flat import Bucket
-from zerokit.settings import EngineSettings
+from zerokit.config.settings import EngineSettings
 
 Purpose = Callable[[Bucket], str]
 """What a bucket's reduction is for, as failure reports name it (the stage's bucket_purpose)."""

@@ -32,9 +32,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zerokit.comm import Communicator, ProcessGroups, Reduction, wait
-from zerokit.config import ZeroConfig
-from zerokit.settings import EngineSettings
-from zerokit.defaults import MAX_BUCKETS_IN_FLIGHT
+from zerokit.config.typed import ZeroConfig
+from zerokit.config.settings import EngineSettings
+from zerokit.config.defaults import MAX_BUCKETS_IN_FLIGHT
 from zerokit.flat import (Bucket, FlatParameters, ParamEntry, assign_owners, bucket_view, build_layout, gather_bucket,
                           shard_view, tensor_bytes)
 from zerokit.masters import OptimizerPlan, ShardMasters

@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 
 from zerokit.comm import ProcessGroups, Reduction
-from zerokit.config import ZeroConfig
+from zerokit.config.typed import ZeroConfig
 from zerokit.flat import Bucket, FlatParameters, Slot
 from zerokit.masters import ShardMasters
-from zerokit.settings import EngineSettings
+from zerokit.config.settings import EngineSettings
 from zerokit.stages.base import ZeroStage
 
 

@@ -39,13 +39,13 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zerokit.comm import Communicator, ProcessGroups, Reduction
-from zerokit.config import ZeroConfig
+from zerokit.config.typed import ZeroConfig
 from zerokit.flat import Bucket, FlatParameters, ParamEntry, ShardedFlat, build_layout, tensor_bytes
 from zerokit.masters import OptimizerPlan, ShardMasters
 from zerokit.masters.state import masters_state_dict
 from zerokit.tiers import ShardIO, master_homes, shard_home
 from zerokit.tiers.swap import SwapDirectory
-from zerokit.settings import EngineSettings
+from zerokit.config.settings import EngineSettings
 from zerokit.stages.agreement import GATHER
 from zerokit.stages.base import param_entries, swap_directories_of, whole_tensor_owners
 from zerokit.stages.construction import Construction, materialise

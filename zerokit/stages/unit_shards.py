@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from zerokit.comm import Communicator
-from zerokit.config import Stage3Policy
+from zerokit.config.typed import Stage3Policy
 from zerokit.flat import Bucket, ShardedFlat
 from zerokit.stages.agreement import RAISE, UnitAgreement
 from zerokit.stages.units import Unit, ancestry

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from zerokit.config import Stage3Policy
+from zerokit.config.typed import Stage3Policy
 
 CONTAINERS = (nn.ModuleList, nn.Sequential)
 

@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from zerokit.config import DTYPES_BY_NAME, LossScaling, OptimizerSpec, load_config
-from zerokit.extras import require
+from zerokit.config.typed import DTYPES_BY_NAME, LossScaling, OptimizerSpec, load_config
+from zerokit._support.extras import require
 from zerokit.precision import make_loss_scaler
-from zerokit.schedules import build_optimizer
+from zerokit.engine.schedules import build_optimizer
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, TinyMoE, lm_loss, param_groups, seeded_init
 
 

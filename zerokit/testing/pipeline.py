@@ -113,7 +113,7 @@ def run_pipeline_cases(rank: int, world_size: int, cases: list[PipeCase], stages
     """Every case on these ranks (each with its own engines, built by all ranks together): per case, the losses
     each step reported and this rank's stage's final weights."""
     import zerokit.pipeline
-    from zerokit.layout import Layout
+    from zerokit.parallel.mesh import Layout
     results = {}
     for case in cases:
         layout = Layout.resolve(world_size, pipeline=case.stages)
@@ -176,7 +176,7 @@ def refused_shapes(rank: int, world_size: int) -> str:
     """2 stages whose second expects a width the first does not output: the error every rank raises (nothing
     trains)."""
     import zerokit.pipeline
-    from zerokit.layout import Layout
+    from zerokit.parallel.mesh import Layout
     layout = Layout.resolve(world_size, pipeline=2)
     stage, replica, _ = layout.coordinates(rank)
     torch.manual_seed(0)
@@ -204,7 +204,7 @@ def resumed(rank: int, world_size: int, directory: str) -> dict[str, list[float]
     the third; and the layouts crossed: flat ZeRO-3 over every rank loads the save and takes the third step on the
     same micro-batches (See flat_step), saves, and a new pipeline loads that and takes the fourth."""
     import zerokit.pipeline
-    from zerokit.layout import Layout
+    from zerokit.parallel.mesh import Layout
     case = PipeCase("resume", stage=2)
     layout = Layout.resolve(world_size, pipeline=2)
     stage, replica, _ = layout.coordinates(rank)
@@ -282,7 +282,7 @@ def locally_named_refused(rank: int, world_size: int, directory: str) -> str:
     that checkpoint must refuse it rather than take one stage's layer for another's: the one line it raises."""
     import zerokit
     import zerokit.pipeline
-    from zerokit.layout import Layout
+    from zerokit.parallel.mesh import Layout
     case = PipeCase("local-names", stage=1)
     layout = Layout.resolve(world_size, pipeline=2)
     stage, _, _ = layout.coordinates(rank)
@@ -326,7 +326,7 @@ def tensor_split_stages(rank: int, world_size: int, cases: list[PipeCase]) -> di
     reported."""
     import zerokit.pipeline
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from zerokit.layout import Layout
+    from zerokit.parallel.mesh import Layout
     layout = Layout.resolve(world_size, pipeline=2, tensor=2)
     stage, replica, _ = layout.coordinates(rank)
     results = {}
@@ -360,7 +360,7 @@ def traced_and_hand_split(rank: int, world_size: int) -> dict[str, list[float]]:
     and the same cut by hand; each run's losses."""
     import zerokit.pipeline
     from torch.distributed.pipelining import SplitPoint, pipeline
-    from zerokit.layout import Layout
+    from zerokit.parallel.mesh import Layout
     layout = Layout.resolve(world_size, pipeline=2)
     stage, replica, _ = layout.coordinates(rank)
     case = PipeCase("traced", stage=1)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from zerokit.layout import Layout
+from zerokit.parallel.mesh import Layout
 from zerokit.testing.pipeline import consolidated_as_loaded
 from zerokit.testing.parity import Case, engine_config, forward_loss, make_batch, make_model, make_optimizer
 

@@ -5,7 +5,7 @@ config (placement.py). A stage asks placement.py for homes and talks to them thr
 never tests which tier it holds. Names are imported on first use: read_order.py is pure Python, which the
 planner reads without torch."""
 
-from zerokit.lazy import lazy_names
+from zerokit._support.lazy import lazy_names
 
 _LAZY = {
     **dict.fromkeys(["DeviceHome", "HostHome", "Home", "ShardIO"], "zerokit.tiers.homes"),

@@ -34,7 +34,7 @@ import torch
 
 from zerokit._support.log import logger
 from zerokit.comm import CommStats, Transfer
-from zerokit.config import Offload
+from zerokit.config.typed import Offload
 from zerokit.flat.layout import RankShards
 from zerokit.tiers.pinned import host_buffer
 from zerokit.tiers.preflight import check_host_memory, check_nvme

@@ -15,8 +15,8 @@ import torch
 
 from zerokit._support.log import logger
 from zerokit.comm import CommStats
-from zerokit.config import ZeroConfig
-from zerokit.defaults import NVME_SUB_GROUP_NUMEL
+from zerokit.config.typed import ZeroConfig
+from zerokit.config.defaults import NVME_SUB_GROUP_NUMEL
 from zerokit.tiers.homes import DeviceHome, Home, HostHome, ShardIO
 from zerokit.tiers.nvme_masters import NvmeHome
 from zerokit.tiers.nvme_shards import NvmeShards

@@ -1,6 +1,6 @@
 """`deepspeed.runtime.lr_schedules` for zerokit: the names of DeepSpeed's schedules (accelerate hands a scheduler
 whose class has one of these names to initialize(); zerokit builds these schedules from the config's
-`scheduler` block: zerokit/schedules.py)."""
+`scheduler` block: zerokit/engine/schedules.py)."""
 
 LR_RANGE_TEST = "LRRangeTest"
 ONE_CYCLE = "OneCycle"

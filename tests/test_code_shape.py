@@ -2,7 +2,8 @@
 need another's internals), counting every import Python may run: at module level, inside a function, only for type
 checking, and a package's face (its __init__) importing its own submodules (issue 43: three circles passed through
 those last two). No function over 60 lines and no class over 200 (counted from the `class` line to its last,
-docstrings included). Read from the source with ast; nothing is imported."""
+docstrings included). The package shows its floors (issue 43): at most 4 modules loose at zerokit/'s root, and each room
+imports only rooms on its own floor or below. Read from the source with ast; nothing is imported."""
 
 from __future__ import annotations
 
@@ -14,6 +15,20 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "zerokit"
 MAX_FUNCTION_LINES = 60
 MAX_CLASS_LINES = 200
+MAX_LOOSE_MODULES = 4
+FLOORS = [  # from the bottom; zerokit's face imports only _support/ (its public names are strings, imported on use)
+    {"zerokit", "_support"},
+    {"config"},
+    {"comm"},
+    {"parallel", "flat", "precision"},
+    {"tiers"},
+    {"masters"},
+    {"stages"},
+    {"checkpoint", "reliability", "observe"},
+    {"engine"},
+    {"pipeline", "deepspeed", "integrations", "profiling", "testing", "cli", "demo", "planner", "__main__"},
+]
+CLIMBS = {("zerokit.engine.engine", "zerokit.profiling.report")}  # known, inside a function: Engine.plan_report
 
 
 def _modules() -> dict[str, Path]:
@@ -102,6 +117,24 @@ def test_the_support_leaves_import_nothing_of_zerokit() -> None:
               if module == "zerokit._support" or module.startswith("zerokit._support.")}
     assert "zerokit._support.log" in leaves
     assert {module: targets for module, targets in leaves.items() if targets} == {}
+
+
+def test_at_most_4_modules_are_loose_at_the_root() -> None:
+    loose = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(loose) <= MAX_LOOSE_MODULES, loose
+
+
+def _room(module: str) -> str:
+    return module.split(".")[1] if "." in module else module
+
+
+def test_each_room_imports_only_its_floor_or_below() -> None:
+    modules = _modules()
+    floor = {room: level for level, rooms in enumerate(FLOORS) for room in rooms}
+    assert {_room(module) for module in modules} <= set(floor)  # every room has its floor
+    climbs = {(module, target) for module, path in modules.items() for target in _imports(module, path, modules)
+              if floor[_room(target)] > floor[_room(module)]}
+    assert climbs == CLIMBS
 
 
 def test_the_circle_finder_finds_a_circle() -> None:

@@ -9,7 +9,7 @@ zerokit/engine/schedules.py).
 
 Each row: the median of --repeats timed steps after two warm-up steps (the first fills the optimizer state).
 --norm adds the step's float64 sum of squares over as many gradient elements, in chunks of one 32K-element grain and
-of one grain per thread (the engine's: See [Note: the float64 sum of squares in chunks] in zerokit/precision/__init__.py).
+of one grain per thread (the engine's: See [Note: the float64 sum of squares in chunks] in zerokit/precision/arithmetic.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Engine": "zerokit.engine.engine", "SkippedStepsError": "zerokit.engine.step", "initialize": "zerokit.engine.engine",
     "LossScaling": "zerokit.config.typed", "MixedPrecision": "zerokit.config.typed", "Stage3Policy": "zerokit.config.typed",
-    "ZeroConfig": "zerokit.config.typed", "load_config": "zerokit.config.typed", "StepResult": "zerokit.precision",
+    "ZeroConfig": "zerokit.config.typed", "load_config": "zerokit.config.typed", "StepResult": "zerokit.precision.result",
     "plan": "zerokit.planner", "estimate": "zerokit.planner", "safetensors_init": "zerokit.stages.construction",
     "Layout": "zerokit.parallel.mesh",
 }

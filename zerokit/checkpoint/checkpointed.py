@@ -36,7 +36,7 @@ class Checkpointed(Protocol):
     config: ZeroConfig
     view: ParameterView
     progress: SavedProgress
-    loss_scaler: Any  # precision/__init__.py's DynamicLossScaler or NoLossScaler: state_dict() and load_state_dict()
+    loss_scaler: Any  # precision/scaler.py's DynamicLossScaler or NoLossScaler: state_dict() and load_state_dict()
     lr_schedules: list[Any]  # the LR schedules the engine steps: state_dict() and load_state_dict()
     data_position: DataPosition  # the loader or sampler whose position checkpoints save
     layout: Any  # zerokit.Layout of the job (None: flat data parallel), See relayout.py

@@ -56,7 +56,7 @@ from zerokit.deepspeed.module_view import ModuleView
 from zerokit.deepspeed.config_view import EngineConfig
 from zerokit.deepspeed.data import training_loader
 from zerokit.engine.engine import Engine
-from zerokit.precision import StepResult
+from zerokit.precision.result import StepResult
 from zerokit.reliability.compiled import compile_model
 from zerokit.comm.process import open_engines
 from zerokit.stages.construction import ParamInit

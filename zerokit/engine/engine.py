@@ -31,7 +31,8 @@ from zerokit.parallel.mesh import Layout, checked_layout
 from zerokit.masters import OptimizerPlan, optimizer_kind, trainable_groups
 from zerokit.engine.activations import ActivationCheckpointer
 from zerokit.observe import EngineMonitor, collective_stats
-from zerokit.precision import StepResult, make_loss_scaler
+from zerokit.precision.result import StepResult
+from zerokit.precision.scaler import make_loss_scaler
 from zerokit.reliability.preemption import PreemptionWatcher
 from zerokit.reliability import Safeguards, check_at_start
 from zerokit.comm.process import close_at_exit, default_device, ensure_process_group, forget_at_exit, log_startup

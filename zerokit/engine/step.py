@@ -4,7 +4,7 @@ report. `Progress` is where training stands, which a checkpoint restores beside 
 
 [Note: one norm across the pipeline]
 Under a pipeline each stage's engine holds the gradients of its own layers only, so its norm (over its data group:
-See [Note: one scalar decides overflow and norm] in precision/__init__.py) is one stage's. One more scalar all-reduce, of
+See [Note: one scalar decides overflow and norm] in precision/norm.py) is one stage's. One more scalar all-reduce, of
 its square over the pipeline group, makes it the model's: clipping then scales every stage by one coefficient, as
 one process would, and an inf or nan on any stage or replica is a nan on every rank, so that every rank skips the
 step and halves the fp16 loss scale together. A replica's data group agrees on its norm before the sum, so the
@@ -22,7 +22,10 @@ import torch.distributed as dist
 
 from zerokit.comm import Communicator
 from zerokit.observe.monitor import Lap, no_lap
-from zerokit.precision import DynamicLossScaler, NoLossScaler, StepResult, clip_coefficient, global_norm
+from zerokit.precision.arithmetic import clip_coefficient
+from zerokit.precision.norm import global_norm
+from zerokit.precision.result import StepResult
+from zerokit.precision.scaler import DynamicLossScaler, NoLossScaler
 from zerokit.reliability import Safeguards
 from zerokit.stages import ZeroStage
 from zerokit.parallel.tensor import TensorShare

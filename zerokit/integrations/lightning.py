@@ -94,7 +94,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden  # noqa: E40
 from zerokit.deepspeed.engine import HyperparameterMirror  # noqa: E402
 from zerokit.deepspeed.zero import Init  # noqa: E402
 from zerokit.engine.engine import Engine  # noqa: E402
-from zerokit.precision import StepResult  # noqa: E402
+from zerokit.precision.result import StepResult  # noqa: E402
 from zerokit.stages.construction import ParamInit  # noqa: E402
 
 TAG = "checkpoint"  # the tag inside a checkpoint directory, as Lightning's DeepSpeed strategy names it

@@ -33,7 +33,7 @@ from torch import nn
 
 from zerokit.flat import ParamSlice, tensor_bytes
 from zerokit.masters.optimizer import GroupRef, rebuild_optimizer
-from zerokit.precision import scale_, square_sum, unscale_, unscaled_square_sum
+from zerokit.precision.arithmetic import scale_, square_sum, unscale_, unscaled_square_sum
 from zerokit.config.settings import optimizer_piece_numel
 from zerokit.tiers.homes import Home
 
@@ -138,7 +138,7 @@ class ShardMasters:
 
     def unscaled_square_sum(self, scale: float, uncounted: frozenset[int] = frozenset()) -> float:
         """Attach every master's fp32 gradient to its pieces, divide it by the loss scale in place, and return
-        the sum of its squares (float64: See [Note: one scalar decides overflow and norm] in precision/__init__.py).
+        the sum of its squares (float64: See [Note: one scalar decides overflow and norm] in precision/norm.py).
         `uncounted`: parameter indices whose squares are left out, though an inf or nan among them still makes the
         sum nan (See [Note: each element counted once across tensor and data ranks] in zerokit/parallel/tensor/share.py)."""
         grads = [home.grad32() for home in self.homes]

@@ -31,7 +31,7 @@ from zerokit.observe.comms import CommsReport
 from zerokit.observe.flops import FlopsProfile
 from zerokit.observe.timers import PhaseTimers, breakdown_line
 from zerokit.observe.writers import Event, writers_for
-from zerokit.precision import StepResult
+from zerokit.precision.result import StepResult
 
 logger = logging.getLogger("zerokit")
 Lap = Callable[[str], None]

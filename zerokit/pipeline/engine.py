@@ -33,7 +33,7 @@ from zerokit.pipeline.checks import (check_pipeline_arguments, check_stage_shape
                                      warn_about_the_bubble)
 from zerokit.pipeline.stage import engine_stage
 from zerokit.pipeline.tied import TiedWeight, TiedWeights
-from zerokit.precision import StepResult
+from zerokit.precision.result import StepResult
 
 
 

@@ -316,7 +316,7 @@ def data_parallel(rank: RankParams, training: Training, stage: int, groups: dict
             out += _split(reduce, _whole_reduce(training), shard, "boundary", buckets, trainable, whole, r)
         if stage < 3:
             out += _split("all_gather", "broadcast", shard, "after_step", buckets, trainable, whole, p)
-        # the global gradient norm over shards: one float64 sum of squares (zerokit/precision/__init__.py sums in
+        # the global gradient norm over shards: one float64 sum of squares (zerokit/precision/arithmetic.py sums in
         # float64 so the norm does not depend on the shard layout; the engine reports it every step)
         out.append(_collective("all_reduce", g["dp_shard"], "after_step", 1, 1, 8))
     if g["dp_replicate"].size > 1:

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from zerokit._support.log import logger
 from zerokit.comm import Communicator
 from zerokit.config.dsconfig.blocks import Preemption
-from zerokit.precision import StepResult
+from zerokit.precision.result import StepResult
 
 
 class Preempted(SystemExit):

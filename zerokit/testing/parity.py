@@ -22,7 +22,7 @@ import torch
 
 from zerokit.config.typed import DTYPES_BY_NAME, LossScaling, OptimizerSpec, load_config
 from zerokit._support.extras import require
-from zerokit.precision import make_loss_scaler
+from zerokit.precision.scaler import make_loss_scaler
 from zerokit.engine.schedules import build_optimizer
 from zerokit.testing.models import TinyGPT, TinyGPTConfig, TinyMoE, lm_loss, param_groups, seeded_init
 

@@ -58,7 +58,7 @@ PRECISION = (
     honoured("fp16.min_loss_scale", Kind.FLOAT, 1.0, "the scale never goes below this"),
     refused("fp16.auto_cast", "casting the model's inputs to fp16", "zerokit passes inputs as you give them"),
     refused("fp16.consecutive_hysteresis", "refilling the hysteresis after each good step",
-            "zerokit's loss scaler (precision.py) does not"),
+            "zerokit's loss scaler (precision/scaler.py) does not"),
     refused("fp16.fp16_master_weights_and_grads", "fp16 master weights", "zerokit keeps fp32 masters"),
     block("bf16", "bf16 compute with fp32 master weights"),
     honoured("bf16.enabled", Kind.BOOL, False, "train in bf16 (\"auto\": off)"),

@@ -1,5 +1,5 @@
-"""Process group, device and the start-up log (the logger itself is _support/log.py's): torchrun's environment, or one
-plain process; and what is left at exit.
+"""Process group and device (the logger itself is _support/log.py's, the start-up log engine/startup.py's):
+torchrun's environment, or one plain process; and what is left at exit.
 
 [Note: leaving at exit]
 Scripts end in two common ways: with dist.destroy_process_group() while the engine is still referenced (DeepSpeed's
@@ -104,23 +104,3 @@ def default_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-class Describing(Protocol):
-    """What the start-up log reads of a stage (stages/base.py's ZeroStage). Named by its shape, not imported: the
-    process group and exit handling sit below the stages, and a type is named only downward."""
-
-    global_rank: int
-
-    def describe(self) -> list[str]: ...
-
-
-def log_startup(stage: Describing, config_lines: list[str], config_warnings: tuple[str, ...] = ()) -> None:
-    """What a user should see once, on rank 0: the stage, its buckets, how they are reduced, the units, and
-    what the config reader accepted, derived or resolved (INFO), and what it ignored (WARNING)."""
-    configure_logging()
-    if stage.global_rank == 0:
-        for line in [*stage.describe(), *config_lines]:
-            logger.info(line)
-        for line in config_warnings:
-            logger.warning(line)

@@ -35,11 +35,12 @@ from zerokit.precision.result import StepResult
 from zerokit.precision.scaler import make_loss_scaler
 from zerokit.reliability.preemption import PreemptionWatcher
 from zerokit.reliability import Safeguards, check_at_start
-from zerokit.comm.process import close_at_exit, default_device, ensure_process_group, forget_at_exit, log_startup
+from zerokit.comm.process import close_at_exit, default_device, ensure_process_group, forget_at_exit
 from zerokit.config.settings import EngineSettings
 from zerokit.stages import STAGES, BucketReducer, ZeroStage, install_hooks
 from zerokit.stages.base import memory_by_tier
 from zerokit.engine.step import Progress, Stepper
+from zerokit.engine.startup import log_startup
 from zerokit.parallel.tensor.setup import batch_ranks, parallelize, tensor_layout
 from zerokit.parallel.tensor.setup import startup_lines as tensor_startup_lines
 from zerokit.stages.construction import ParamInit, place_model

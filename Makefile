@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-done
 
-.PHONY: setup demo test bench gpu-check
+.PHONY: setup demo test test-fast bench gpu-check
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -19,8 +19,13 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m zerokit demo --stage 2 --nproc 2
 
+# Two xdist workers share the 2 cores (See [Note: the suite on two workers] in tests/conftest.py).
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
+
+# One case of each capability, for the loop of development (under 3 minutes here); CI runs everything.
+test-fast: setup
+	$(PY) -m pytest -q -n 2 -m fast
 
 bench: setup
 	$(PY) -m pip install -q -e ".[bench]"

@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import json
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -168,3 +170,69 @@ def _runs(world_size: int) -> list[dict]:
 def parity_runs():
     """parity_runs(world_size) -> one result dict per rank, keyed by case name."""
     return _runs
+
+
+# --- how the suite is shared between workers (issue 42) ------------------------------------------------------------
+# [Note: the suite on two workers]
+# `make test` runs pytest with two xdist workers (`-n 2`): on this 2-core machine a test that launches processes
+# (torchrun's agent starting, ranks importing, rendezvous, teardown) leaves a core idle for about half of its time,
+# and the other worker fills it. Each test module is one unit of work, given whole to one worker, so its
+# module-scoped fixtures (a module's shared launch or spawn) run once; the modules that compare with the parity
+# sweep are one unit, so the sweep (a session fixture) runs on one worker only. Units start longest first by the
+# recorded durations (tests/durations.json), so that the last unit to start is a short one. (xdist's own
+# `--dist loadgroup` cannot do this under pytest 9, which no longer reads the test id xdist rewrites.)
+RECORDED_DURATIONS = Path(__file__).parent / "durations.json"
+PARITY_GROUP = {"test_accounting", "test_parity", "test_exact_steps", "test_offload"}
+
+
+def test_group(nodeid: str) -> str:
+    """The unit of work a test belongs to: its module, or "parity" for the modules that share the sweep."""
+    module = Path(nodeid.partition("::")[0]).stem
+    return "parity" if module in PARITY_GROUP else module
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    recorded = json.loads(RECORDED_DURATIONS.read_text()) if RECORDED_DURATIONS.exists() else {}
+    weight: dict[str, float] = {}
+    for item in items:
+        group = test_group(item.nodeid)
+        weight[group] = weight.get(group, 0.0) + recorded.get(item.nodeid, 0.0)
+    order = {id(item): index for index, item in enumerate(items)}
+    items.sort(key=lambda item: (-weight[test_group(item.nodeid)], order[id(item)]))
+
+
+if importlib.util.find_spec("xdist") is not None:  # the test extra installs it; a plain pytest needs no scheduler
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleUnits(LoadScopeScheduling):
+        """xdist's scope scheduling, with `test_group` as the scope, in the collection's (longest first) order."""
+
+        def __init__(self, config: pytest.Config, log=None) -> None:
+            super().__init__(config, log)
+            config.option.loadscopereorder = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            return test_group(nodeid)
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log) -> LoadScopeScheduling | None:
+        return ModuleUnits(config, log) if config.getvalue("dist") != "each" else None
+
+
+class DurationRecorder:
+    """Each test's seconds (setup, call and teardown added), written to `path` at the end of the session:
+    `ZEROKIT_RECORD_DURATIONS=tests/durations.json make test` records the file the budget check reads."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.seconds = path, {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+
+    def pytest_sessionfinish(self) -> None:
+        self.path.write_text(json.dumps({k: round(v, 2) for k, v in sorted(self.seconds.items())}, indent=0) + "\n")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = os.environ.get("ZEROKIT_RECORD_DURATIONS")
+    if path and not hasattr(config, "workerinput"):  # the controller, which sees every worker's reports
+        config.pluginmanager.register(DurationRecorder(Path(path)), "zerokit-durations")

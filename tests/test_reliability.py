@@ -120,8 +120,9 @@ def _stall(rank: int, world_size: int, flight_dir: str) -> list[dict]:
         engine.step()
         loss = lm_loss(engine(tokens[:, :-1]), tokens)
         outcome: dict = {"stage": stage, "error": None}
+        raised = Path(flight_dir) / f"rank0-raised-at-stage{stage}"
         if rank == 1:
-            time.sleep(STALL_TIMEOUT + MARGIN + 1.0)  # alive, in no collective
+            _alive_outside_collectives_until(raised)
         if rank == 0 or stage == 3:
             started = time.time()
             try:
@@ -129,9 +130,20 @@ def _stall(rank: int, world_size: int, flight_dir: str) -> list[dict]:
                 engine.step()
             except CollectiveError as error:
                 outcome.update(error=str(error), seconds=time.time() - started)
+            if rank == 0:
+                raised.touch()
         dist.barrier()  # the job's own group: start the next stage together
         outcomes.append(outcome)
     return outcomes
+
+
+def _alive_outside_collectives_until(raised: Path) -> None:
+    """Rank 1's stall: alive, in no collective, until rank 0 has raised (it writes `raised`), so the test waits for
+    the event rather than for a sleep long enough on a busy machine. A rank 0 that never raises still releases it,
+    after far longer than rank 0 may take (the test then fails on rank 0's outcome)."""
+    give_up = time.monotonic() + 10 * (STALL_TIMEOUT + MARGIN)
+    while not raised.exists() and time.monotonic() < give_up:
+        time.sleep(0.01)
 
 
 @functools.lru_cache(maxsize=None)

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 # Imported once by the fork server (See [Note: ranks forked from a server that has imported torch]); a module that
 # is not installed is skipped by the server.
-PRELOADED = ["torch", "torch.distributed", "zerokit.engine", "zerokit.testing.parity", "transformers"]
+PRELOADED = ["torch", "torch.distributed", "zerokit.engine.engine", "zerokit.testing.parity", "transformers"]
 
 
 def _worker(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, args: tuple,

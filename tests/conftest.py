@@ -201,6 +201,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: (-weight[test_group(item.nodeid)], order[id(item)]))
 
 
+# `make test-fast` (`-m fast`): one case of each capability, for the loop of development; CI runs everything. Each is
+# chosen among its module's cheap cases (no module-wide launch or sweep behind it where the module allows).
+FAST = (
+    "tests/test_parity.py::test_matches_single_process[N1-stage3-bf16]",  # the N=1 sweep: every stage's path
+    "tests/test_two_engines.py::",  # stages 2 and 3 on 2 ranks against one process
+    "tests/test_stage3_access.py::",
+    "tests/test_checkpoint.py::test_optimizer_hyperparameters_scheduler_and_counters_come_back",
+    "tests/test_resume.py::test_a_killed_job_resumes_from_the_newest_checkpoint_and_ends_bit_equal",
+    "tests/test_pipeline.py::test_three_stages_on_one_replica_equal_one_process",
+    "tests/test_hybrid.py::test_settings_resolve_the_groups",
+    "tests/test_parallel_layout.py::",
+    "tests/test_offload_budget.py::",
+    "tests/test_reliability.py::test_ranks_that_disagree_are_named_at_initialize[stage-stage2-3]",
+    "tests/test_deepspeed_api.py::test_initialize_returns_deepspeeds_four_and_the_engine_answers_as_deepspeed",
+    "tests/test_hf_trainer.py::test_the_trainer_trains_as_ddp_does[2]",
+    "tests/test_restart.py::test_a_script_that_starts_the_group_itself_is_told_the_setting",
+    "tests/test_exit.py::test_close_removes_hooks_swap_files_and_the_engines_groups",
+    "tests/test_config.py::", "tests/test_dsconfig.py::", "tests/test_code_shape.py::test_no_import_circle",
+    "tests/test_suite_budget.py::", "tests/planner/test_planner_memory.py::", "tests/planner/test_planner_advice.py::",
+)
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    if item.nodeid.startswith(FAST):
+        item.add_marker(pytest.mark.fast)
+
+
 if importlib.util.find_spec("xdist") is not None:  # the test extra installs it; a plain pytest needs no scheduler
     from xdist.scheduler import LoadScopeScheduling
 

@@ -25,6 +25,7 @@ from zerokit.observe.monitor import Lap, no_lap
 from zerokit.precision import DynamicLossScaler, NoLossScaler, StepResult, clip_coefficient, global_norm
 from zerokit.reliability import Safeguards
 from zerokit.stages import ZeroStage
+from zerokit.settings import StepSettings
 from zerokit.tensor import TensorShare
 
 
@@ -58,14 +59,16 @@ class Stepper:
     """One engine's optimizer step. `lr_schedules` is the engine's own list (the drop-in adds to it)."""
 
     def __init__(self, stage: ZeroStage, loss_scaler: DynamicLossScaler | NoLossScaler, lr_schedules: list[Any],
-                 safeguards: Safeguards, gradient_clipping: float, max_consecutive_skips: int,
-                 tensor: TensorShare | None = None, other_stages: Communicator | None = None) -> None:
-        """`tensor`: the tensor group of a tensor-parallel model, whose ranks' squares the norm adds up (See [Note:
-        each element counted once across tensor and data ranks] in zerokit/tensor/share.py); None without one.
+                 safeguards: Safeguards, part: StepSettings, tensor: TensorShare | None = None,
+                 other_stages: Communicator | None = None) -> None:
+        """`part`: the step's settings (clipping, the skips allowed in a row). `tensor`: the tensor group of a
+        tensor-parallel model, whose ranks' squares the norm adds up (See [Note: each element counted once across
+        tensor and data ranks] in zerokit/tensor/share.py); None without one.
         `other_stages`: the pipeline group, whose ranks hold the model's other stages (See [Note: one norm across the
         pipeline]); None without a pipeline."""
         self.stage, self.loss_scaler, self.lr_schedules, self.safeguards = stage, loss_scaler, lr_schedules, safeguards
-        self.gradient_clipping, self.max_consecutive_skips = gradient_clipping, max_consecutive_skips
+        self.gradient_clipping = part.gradient_clipping
+        self.max_consecutive_skips = part.max_consecutive_skipped_steps
         self.tensor, self.other_stages = tensor, other_stages
         self._uncounted = frozenset() if tensor is None else tensor.uncounted(stage.flat.params)
 

@@ -42,3 +42,26 @@ def test_resolve_fills_auto_with_the_facts_and_hands_each_room_its_part():
     assert parts.stage.offload is parts.offload
     assert parts.checkpoint.record["stage"] == 2 and parts.checkpoint.record["precision"]["param_dtype"] == "float32"
     assert ("config.stage", 2) in parts.safeguards.agreed
+
+
+class _TwoTags:
+    """A checkpoint group whose other rank proposed another tag."""
+
+    def all_gather(self, proposal):
+        return [proposal, ("other", "nonce1")]
+
+
+@pytest.mark.parametrize("mode", ["Ignore", "Warn", "Fail"])
+def test_a_save_reads_tag_validation_from_its_part(mode, caplog):
+    from types import SimpleNamespace
+
+    from zerokit.checkpoint.save import _agree_on_tag
+
+    _, parts = resolve(ZeroConfig(tag_validation=mode), FACTS)
+    engine = SimpleNamespace(parts=parts, rank=0, progress=SimpleNamespace(optimizer_step=3, total_skips=0))
+    if mode == "Fail":
+        with pytest.raises(ValueError, match="checkpoint.tag_validation is Fail"):
+            _agree_on_tag(engine, _TwoTags(), "mine")
+        return
+    assert _agree_on_tag(engine, _TwoTags(), "mine")[0] == "mine"
+    assert ("different checkpoint tags" in caplog.text) == (mode == "Warn")

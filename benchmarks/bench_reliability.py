@@ -73,7 +73,7 @@ def _fingerprint_seconds(engine, settings: BenchSettings, rounds: int) -> list[f
     for _ in range(rounds):
         dist.barrier()
         started = time.perf_counter()
-        check_at_start(model, optimizers, engine.config, engine.comm, engine.device)
+        check_at_start(model, optimizers, engine.parts.safeguards, engine.comm, engine.device)
         times.append(_slowest(time.perf_counter() - started))
     return times
 

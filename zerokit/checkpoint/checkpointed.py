@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from zerokit.checkpoint.data_position import DataPosition
-from zerokit.config.typed import ZeroConfig
+from zerokit.config.settings import RunSettings
 from zerokit.stages.view import ParameterView
 
 
@@ -33,7 +33,7 @@ class Checkpointed(Protocol):
     rank: int
     world_size: int
     module: nn.Module
-    config: ZeroConfig
+    parts: RunSettings  # the run's settings (config/settings.py); checkpoints read their part, `parts.checkpoint`
     view: ParameterView
     progress: SavedProgress
     loss_scaler: Any  # precision/scaler.py's DynamicLossScaler or NoLossScaler: state_dict() and load_state_dict()

@@ -172,7 +172,8 @@ def _restore_counters(engine: Checkpointed, manifest: Manifest, directory: Path,
     except ValueError as error:
         raise ValueError(f"{directory / MANIFEST}: {error}") from None
     progress = replace(engine.progress, **manifest.progress)
-    window, saved_window = engine.config.gradient_accumulation_steps, manifest.config["gradient_accumulation_steps"]
+    window = engine.parts.checkpoint.gradient_accumulation_steps
+    saved_window = manifest.config["gradient_accumulation_steps"]
     if window != saved_window:  # keep accumulation windows aligned: micro-steps = boundaries x window
         progress.micro_step = progress.micro_step // saved_window * window
         if engine.rank == 0:

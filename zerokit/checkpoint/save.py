@@ -28,9 +28,10 @@ the resumed run and the uninterrupted one train alike.
 
 from __future__ import annotations
 
+import copy
 import os
 import uuid
-from dataclasses import asdict, fields, is_dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,7 @@ def _progress_to_save(engine: Checkpointed, save_dir: Path, within_window: bool)
     """The progress the checkpoint records. A window ends where its last backward said so, not at a multiple of
     gradient_accumulation_steps: the Trainer ends each epoch with a short window
     (set_gradient_accumulation_boundary). See [Note: a save inside an accumulation window]."""
-    progress, window = engine.progress, engine.config.gradient_accumulation_steps
+    progress, window = engine.progress, engine.parts.checkpoint.gradient_accumulation_steps
     if not progress.inside_window:
         return progress
     where = f"micro-step {progress.micro_step}, {window} per optimizer step"
@@ -114,8 +115,7 @@ def _agree_on_tag(engine: Checkpointed, group: CheckpointGroup, tag: str | None)
     agreed, nonce = proposals[0]
     differing = sorted({t for t, _ in proposals if t != agreed})
     if differing:
-        source = engine.config.source
-        mode = source.get("checkpoint.tag_validation") if source is not None else "Warn"
+        mode = engine.parts.checkpoint.tag_validation
         message = f"ranks were given different checkpoint tags ({agreed!r} on rank 0, {differing[0]!r} elsewhere)"
         if mode == "Fail":
             raise ValueError(message + "; checkpoint.tag_validation is Fail")
@@ -159,37 +159,22 @@ def _save_pickle(value: Any, staging: Path, name: str) -> None:
 
 def describe(engine: Checkpointed, tag: str, progress: SavedProgress) -> dict[str, Any]:
     """What rank 0 alone puts in the manifest: the run and the model, not any rank's tensors."""
-    config, module = engine.config, engine.module
+    part, module = engine.parts.checkpoint, engine.module
     hf_config = getattr(module, "config", None)
     optimizers = engine.view.optimizers
     return {
-        "tag": tag, "world_size": engine.world_size, "stage": config.stage,
-        "param_dtype": dtype_name(config.precision.param_dtype), "zerokit_version": zerokit.__version__,
+        "tag": tag, "world_size": engine.world_size, "stage": part.stage,
+        "param_dtype": dtype_name(part.param_dtype), "zerokit_version": zerokit.__version__,
         "model": {"class": type(module).__name__, "state_dict": state_dict_keys(module),
                   "hf_config": hf_config.to_dict() if hasattr(hf_config, "to_dict") else None},
         "optimizers": [{"class": type(o).__name__, "param_groups": encode_groups(o),
-                        "kind": optimizer_kind(o, config.optimizer_kinds, config.allow_untested_optimizer)}
+                        "kind": optimizer_kind(o, part.optimizer_kinds, part.allow_untested_optimizer)}
                        for o in optimizers],
         "progress": asdict(progress), "loss_scaler": engine.loss_scaler.state_dict(),
-        "config": _plain_fields(config),
+        "config": copy.deepcopy(dict(part.record)),  # the config's plain fields (config/typed.py's plain_fields)
         "layout": [{"index": b.index, "owner": b.owner, "numel": b.numel,
                     "slots": [[s.name, s.offset, s.numel] for s in b.slots]} for b in engine.view.layout.buckets],
         "parallel": parallel_record(engine.layout, module, engine.tensor.split if engine.tensor else {},
                                     engine.tied_names),
     }
 
-
-def _plain_fields(config: Any) -> dict[str, Any]:
-    """The config's fields that are plain values (dtypes as names), nested dataclasses included."""
-    out: dict[str, Any] = {}
-    for item in fields(config):
-        value = getattr(config, item.name)
-        if isinstance(value, torch.dtype):
-            out[item.name] = dtype_name(value)
-        elif is_dataclass(value) and not isinstance(value, type):
-            out[item.name] = _plain_fields(value)
-        elif value is None or isinstance(value, (bool, int, float, str)):
-            out[item.name] = value
-        elif isinstance(value, tuple) and all(isinstance(v, (bool, int, float, str)) for v in value):
-            out[item.name] = list(value)
-    return out

@@ -3,6 +3,19 @@ bucket is reduce-scattered or all-reduced, whether gradients leave the rank ever
 elements a gradient bucket and an optimizer piece hold). Pure Python, no torch: the stages read these
 decisions, and the planner predicts from the very same functions, so the two cannot drift apart.
 
+Below the decisions, the run's settings: one typed part per room (See [Note: each room gets its part]), made by
+typed.py's resolve(config, facts) and handed out by the engine's build.
+
+[Note: each room gets its part]
+The config is the user's statement, read and checked once (typed.py; DeepSpeed's keys only in config/dsconfig/). What a
+run does with it is decided once more, against the facts of the run (world size, back-end, ranks per node, the
+model's hidden size), by typed.py's resolve(config, facts), which makes a RunSettings: the engine-wide decisions
+above, and one small frozen part per room below the engine. The engine's build hands each room its part, and no
+room below the engine takes or names the whole config: a room's part says everything it may read, so a new config
+field reaches a room only by a line in resolve. The planner predicts from the same decisions (EngineSettings).
+The parts stay torch-free, as this module is the planner's too: a dtype or a torch-bearing policy of typed.py
+(MixedPrecision's dtypes, Stage3Policy, LossScaling) travels as it is, typed Any here, named in its comment.
+
 [Note: one place for each engine decision]
 Each decision here was once worked out again wherever it was needed (the stages, the engine's blocks, the
 planner's engine model, memory and communication models), and the copies had begun to differ. A decision
@@ -12,11 +25,16 @@ function of that value here, called by the engine with it and by the planner wit
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any, Mapping
 
 from zerokit.config.defaults import CPU_OPTIMIZER_PIECE_NUMEL
+from zerokit.config.dsconfig.blocks import (ActivationCheckpointing, CommsLogger, FlopsProfiler, Monitor, Offload,
+                                            Preemption, Wandb)
 
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 """Bytes per element of each floating dtype the engine computes or communicates in, by its config name."""
@@ -67,6 +85,20 @@ def secondary_group_size(hpz_partition_size: int | None, world_size: int, stage:
                          f"use a divisor of it (the ranks per node, {ranks_per_node}, keeps later gathers inside each "
                          "node) or 1 for none")
     return k
+
+
+def launcher_ranks_per_node(world_size: int) -> int:
+    """torchrun's LOCAL_WORLD_SIZE where it set one that divides the world size; else every rank on one node."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if not local.isdigit() or int(local) < 1 or world_size % int(local):
+        return world_size
+    return int(local)
+
+
+def ranks_per_node(configured: int | None, world_size: int) -> int:
+    """Ranks on each node, numbered consecutively, decided here only: the config's `ranks_per_node` where given, else
+    the launcher's (launcher_ranks_per_node), over `world_size` ranks."""
+    return configured or launcher_ranks_per_node(world_size)
 
 
 def bucket_numel(bucket_bytes: int, element_bytes: int) -> int:
@@ -173,6 +205,173 @@ class EngineSettings:
         return max(1, self.world_size // self.ranks_per_node)
 
 
+# ---------------------------------------------------------------------------------------------
+# The run's settings: one part per room (See [Note: each room gets its part])
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Facts:
+    """What a run's settings need besides the config, known once the process group is up (the planner predicts
+    them)."""
+
+    world_size: int
+    """The ranks the engine shards over: its data group (every rank without a layout)."""
+    backend: str
+    """The process group's back-end ("gloo", "nccl", ...)."""
+    ranks_per_node: int | None = None
+    """The launcher's ranks per node (launcher_ranks_per_node); the config's ranks_per_node wins. None: one node."""
+    hidden_size: int | None = None
+    """The model's hidden size, for the "auto" values that need it (None: unknown)."""
+    batch_ranks: int | None = None
+    """The ranks the batch identity counts (the tensor ranks too under AutoTP: See [Note: batch sizes under AutoTP
+    count the tensor ranks] in parallel/tensor/setup.py); None: world_size."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadSettings:
+    """tiers/placement.py's part: where masters and stage 3's parameter shards live."""
+
+    optimizer: Offload
+    """zero_optimization.offload_optimizer: the fp32 masters, their gradients and optimizer state (stages 1-3)."""
+    param: Offload
+    """zero_optimization.offload_param: stage 3's parameter shards between gathers."""
+    sub_group_size: int | None
+    """The optimizer piece size (See [Note: optimizer pieces] in masters/shards.py); NVMe sizes its buffers by it."""
+    param_dtype: Any
+    """torch.dtype of a master's compute copy on the device (MixedPrecision.param_dtype)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageSettings:
+    """The stages' part (stages/): what a stage builds and how it reduces."""
+
+    stage: int
+    param_dtype: Any
+    """torch.dtype of parameters in forward and backward (MixedPrecision.param_dtype)."""
+    reduce_dtype: Any
+    """torch.dtype gradients are summed across ranks in (MixedPrecision.reduce_dtype)."""
+    sub_group_size: int | None
+    units: Any
+    """typed.py's Stage3Policy: how stage 3 cuts the model into units (it names nn.Module classes)."""
+    checkpoint_units: bool
+    """activation_checkpointing.checkpoint_units: stage 3 recomputes every unit's forward in backward."""
+    overlaps_reduction: bool
+    """Each bucket is reduced during backward (overlap_comm, and always at stage 3)."""
+    prescale_gradients: bool
+    gradient_predivide_factor: float
+    offload: OffloadSettings
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSettings:
+    """The optimizer step's part (engine/step.py, precision/scaler.py's loss scaler)."""
+
+    gradient_accumulation_steps: int
+    gradient_clipping: float
+    """Clip the global norm to this; 0: no clipping."""
+    max_consecutive_skipped_steps: int
+    loss_scaling: Any
+    """typed.py's LossScaling under fp16; None otherwise."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommSettings:
+    """comm/'s part: every collective's deadline and what the comms logger records."""
+
+    timeout_seconds: float
+    logger: CommsLogger
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorSettings:
+    """parallel/tensor/'s part, made before the others (the mesh comes before the run's facts: See Engine.__init__)."""
+
+    autotp_size: int
+    """tensor_parallel.autotp_size: the degree the model's tp_plan is split over; 0 and 1: none."""
+    ranks_per_node: int | None
+    """The config's ranks_per_node (None: the launcher's, See ranks_per_node)."""
+    timeout_seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSettings:
+    """checkpoint/'s part: what a save records and checks."""
+
+    stage: int
+    param_dtype: Any
+    """torch.dtype the manifest records as the compute dtype."""
+    gradient_accumulation_steps: int
+    optimizer_kinds: Mapping[Any, str]
+    allow_untested_optimizer: bool
+    tag_validation: str
+    """checkpoint.tag_validation: Ignore, Warn or Fail when ranks pass different tags."""
+    record: Mapping[str, Any]
+    """The config as the manifest records it (its plain fields, dtypes by name): made once, at resolve."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObserveSettings:
+    """observe/'s part: logs, timers, profilers and monitors."""
+
+    steps_per_print: int | None
+    wall_clock_breakdown: bool
+    train_batch_size: int | None
+    is_fp16: bool
+    comms_logger: CommsLogger
+    flops_profiler: FlopsProfiler
+    csv_monitor: Monitor
+    tensorboard: Monitor
+    wandb: Wandb
+
+
+@dataclass(frozen=True, kw_only=True)
+class SafeguardSettings:
+    """reliability/'s part: the checks at start and the guards of the training loop."""
+
+    stage: int
+    units: Any
+    """typed.py's Stage3Policy (stage 3's units, which a compiled module must not hold)."""
+    ranks_per_node: int
+    broadcast_buffers: bool
+    gradient_accumulation_steps: int
+    has_scheduler: bool
+    """The config has a `scheduler` block (a forward-only engine refuses to step it)."""
+    agreed: tuple[tuple[str, Any], ...]
+    """The config's compared fields, flattened (dotted name, value): every rank must hold the same (See [Note: the
+    start-up fingerprint] in reliability/fingerprint.py)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSettings:
+    """Everything a run does with its config, decided once (See [Note: each room gets its part])."""
+
+    decisions: EngineSettings
+    stage: StageSettings
+    offload: OffloadSettings
+    step: StepSettings
+    comm: CommSettings
+    tensor: TensorSettings
+    checkpoint: CheckpointSettings
+    observe: ObserveSettings
+    safeguards: SafeguardSettings
+    activations: ActivationCheckpointing
+    preemption: Preemption
+
+
+def flattened(prefix: str, value: Any) -> list[tuple[str, Any]]:
+    """A dataclass's fields that take part in equality, recursively, as (dotted name, value); anything else is one
+    value."""
+    if not dataclasses.is_dataclass(value) or isinstance(value, type):
+        return [(prefix, value)]
+    items: list[tuple[str, Any]] = []
+    for field in dataclasses.fields(value):
+        if field.compare:
+            items += flattened(f"{prefix}.{field.name}", getattr(value, field.name))
+    return items
+
+
 __all__ = ["ELEMENT_BYTES", "EngineSettings", "bucket_numel", "optimizer_piece_numel", "reduces_by_scatter",
            "reduces_every_micro_step", "secondary_group_size", "shard_group_size", "consecutive_groups", "strided_groups",
-           "ring_crosses_nodes", "ring_share"]
+           "ring_crosses_nodes", "ring_share", "launcher_ranks_per_node", "ranks_per_node", "Facts", "RunSettings",
+           "StageSettings", "OffloadSettings", "StepSettings", "CommSettings", "TensorSettings", "CheckpointSettings",
+           "ObserveSettings", "SafeguardSettings", "flattened"]

@@ -19,7 +19,6 @@ says why zerokit's differs.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -37,7 +36,9 @@ from zerokit.config.dsconfig.blocks import (ActivationCheckpointing, CommsLogger
 from zerokit.config.dsconfig.precision import compute_dtype
 from zerokit.config.dsconfig.schema import default
 from zerokit._support.jsonfile import read_json_object
-from zerokit.config.settings import ELEMENT_BYTES, EngineSettings
+from zerokit.config.settings import (ELEMENT_BYTES, CheckpointSettings, CommSettings, EngineSettings, Facts,
+                                     ObserveSettings, OffloadSettings, RunSettings, SafeguardSettings, StageSettings,
+                                     StepSettings, TensorSettings, flattened, launcher_ranks_per_node, ranks_per_node)
 
 DTYPES_BY_NAME = {
     "fp32": torch.float32, "float32": torch.float32,
@@ -249,6 +250,9 @@ class ZeroConfig:
     ranks_per_node: int | None = default("ranks_per_node")
     """Ranks on each node, numbered consecutively. None: torchrun's LOCAL_WORLD_SIZE, else one node (the start-up
     fingerprint checks that every rank agrees on the outcome)."""
+    tag_validation: str = default("checkpoint.tag_validation")
+    """When ranks pass different tags to save_checkpoint (rank 0's is saved under): "Ignore", "Warn" or "Fail"
+    (DeepSpeed's checkpoint.tag_validation)."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Start-up log lines from reading the config: keys accepted because zerokit always does that, aliases."""
     warnings: tuple[str, ...] = field(default=(), compare=False)
@@ -383,6 +387,9 @@ def _check_sizes(config: ZeroConfig) -> None:
     per_node = config.ranks_per_node
     if per_node is not None and (isinstance(per_node, bool) or per_node < 1):
         raise ValueError(f"ranks_per_node={per_node!r} must be a positive rank count")
+    if config.tag_validation not in ("Ignore", "Warn", "Fail"):
+        raise ValueError(f"checkpoint.tag_validation={config.tag_validation!r} is not accepted; use Ignore, Warn or "
+                         "Fail")
     _check_tensor_degree(config)
 
 
@@ -429,24 +436,104 @@ def _meaning_lines(config: ZeroConfig) -> list[str]:
     return lines
 
 
-def engine_settings(config: ZeroConfig, world_size: int, backend: str) -> EngineSettings:
+def engine_settings(config: ZeroConfig, world_size: int, backend: str,
+                    launcher_per_node: int | None = None) -> EngineSettings:
     """What an engine with this (resolved) config does on these ranks and back-end, decided once (See [Note: one place for
-    each engine decision] in settings.py)."""
+    each engine decision] in settings.py). `launcher_per_node`: the launcher's ranks per node (None: read it here)."""
+    per_node = config.ranks_per_node or launcher_per_node or launcher_ranks_per_node(world_size)
     return EngineSettings.resolve(stage=config.stage, world_size=world_size, backend=backend,
                                   reduce_scatter=config.reduce_scatter,
                                   reduce_every_micro_step=config.reduce_every_micro_step,
                                   bucket_bytes=config.reduce_bucket_bytes,
                                   reduce_dtype=DTYPE_NAMES[config.precision.reduce_dtype],
                                   mics_shard_size=config.mics_shard_size, hpz_partition_size=config.hpz_partition_size,
-                                  ranks_per_node=config.ranks_per_node or ranks_per_node_from_launcher(world_size))
+                                  ranks_per_node=per_node)
 
 
-def ranks_per_node_from_launcher(world_size: int) -> int:
-    """torchrun's LOCAL_WORLD_SIZE where it set one that divides the world size; else every rank on one node."""
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    if not local.isdigit() or int(local) < 1 or world_size % int(local):
-        return world_size
-    return int(local)
+ranks_per_node_from_launcher = launcher_ranks_per_node  # its old name here; the rule lives in settings.py
+
+
+# ---------------------------------------------------------------------------------------------
+# The run's settings: resolve(config, facts), one part per room (See [Note: each room gets its part] in settings.py)
+# ---------------------------------------------------------------------------------------------
+
+def tensor_settings(config: ZeroConfig) -> TensorSettings:
+    """parallel/tensor/'s part, which the mesh needs before the run's facts are known (the data group comes from it). No
+    "auto" reaches it: resolve hands out the same."""
+    return TensorSettings(autotp_size=config.autotp_size, ranks_per_node=config.ranks_per_node,
+                          timeout_seconds=config.comm_timeout_seconds)
+
+
+def comm_settings(config: ZeroConfig) -> CommSettings:
+    """comm/'s part, which the engine's group needs before the run's facts are known (its size and back-end are
+    facts). No "auto" reaches it: resolve hands out the same."""
+    return CommSettings(timeout_seconds=config.comm_timeout_seconds, logger=config.comms_logger)
+
+
+def resolve(config: ZeroConfig, facts: Facts) -> tuple[ZeroConfig, RunSettings]:
+    """The config with every "auto" filled in for these facts (ZeroConfig.resolve), and the run's settings made from it
+    once: the engine-wide decisions and one part per room."""
+    config = config.resolve(world_size=facts.batch_ranks or facts.world_size, hidden_size=facts.hidden_size)
+    offload = OffloadSettings(optimizer=config.offload_optimizer, param=config.offload_param,
+                              sub_group_size=config.sub_group_size, param_dtype=config.precision.param_dtype)
+    decisions = engine_settings(config, facts.world_size, facts.backend, facts.ranks_per_node)
+    return config, RunSettings(
+        decisions=decisions, stage=_stage_settings(config, offload), offload=offload,
+        step=StepSettings(gradient_accumulation_steps=config.gradient_accumulation_steps,
+                          gradient_clipping=config.gradient_clipping,
+                          max_consecutive_skipped_steps=config.max_consecutive_skipped_steps,
+                          loss_scaling=config.loss_scaling),
+        comm=comm_settings(config),
+        tensor=tensor_settings(config), checkpoint=_checkpoint_settings(config), observe=_observe_settings(config),
+        safeguards=_safeguard_settings(config, decisions.ranks_per_node),
+        activations=config.activation_checkpointing, preemption=config.preemption)
+
+
+def _stage_settings(config: ZeroConfig, offload: OffloadSettings) -> StageSettings:
+    return StageSettings(stage=config.stage, param_dtype=config.precision.param_dtype,
+                         reduce_dtype=config.precision.reduce_dtype, sub_group_size=config.sub_group_size,
+                         units=config.stage3, checkpoint_units=config.activation_checkpointing.checkpoint_units,
+                         overlaps_reduction=config.overlaps_reduction, prescale_gradients=config.prescale_gradients,
+                         gradient_predivide_factor=config.gradient_predivide_factor, offload=offload)
+
+
+def _checkpoint_settings(config: ZeroConfig) -> CheckpointSettings:
+    return CheckpointSettings(stage=config.stage, param_dtype=config.precision.param_dtype,
+                              gradient_accumulation_steps=config.gradient_accumulation_steps,
+                              optimizer_kinds=config.optimizer_kinds,
+                              allow_untested_optimizer=config.allow_untested_optimizer,
+                              tag_validation=config.tag_validation, record=plain_fields(config))
+
+
+def _observe_settings(config: ZeroConfig) -> ObserveSettings:
+    return ObserveSettings(steps_per_print=config.steps_per_print, wall_clock_breakdown=config.wall_clock_breakdown,
+                           train_batch_size=config.train_batch_size, is_fp16=config.is_fp16,
+                           comms_logger=config.comms_logger, flops_profiler=config.flops_profiler,
+                           csv_monitor=config.csv_monitor, tensorboard=config.tensorboard, wandb=config.wandb)
+
+
+def _safeguard_settings(config: ZeroConfig, per_node: int) -> SafeguardSettings:
+    return SafeguardSettings(stage=config.stage, units=config.stage3, ranks_per_node=per_node,
+                             broadcast_buffers=config.broadcast_buffers,
+                             gradient_accumulation_steps=config.gradient_accumulation_steps,
+                             has_scheduler=config.scheduler is not None, agreed=tuple(flattened("config", config)))
+
+
+def plain_fields(config: Any) -> dict[str, Any]:
+    """The config's fields that are plain values (dtypes by torch's name, "float32"), nested dataclasses included: what
+    a checkpoint's manifest records of it."""
+    out: dict[str, Any] = {}
+    for item in fields(config):
+        value = getattr(config, item.name)
+        if isinstance(value, torch.dtype):
+            out[item.name] = str(value).removeprefix("torch.")
+        elif is_dataclass(value) and not isinstance(value, type):
+            out[item.name] = plain_fields(value)
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            out[item.name] = value
+        elif isinstance(value, tuple) and all(isinstance(v, (bool, int, float, str)) for v in value):
+            out[item.name] = list(value)
+    return out
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -493,7 +580,7 @@ FIELDS: dict[str, str] = {
     "dataloader_drop_last": "dataloader_drop_last", "comm_timeout_seconds": "comm_timeout_seconds",
     "broadcast_buffers": "broadcast_buffers", Z + "mics_shard_size": "mics_shard_size",
     "ranks_per_node": "ranks_per_node", Z + "zero_hpz_partition_size": "hpz_partition_size",
-    "tensor_parallel.autotp_size": "autotp_size",
+    "tensor_parallel.autotp_size": "autotp_size", "checkpoint.tag_validation": "tag_validation",
     Z + "stage3_max_live_parameters": "stage3.max_live_parameters",
     Z + "stage3_prefetch_bucket_size": "stage3.prefetch_numel",
     Z + "stage3_param_persistence_threshold": "stage3.persistence_threshold",
@@ -562,6 +649,7 @@ def load_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None) -> Z
     raise ValueError(f"config must be a ZeroConfig, a dict or a JSON file path, not {type(config).__name__}")
 
 
-__all__ = ["engine_settings", "ZeroConfig", "MixedPrecision", "LossScaling", "Stage3Policy", "Offload", "OptimizerSpec",
+__all__ = ["engine_settings", "resolve", "tensor_settings", "comm_settings", "plain_fields",
+           "ZeroConfig", "MixedPrecision", "LossScaling", "Stage3Policy", "Offload", "OptimizerSpec",
            "SchedulerSpec", "Preemption", "Resume", "ActivationCheckpointing", "CommsLogger", "FlopsProfiler", "Monitor", "Wandb",
            "load_config", "from_dict", "hidden_size_of", "replace"]

@@ -21,7 +21,7 @@ from zerokit.checkpoint.data_position import DataPosition
 from zerokit.checkpoint.newest import resume_from_newest
 from zerokit.checkpoint.session import close as close_checkpoints
 from zerokit.comm import Communicator
-from zerokit.config.typed import ZeroConfig, engine_settings, hidden_size_of, load_config
+from zerokit.config.typed import ZeroConfig, comm_settings, hidden_size_of, load_config, resolve, tensor_settings
 from zerokit.engine.state import engine_state_dict, load_engine_state, totals
 from zerokit.engine.checkpoints import Checkpoints
 from zerokit.checkpoint.locate import layout_directory
@@ -36,7 +36,7 @@ from zerokit.precision.scaler import make_loss_scaler
 from zerokit.reliability.preemption import PreemptionWatcher
 from zerokit.reliability import Safeguards, check_at_start
 from zerokit.comm.process import close_at_exit, default_device, ensure_process_group, forget_at_exit
-from zerokit.config.settings import EngineSettings
+from zerokit.config.settings import Facts, RunSettings, launcher_ranks_per_node
 from zerokit.stages import STAGES, BucketReducer, ZeroStage, install_hooks
 from zerokit.stages.base import memory_by_tier
 from zerokit.engine.step import Progress, Stepper
@@ -54,51 +54,71 @@ class Engine(ExternalBackward, Checkpoints):
     def __init__(self, model: nn.Module, optimizer: Optimizers | None, config: ZeroConfig,
                  device: torch.device | None = None, param_init: ParamInit | None = None,
                  model_parameters: Iterable[Any] | None = None, layout: Layout | None = None) -> None:
-        """Built in the order a step's data flows: the process group, the model on its device, the stage
-        (layout, flat buffers, masters; See ZeroStage.build), the reducer, then the hooks that drive them.
+        """Built in the order the config is walked: the mesh (the tensor degree), the engine's group, the run's
+        settings resolved once against its facts (See [Note: each room gets its part] in zerokit/config/settings.py),
+        then each room with its part, in the order a step's data flows (See _build).
         `optimizer`: one torch optimizer, or a list of them, each over its own parameters (Muon for the
         hidden matrices beside AdamW for the rest, say); None: the config's `optimizer` block's, built over
         `model_parameters` (default: the model's trainable parameters). `layout`: the job's pipeline x data x tensor
         mesh (See [Note: one layout, resolved once] in zerokit/parallel/mesh.py); the engine shards over this rank's data
         group. None: over every rank."""
         ensure_process_group()
-        # See zerokit/parallel/tensor/setup.py: the config's tensor degree, the model split by its plan, the tensor group
-        self.layout = checked_layout(tensor_layout(layout, config))
-        hidden_size = hidden_size_of(model)
-        self.tensor, optimizer, model_parameters = parallelize(model, self.layout, config, optimizer, model_parameters)
-        # a logging one for comms_logger.verbose; a group of its own, whose waits have the config's deadline
-        self.comm = Communicator.create(config.comm_timeout_seconds, stats=collective_stats(config.comms_logger),
+        # The mesh first: the tensor degree decides this rank's data group, whose size the facts below are
+        # (See zerokit/parallel/tensor/setup.py: the tensor degree, the model split by its plan, the tensor group)
+        tensor_part = tensor_settings(config)
+        self.layout = checked_layout(tensor_layout(layout, tensor_part))
+        hidden_size = hidden_size_of(model)  # a fact for "auto" sizes, from the model's Hugging Face config
+        self.tensor, optimizer, model_parameters = parallelize(model, self.layout, tensor_part, optimizer,
+                                                               model_parameters)
+        # the engine's group (its waits have the config's deadline) before resolve: its size and back-end are facts
+        comm_part = comm_settings(config)
+        self.comm = Communicator.create(comm_part.timeout_seconds, stats=collective_stats(comm_part.logger),
                                         parts=None if self.layout is None else self.layout.data_groups())
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        config = self.config = config.resolve(world_size=batch_ranks(self.layout, config, self.world_size),
-                                              hidden_size=hidden_size)
-        setup_lines = grad_accum_dtype_lines(config) + tensor_startup_lines(self.layout, config, self.tensor)
-        self.device = device or default_device()
-        self.module = model
+        facts = Facts(world_size=self.world_size, backend=self.comm.backend, hidden_size=hidden_size,
+                      ranks_per_node=launcher_ranks_per_node(self.world_size),
+                      batch_ranks=batch_ranks(self.layout, tensor_part, self.world_size))
+        # See [Note: each room gets its part] in zerokit/config/settings.py; engine.config keeps the whole, for the
+        # public API
+        self.config, self.parts = resolve(config, facts)
         # See [Note: one place for each engine decision] in zerokit/config/settings.py
-        self.settings = engine_settings(config, self.world_size, self.comm.backend)
-        self.stage, kinds = _build_stage(model, optimizer, model_parameters, param_init, config, self.settings,
-                                         self.comm, self.device)
+        self.settings = self.parts.decisions
+        self.device, self.module = device or default_device(), model
+        self._build(optimizer, model_parameters, param_init)
+        self.closed = False
+        close_at_exit(self)  # See [Note: leaving at exit] in comm/process.py
+
+    def _build(self, optimizer: Optimizers | None, model_parameters: Iterable[Any] | None,
+               param_init: ParamInit | None) -> None:
+        """Each room built with its part of the settings, in the order a step's data flows: the stage (layout, flat
+        buffers, masters), the reducer and the hooks that fill its buckets, the guards, the step, then what watches
+        the step (monitor, activations, preemption)."""
+        config, parts, model = self.config, self.parts, self.module
+        self.stage, kinds = _build_stage(model, optimizer, model_parameters, param_init, config, parts, self.comm,
+                                         self.device)
         self.optimizer = self.stage.optimizer if self.stage.masters.optimizers else None  # None: forward only
         self.view = ParameterView(self.stage, model, kinds)  # See [Note: a per-parameter view of the stage]
         self.lr_schedules = lr_schedules_for(config, self.stage.masters.optimizers)  # See zerokit/engine/build.py
+        # the reducer before the hooks: a gradient's hook hands its bucket to the reducer
         self.reducer = BucketReducer(self.stage)
         self._hooks = install_hooks(self.stage, self.reducer)
-        self.safeguards = Safeguards(model, self.comm, config, forward_only=self.optimizer is None)  # reliability/
-        self.loss_scaler, self.progress = make_loss_scaler(config.loss_scaling), Progress()
+        self.safeguards = Safeguards(model, self.comm, parts.safeguards, forward_only=self.optimizer is None)
+        self.loss_scaler, self.progress = make_loss_scaler(parts.step.loss_scaling), Progress()
         self.data_position = DataPosition(self.rank)  # the loader whose position checkpoints save (.track(loader))
-        self.stages_comm = _pipeline_comm(self.layout, config.comm_timeout_seconds)  # the norm across the stages
-        self.stepper = Stepper(self.stage, self.loss_scaler, self.lr_schedules, self.safeguards, config.gradient_clipping,
-                               config.max_consecutive_skipped_steps, self.tensor, other_stages=self.stages_comm)
-        self.monitor = EngineMonitor(config, self)  # the observability keys; all off unless the config asks
-        # See [Note: each engine checkpoints with its own settings] in zerokit/engine/activations.py
-        self.activations = ActivationCheckpointer(config.activation_checkpointing, self.comm.stats, self.device)
+        self.stages_comm = _pipeline_comm(self.layout, parts.comm.timeout_seconds)  # the norm across the stages
+        # the stepper after the stage, scaler, schedules and guards it drives
+        self.stepper = Stepper(self.stage, self.loss_scaler, self.lr_schedules, self.safeguards, parts.step,
+                               self.tensor, other_stages=self.stages_comm)
+        self.monitor = EngineMonitor(parts.observe, self)  # the observability keys; all off unless the config asks
+        # See [Note: each engine checkpoints with its own settings] in zerokit/engine/activations.py; after the stage,
+        # whose units it recomputes
+        self.activations = ActivationCheckpointer(parts.activations, self.comm.stats, self.device)
         self.activations.checkpoint_modules(self.stage.recomputed_modules())
-        setup_lines += self.activations.startup_lines()
+        setup_lines = (grad_accum_dtype_lines(config) + tensor_startup_lines(self.layout, parts.tensor, self.tensor)
+                       + self.activations.startup_lines())
         log_startup(self.stage, config.startup_log_lines() + setup_lines, config.warnings)
-        self.preemption = PreemptionWatcher(config.preemption, self.comm, self.save_checkpoint)
-        self.closed = False
-        close_at_exit(self)  # See [Note: leaving at exit] in comm/process.py
+        # last: a signal saves a checkpoint, which needs everything above
+        self.preemption = PreemptionWatcher(parts.preemption, self.comm, self.save_checkpoint)
 
     # --- the training loop ----------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -230,20 +250,20 @@ class Engine(ExternalBackward, Checkpoints):
 
 
 def _build_stage(model: nn.Module, optimizer: Optimizers | None, model_parameters: Iterable[Any] | None,
-                 param_init: ParamInit | None, config: ZeroConfig, settings: EngineSettings, comm: Communicator,
+                 param_init: ParamInit | None, config: ZeroConfig, parts: RunSettings, comm: Communicator,
                  device: torch.device) -> tuple[ZeroStage, list[str]]:
     """The model and its optimizers made into the config's stage (layout, flat buffers, masters; See ZeroStage.build),
     the model placed on `device` and cast to the compute dtype; with each optimizer's kind."""
     optimizers = optimizers_for(model, optimizer, config, model_parameters)
     kinds = [optimizer_kind(o, config.optimizer_kinds, config.allow_untested_optimizer) for o in optimizers]
-    check_at_start(model, optimizers, config, comm, device)  # before any collective on the model
+    check_at_start(model, optimizers, parts.safeguards, comm, device)  # before any collective on the model
     construction = place_model(model, optimizers, param_init, config.stage, device, comm)
     # no optimizer: nothing trains, every parameter is held as a frozen one (See zerokit/reliability/forward_only.py)
     groups, refs = trainable_groups(model, optimizers, kinds) if optimizers else ([], [])
     params, group_of_param = _backward_ordered(model, groups)
     plan = OptimizerPlan(tuple(optimizers), tuple(refs))
     extra = {"construction": construction} if construction is not None else {}
-    stage = STAGES[config.stage].build(model, params, group_of_param, plan, config, settings, comm, **extra)
+    stage = STAGES[config.stage].build(model, params, group_of_param, plan, parts.stage, parts.decisions, comm, **extra)
     # Frozen parameters (stages 0-2; stage 3 shards them in the compute dtype already) and buffers; trainable ones
     # are cast.
     model.to(dtype=config.precision.param_dtype)

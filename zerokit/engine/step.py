@@ -28,6 +28,7 @@ from zerokit.precision.result import StepResult
 from zerokit.precision.scaler import DynamicLossScaler, NoLossScaler
 from zerokit.reliability import Safeguards
 from zerokit.stages import ZeroStage
+from zerokit.config.settings import StepSettings
 from zerokit.parallel.tensor import TensorShare
 
 
@@ -61,14 +62,16 @@ class Stepper:
     """One engine's optimizer step. `lr_schedules` is the engine's own list (the drop-in adds to it)."""
 
     def __init__(self, stage: ZeroStage, loss_scaler: DynamicLossScaler | NoLossScaler, lr_schedules: list[Any],
-                 safeguards: Safeguards, gradient_clipping: float, max_consecutive_skips: int,
-                 tensor: TensorShare | None = None, other_stages: Communicator | None = None) -> None:
-        """`tensor`: the tensor group of a tensor-parallel model, whose ranks' squares the norm adds up (See [Note:
-        each element counted once across tensor and data ranks] in zerokit/parallel/tensor/share.py); None without one.
+                 safeguards: Safeguards, part: StepSettings, tensor: TensorShare | None = None,
+                 other_stages: Communicator | None = None) -> None:
+        """`part`: the step's settings (clipping, the skips allowed in a row). `tensor`: the tensor group of a
+        tensor-parallel model, whose ranks' squares the norm adds up (See [Note: each element counted once across
+        tensor and data ranks] in zerokit/parallel/tensor/share.py); None without one.
         `other_stages`: the pipeline group, whose ranks hold the model's other stages (See [Note: one norm across the
         pipeline]); None without a pipeline."""
         self.stage, self.loss_scaler, self.lr_schedules, self.safeguards = stage, loss_scaler, lr_schedules, safeguards
-        self.gradient_clipping, self.max_consecutive_skips = gradient_clipping, max_consecutive_skips
+        self.gradient_clipping = part.gradient_clipping
+        self.max_consecutive_skips = part.max_consecutive_skipped_steps
         self.tensor, self.other_stages = tensor, other_stages
         self._uncounted = frozenset() if tensor is None else tensor.uncounted(stage.flat.params)
 

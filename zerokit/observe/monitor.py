@@ -26,12 +26,12 @@ from typing import Callable, Iterator, Protocol
 import torch
 from torch import nn
 
-from zerokit.config.typed import ZeroConfig
 from zerokit.observe.comms import CommsReport
 from zerokit.observe.flops import FlopsProfile
 from zerokit.observe.timers import PhaseTimers, breakdown_line
 from zerokit.observe.writers import Event, writers_for
 from zerokit.precision.result import StepResult
+from zerokit.config.settings import ObserveSettings
 
 logger = logging.getLogger("zerokit")
 Lap = Callable[[str], None]
@@ -70,16 +70,16 @@ def no_lap(phase: str) -> None:
 
 
 class EngineMonitor:
-    def __init__(self, config: ZeroConfig, engine: Observed) -> None:
-        self.engine, self.config = engine, config
+    def __init__(self, part: ObserveSettings, engine: Observed) -> None:
+        self.engine, self.part = engine, part
         rank0 = engine.rank == 0
-        self.timers = PhaseTimers(engine.device) if config.wall_clock_breakdown else None
-        self.steps_per_print = config.steps_per_print if rank0 else None
-        self.comms = CommsReport(config.comms_logger, engine.comm_stats()) \
-            if config.comms_logger.enabled and rank0 else None
-        self.flops = FlopsProfile(config.flops_profiler, engine.trainable_numel()) \
-            if config.flops_profiler.enabled and rank0 else None
-        self.writers = writers_for(config) if rank0 else []
+        self.timers = PhaseTimers(engine.device) if part.wall_clock_breakdown else None
+        self.steps_per_print = part.steps_per_print if rank0 else None
+        self.comms = CommsReport(part.comms_logger, engine.comm_stats()) \
+            if part.comms_logger.enabled and rank0 else None
+        self.flops = FlopsProfile(part.flops_profiler, engine.trainable_numel()) \
+            if part.flops_profiler.enabled and rank0 else None
+        self.writers = writers_for(part) if rank0 else []
         self.keeps_loss = bool(self.steps_per_print or self.writers)
         self.losses: list[torch.Tensor] = []  # this optimizer step's micro-step losses, detached
         self.completed = 0  # accumulation boundaries so far (DeepSpeed's global_steps)
@@ -130,11 +130,11 @@ class EngineMonitor:
         loss = torch.stack(self.losses).float().mean().item() if self.losses else math.nan
         self.losses.clear()
         events: list[Event] = []
-        samples = step * (self.config.train_batch_size or 0)
+        samples = step * (self.part.train_batch_size or 0)
         if self.writers:
             events += [("Train/Samples/train_loss", loss, samples), ("Train/Samples/lr", self.engine.get_lr()[0], samples),
                        ("Train/Samples/grad_norm", _finite_or_nan(result.grad_norm), samples)]
-            if self.config.is_fp16:
+            if self.part.is_fp16:
                 events.append(("Train/Samples/loss_scale", result.loss_scale, samples))
         if self.timers:
             times = self.timers.close_window()
@@ -158,7 +158,7 @@ class EngineMonitor:
         now = time.perf_counter()
         self.printed_at = (step, now)
         per_step = (now - last_time) / max(1, step - last_step)
-        rate = f" ({self.config.train_batch_size / per_step:.1f} samples/s)" if self.config.train_batch_size else ""
+        rate = f" ({self.part.train_batch_size / per_step:.1f} samples/s)" if self.part.train_batch_size else ""
         return (f"step {step} | loss {loss:.4f} (rank 0) | lr {_rates(self.engine.get_lr())} | grad norm "
                 f"{_finite_or_nan(result.grad_norm):.4f} | loss scale {result.loss_scale:g} | skipped "
                 f"{result.total_skips} | {per_step:.3f} s/step{rate}")

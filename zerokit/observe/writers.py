@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from zerokit.config.typed import ZeroConfig
 from zerokit._support.extras import installed, monitor_missing
+from zerokit.config.settings import ObserveSettings
 
 Event = tuple[str, float, int]
 
@@ -82,15 +82,15 @@ class WandbWriter:
         self.wandb.finish()
 
 
-def writers_for(config: ZeroConfig) -> list[EventWriter]:
+def writers_for(part: ObserveSettings) -> list[EventWriter]:
     """The monitors the config turns on (call on rank 0 only)."""
     writers: list[EventWriter] = []
-    if config.csv_monitor.enabled:
-        writers.append(CsvWriter(config.csv_monitor.output_path, config.csv_monitor.job_name))
-    if config.tensorboard.enabled:
-        writers.append(TensorboardWriter(config.tensorboard.output_path, config.tensorboard.job_name))
-    if config.wandb.enabled:
-        writers.append(WandbWriter(config.wandb.project, config.wandb.group, config.wandb.team))
+    if part.csv_monitor.enabled:
+        writers.append(CsvWriter(part.csv_monitor.output_path, part.csv_monitor.job_name))
+    if part.tensorboard.enabled:
+        writers.append(TensorboardWriter(part.tensorboard.output_path, part.tensorboard.job_name))
+    if part.wandb.enabled:
+        writers.append(WandbWriter(part.wandb.project, part.wandb.group, part.wandb.team))
     return writers
 
 

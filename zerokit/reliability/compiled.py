@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
-from zerokit.config.typed import ZeroConfig
+from zerokit.config.settings import RunSettings
 
 FULLGRAPH_AT_STAGE_3 = ("{what} with fullgraph=True around stage-3 unit {unit!r}, whose gather and free "
                         "must run between compiled graphs; compile each unit instead (e.g. model.blocks[i] = "
@@ -30,13 +30,14 @@ FULLGRAPH_AT_STAGE_3 = ("{what} with fullgraph=True around stage-3 unit {unit!r}
                         "compile without fullgraph=True")
 
 
-def refuse_fullgraph_around_units(model: nn.Module, config: ZeroConfig) -> None:
-    """Stage 3: no module compiled with fullgraph=True may hold a unit strictly inside it."""
-    if config.stage != 3:
+def refuse_fullgraph_around_units(model: nn.Module, stage: int, units: Any) -> None:
+    """Stage 3: no module compiled with fullgraph=True may hold a unit strictly inside it (`units`: config/typed.py's
+    Stage3Policy)."""
+    if stage != 3:
         return
     from zerokit.stages.units import find_units
 
-    unit_modules = {id(unit.module): unit.name for unit in find_units(model, config.stage3)[1:]}
+    unit_modules = {id(unit.module): unit.name for unit in find_units(model, units)[1:]}
     for name, module in model.named_modules():
         if _compiled_fullgraph(module):
             inside = next((unit_modules[id(m)] for m in module.modules() if m is not module and id(m) in unit_modules),
@@ -50,7 +51,7 @@ class Compilable(Protocol):
     """What compile_model reads of an engine (zerokit/engine/engine.py's Engine, or the drop-in's). Named by its shape, not
     imported: the engine imports the reliability checks, and a type is named only downward."""
 
-    config: ZeroConfig
+    parts: RunSettings  # the run's settings (config/settings.py): its stage
     stage: Any  # stages/base.py's ZeroStage; at stage 3 its `units`, the model's root unit first
     module: nn.Module
 
@@ -58,7 +59,7 @@ class Compilable(Protocol):
 def compile_model(engine: Compilable, backend: Any = "inductor", **compile_kwargs: Any) -> None:
     """Compile the engine's model in place (nn.Module.compile), as DeepSpeed's engine.compile() does; zerokit's
     hooks stay eager (See [Note: torch.compile and zerokit's hooks]). `compile_kwargs` go to torch.compile."""
-    if engine.config.stage == 3 and compile_kwargs.get("fullgraph") and len(engine.stage.units) > 1:
+    if engine.parts.stage.stage == 3 and compile_kwargs.get("fullgraph") and len(engine.stage.units) > 1:
         raise ValueError(FULLGRAPH_AT_STAGE_3.format(what="engine.compile() would compile the model",
                                                      unit=engine.stage.units[1].name))
     engine.module.compile(backend=backend, **compile_kwargs)

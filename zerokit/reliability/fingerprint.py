@@ -20,7 +20,6 @@ and every rank raises the same line, naming the first field that differs and whi
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import platform
@@ -32,7 +31,6 @@ from torch import nn
 
 from zerokit.comm import Communicator
 from zerokit.comm.agreement import all_gather_bytes, min_max
-from zerokit.config.typed import ZeroConfig
 
 PURPOSE = "start-up fingerprint"
 SHOWN_CHARS = 160  # of a value, in the error line
@@ -45,18 +43,20 @@ class RanksDisagreeError(RuntimeError):
 Fields = dict[str, str]
 
 
-def fingerprint(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
-                device: torch.device) -> Fields:
-    """This rank's fields, in order (See [Note: the start-up fingerprint])."""
+def fingerprint(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], agreed: Sequence[tuple[str, Any]],
+                stage: int, units: Any, device: torch.device) -> Fields:
+    """This rank's fields, in order (See [Note: the start-up fingerprint]). `agreed`: the config's compared fields,
+    flattened (config/settings.py's SafeguardSettings.agreed); `units`: config/typed.py's Stage3Policy, read at
+    stage 3."""
     import zerokit
 
     fields: Fields = {"zerokit version": zerokit.__version__, "torch version": torch.__version__,
                       "python version": platform.python_version(), "device type": device.type,
                       "built on the meta device": str(any(p.is_meta for p in model.parameters()))}
-    fields.update(_config_fields(config, model))
+    fields.update(_config_fields(agreed, model))
     fields.update(_parameter_fields(model, optimizers))
     fields.update({f"buffer {name}": _tensor(b) for name, b in model.named_buffers()})
-    fields.update(_unit_fields(model, config))
+    fields.update(_unit_fields(model, stage, units))
     fields.update(_optimizer_fields(optimizers))
     return fields
 
@@ -103,20 +103,10 @@ def _shown(value: str) -> str:
 
 
 # --- the fields --------------------------------------------------------------------------------------
-def _config_fields(config: ZeroConfig, model: nn.Module) -> Fields:
+def _config_fields(agreed: Sequence[tuple[str, Any]], model: nn.Module) -> Fields:
+    """The config's compared fields (dotted name, value), each value rendered."""
     names = {id(module): name or "<root>" for name, module in model.named_modules()}
-    return dict(_flatten("config", config, names))
-
-
-def _flatten(prefix: str, value: Any, names: dict[int, str]) -> list[tuple[str, str]]:
-    """Dataclass fields that take part in equality, recursively, as (dotted name, rendered value)."""
-    if not dataclasses.is_dataclass(value) or isinstance(value, type):
-        return [(prefix, _render(value, names))]
-    items: list[tuple[str, str]] = []
-    for field in dataclasses.fields(value):
-        if field.compare:
-            items += _flatten(f"{prefix}.{field.name}", getattr(value, field.name), names)
-    return items
+    return {name: _render(value, names) for name, value in agreed}
 
 
 def _render(value: Any, names: dict[int, str]) -> str:
@@ -153,18 +143,18 @@ def _parameter_fields(model: nn.Module, optimizers: Sequence[torch.optim.Optimiz
     return fields
 
 
-def _unit_fields(model: nn.Module, config: ZeroConfig) -> Fields:
-    if config.stage != 3:
+def _unit_fields(model: nn.Module, stage: int, units: Any) -> Fields:
+    if stage != 3:
         return {}
     from zerokit.stages.units import find_units
 
     try:
-        units = find_units(model, config.stage3)
+        found = find_units(model, units)
     except ValueError as error:  # raised again by the stage, once the ranks agree that it is everyone's error
         return {"stage-3 units": f"error: {error}"}
     sizes = {id(p): p.numel() for p in model.parameters()}
     return {f"stage-3 unit {unit.index}": f"{unit.name} ({sum(sizes[i] for i in unit.param_ids):,} elements)"
-            for unit in units}
+            for unit in found}
 
 
 def _optimizer_fields(optimizers: Sequence[torch.optim.Optimizer]) -> Fields:

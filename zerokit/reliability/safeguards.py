@@ -8,16 +8,16 @@ import torch
 from torch import nn
 
 from zerokit.comm import Communicator
-from zerokit.config.typed import ZeroConfig, ranks_per_node_from_launcher
 from zerokit.reliability.forward_only import ForwardOnlyGuard
 from zerokit.reliability.buffers import BufferSync
 from zerokit.reliability.compiled import refuse_fullgraph_around_units
 from zerokit.reliability.fingerprint import check_ranks_agree, fingerprint
 from zerokit.reliability.mistakes import (TrainableGuard, check_backward_order, refuse_misnumbered_node,
                                           refuse_nothing_to_train, refuse_wrapped)
+from zerokit.config.settings import SafeguardSettings
 
 
-def check_at_start(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
+def check_at_start(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], part: SafeguardSettings,
                    comm: Communicator, device: torch.device) -> None:
     """Before the engine's first collective on the model: this rank's own checks (a wrapped model, nothing to
     train), then the start-up fingerprint (See [Note: the start-up fingerprint] in fingerprint.py). A rank's own
@@ -28,14 +28,14 @@ def check_at_start(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
         refuse_wrapped(model)
         if optimizers:  # none: an engine that runs forward only (See zerokit/reliability/forward_only.py)
             refuse_nothing_to_train(model)
-        refuse_fullgraph_around_units(model, config)
-        refuse_misnumbered_node(config.ranks_per_node or ranks_per_node_from_launcher(comm.world_size), comm.rank)
+        refuse_fullgraph_around_units(model, part.stage, part.units)
+        refuse_misnumbered_node(part.ranks_per_node, comm.rank)
     except ValueError as error:
         problem = error
     fields = {"start-up checks": str(problem) if problem else "passed",
-              "ranks per node": str(config.ranks_per_node or ranks_per_node_from_launcher(comm.world_size))}
+              "ranks per node": str(part.ranks_per_node)}
     if problem is None:
-        fields.update(fingerprint(model, optimizers, config, device))
+        fields.update(fingerprint(model, optimizers, part.agreed, part.stage, part.units, device))
     try:
         check_ranks_agree(fields, comm.control)
     finally:
@@ -47,11 +47,12 @@ class Safeguards:
     """The training loop's guards: requires_grad as at start, backward/step order, buffers kept equal; with
     forward_only (no optimizer), no training at all (See zerokit/reliability/forward_only.py)."""
 
-    def __init__(self, model: nn.Module, comm: Communicator, config: ZeroConfig, forward_only: bool = False) -> None:
+    def __init__(self, model: nn.Module, comm: Communicator, part: SafeguardSettings,
+                 forward_only: bool = False) -> None:
         self.trainable = TrainableGuard(model)
-        self.buffers = BufferSync(model, comm, config.broadcast_buffers)
-        self.accumulation = config.gradient_accumulation_steps
-        self.forward_only = ForwardOnlyGuard(model, comm.rank, config.scheduler is not None) if forward_only else None
+        self.buffers = BufferSync(model, comm, part.broadcast_buffers)
+        self.accumulation = part.gradient_accumulation_steps
+        self.forward_only = ForwardOnlyGuard(model, comm.rank, part.has_scheduler) if forward_only else None
 
     def before_backward(self, backward_since_step: bool, window_ended: bool) -> None:
         if self.forward_only is not None:

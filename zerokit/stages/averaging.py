@@ -30,21 +30,20 @@ import torch
 import torch.distributed as dist
 
 from zerokit.comm import Pending, ProcessGroups, Reduction, wait
-from zerokit.config.typed import ZeroConfig
 from zerokit.flat import Bucket
-from zerokit.config.settings import EngineSettings
+from zerokit.config.settings import EngineSettings, StageSettings
 
 Purpose = Callable[[Bucket], str]
 """What a bucket's reduction is for, as failure reports name it (the stage's bucket_purpose)."""
 
 
 class BucketAveraging:
-    def __init__(self, groups: ProcessGroups, config: ZeroConfig, settings: EngineSettings, purpose: Purpose) -> None:
+    def __init__(self, groups: ProcessGroups, part: StageSettings, settings: EngineSettings, purpose: Purpose) -> None:
         self.comm, self.replica_comm = groups.shard, groups.replica  # See [Note: hybrid sharding] in comm/groups.py
         self.rank, self.world_size = self.comm.rank, self.comm.world_size  # in the shard group
         self.reduce_scatter = settings.reduce_scatter  # See [Note: reducing a bucket to a shard]
         # See [Note: gradient pre-division]: what gradients are divided by before their sum (1: averaged as usual)
-        self.predivide = float(settings.world_size) if config.prescale_gradients else config.gradient_predivide_factor
+        self.predivide = float(settings.world_size) if part.prescale_gradients else part.gradient_predivide_factor
         self.purpose = purpose
         self.awaiting_replicas: list[Bucket] = []  # reduced in the shard group, not yet across the replicas
 

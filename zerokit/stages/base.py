@@ -32,8 +32,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zerokit.comm import Communicator, ProcessGroups, Reduction, wait
-from zerokit.config.typed import ZeroConfig
-from zerokit.config.settings import EngineSettings
+from zerokit.config.settings import EngineSettings, StageSettings
 from zerokit.config.defaults import MAX_BUCKETS_IN_FLIGHT
 from zerokit.flat import (Bucket, FlatParameters, ParamEntry, assign_owners, bucket_view, build_layout, gather_bucket,
                           shard_view, tensor_bytes)
@@ -52,23 +51,24 @@ class ZeroStage:
     reductions_in_flight: int = MAX_BUCKETS_IN_FLIGHT
     """How many bucket reductions the reducer keeps in flight before it waits for the oldest."""
 
-    def __init__(self, flat: FlatParameters, masters: ShardMasters, groups: ProcessGroups, config: ZeroConfig,
+    def __init__(self, flat: FlatParameters, masters: ShardMasters, groups: ProcessGroups, part: StageSettings,
                  settings: EngineSettings) -> None:
         self.flat, self.layout, self.masters = flat, flat.layout, masters
-        self.groups, self.comm, self.config, self.settings = groups, groups.shard, config, settings
+        # part: this room's settings (config/settings.py)
+        self.groups, self.comm, self.part, self.settings = groups, groups.shard, part, settings
         self.rank, self.world_size = self.comm.rank, self.comm.world_size  # in the shard group
         self.replica_comm, self.replica_index = groups.replica, groups.replica_index  # See [Note: hybrid sharding]
         self.global_rank = self.replica_index * self.world_size + self.rank
         self.global_world_size = settings.world_size
-        self.reduce_dtype = config.precision.reduce_dtype
+        self.reduce_dtype = part.reduce_dtype
         self.reduces_every_micro_step = settings.reduces_every_micro_step
         """True where gradients must leave the rank on every micro-step (stage 2's default, stage 3)."""
         self.usage = GradientUsage(len(flat.params))  # See [Note: parameters no rank used]
-        self.averaging = BucketAveraging(groups, config, settings, self.bucket_purpose)
+        self.averaging = BucketAveraging(groups, part, settings, self.bucket_purpose)
 
     @classmethod
     def build(cls, model: nn.Module, params: list[nn.Parameter], groups: list[int], plan: OptimizerPlan,
-              config: ZeroConfig, settings: EngineSettings, comm: Communicator) -> "ZeroStage":
+              part: StageSettings, settings: EngineSettings, comm: Communicator) -> "ZeroStage":
         """Stages 0-2: every rank holds the whole parameters, in one flat buffer; masters are made from the
         parameters as given (fp32), before the cast to a 16-bit param dtype, so mixed precision starts
         from exactly the user's weights, not from their bf16 rounding. `groups[i]`: params[i]'s flattened
@@ -78,18 +78,18 @@ class ZeroStage:
         world_size = settings.layout_world_size
         entries = param_entries(model, params, groups, whole_tensor_owners(params, groups, plan, world_size))
         layout = build_layout(entries, world_size, bucket_numel=settings.bucket_numel)
-        flat = FlatParameters(params, layout, config.precision.param_dtype)
+        flat = FlatParameters(params, layout, part.param_dtype)
         full_precision = flat.pack()
         flat.adopt(full_precision)
         rank = comm.rank if cls.shards_optimizer else 0
         owned = [bucket.shard_range(rank) for bucket in layout.buckets]
-        homes = master_homes([flat.buffer[begin:end] for begin, end in owned], config, comm.stats, flat.device,
+        homes = master_homes([flat.buffer[begin:end] for begin, end in owned], part.offload, comm.stats, flat.device,
                              global_rank, DeviceShards(flat.device, comm.stats), plan.names)
         masters = ShardMasters(homes, [bucket.param_slices(rank) for bucket in layout.buckets],
-                               [groups[b.slots[0].param_index] for b in layout.buckets], plan, config.sub_group_size)
+                               [groups[b.slots[0].param_index] for b in layout.buckets], plan, part.sub_group_size)
         for index, (begin, end) in enumerate(owned):
             masters.initialise(index, full_precision[begin:end])
-        return cls(flat, masters, process_groups, config, settings)
+        return cls(flat, masters, process_groups, part, settings)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -290,7 +290,7 @@ def layout_line(stage: ZeroStage) -> str:
     layout = stage.layout
     reduction = "all-reduced" if not stage.shards_optimizer else (
         "reduce-scattered" if stage.reduce_scatter else "all-reduced, this rank keeping its shard")
-    return (f"ZeRO stage {stage.config.stage} ({type(stage).__name__}) on {stage.world_size} rank(s), "
+    return (f"ZeRO stage {stage.part.stage} ({type(stage).__name__}) on {stage.world_size} rank(s), "
             f"{stage.comm.backend}: {layout.data_numel:,} trainable parameters in {len(layout.buckets)} "
             f"bucket(s) of up to {max((b.numel for b in layout.buckets), default=0):,} elements, each {reduction}")
 

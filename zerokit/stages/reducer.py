@@ -24,7 +24,7 @@ class BucketReducer:
     def __init__(self, stage: ZeroStage) -> None:
         self.stage = stage
         self.buckets = stage.layout.buckets
-        self.overlap = stage.config.overlaps_reduction
+        self.overlap = stage.part.overlaps_reduction
         self.max_in_flight = stage.reductions_in_flight  # bounds staging memory to this many full buckets
         self.bucket_of = {slot.param_index: bucket.index for bucket in self.buckets for slot in bucket.slots}
         self.index_of = {id(param): index for index, param in enumerate(stage.flat.params)}

@@ -8,19 +8,18 @@ from __future__ import annotations
 import torch
 
 from zerokit.comm import ProcessGroups, Reduction
-from zerokit.config.typed import ZeroConfig
 from zerokit.flat import Bucket, FlatParameters, Slot
 from zerokit.masters import ShardMasters
-from zerokit.config.settings import EngineSettings
+from zerokit.config.settings import EngineSettings, StageSettings
 from zerokit.stages.base import ZeroStage
 
 
 class ShardedGradients(ZeroStage):
     shards_optimizer = True
 
-    def __init__(self, flat: FlatParameters, masters: ShardMasters, groups: ProcessGroups, config: ZeroConfig,
+    def __init__(self, flat: FlatParameters, masters: ShardMasters, groups: ProcessGroups, part: StageSettings,
                  settings: EngineSettings) -> None:
-        super().__init__(flat, masters, groups, config, settings)
+        super().__init__(flat, masters, groups, part, settings)
         # bucket index -> 1-D, reduce dtype: this rank's shard of the bucket's reduced gradient. Micro-steps
         # accumulate here, so fp32 (the default reduce dtype) keeps accumulation exact. Each is made at the bucket's
         # first reduction in a window and let go of at its step: See [Note: gradients live from a window's first

@@ -39,13 +39,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zerokit.comm import Communicator, ProcessGroups, Reduction
-from zerokit.config.typed import ZeroConfig
 from zerokit.flat import Bucket, FlatParameters, ParamEntry, ShardedFlat, build_layout, tensor_bytes
 from zerokit.masters import OptimizerPlan, ShardMasters
 from zerokit.masters.state import masters_state_dict
 from zerokit.tiers import ShardIO, master_homes, shard_home
 from zerokit.tiers.swap import SwapDirectory
-from zerokit.config.settings import EngineSettings
+from zerokit.config.settings import EngineSettings, StageSettings
 from zerokit.stages.agreement import GATHER
 from zerokit.stages.base import param_entries, swap_directories_of, whole_tensor_owners
 from zerokit.stages.construction import Construction, materialise
@@ -57,9 +56,9 @@ from zerokit.stages.view import FrozenView
 
 
 class ShardedParameters(ShardedGradients):
-    def __init__(self, flat: FlatParameters, masters: ShardMasters, groups: ProcessGroups, config: ZeroConfig,
+    def __init__(self, flat: FlatParameters, masters: ShardMasters, groups: ProcessGroups, part: StageSettings,
                  settings: EngineSettings, shards: UnitShards) -> None:
-        super().__init__(flat, masters, groups, config, settings)  # reduces every micro-step: parameters go after it
+        super().__init__(flat, masters, groups, part, settings)  # reduces every micro-step: parameters go after it
         self.shards = shards
         self.units, self.trainable, self.frozen = shards.units, shards.trainable, shards.frozen
         self.unit_hooks = UnitHooks(shards)
@@ -71,32 +70,32 @@ class ShardedParameters(ShardedGradients):
 
     @classmethod
     def build(cls, model: nn.Module, params: list[nn.Parameter], groups: list[int], plan: OptimizerPlan,
-              config: ZeroConfig, settings: EngineSettings, comm: Communicator,
+              part: StageSettings, settings: EngineSettings, comm: Communicator,
               construction: Construction | None = None) -> "ShardedParameters":
         """Units, then their layouts (one bucket per unit and param group; frozen: one per unit), then the
         shards and the masters, then each unit's values placed, unit by unit (See `_place`)."""
         process_groups = ProcessGroups.for_stage(comm, settings)
         global_rank, comm = comm.rank, process_groups.shard  # See [Note: hybrid sharding] in comm/groups.py
-        units = find_units(model, config.stage3)
+        units = find_units(model, part.units)
         unit_of = {param_id: unit.index for unit in units for param_id in unit.param_ids}
         per_unit = max(groups, default=0) + 1
         keys = [unit_of[id(p)] * per_unit + g for p, g in zip(params, groups)]
         owners = whole_tensor_owners(params, groups, plan, comm.world_size)
         layout = build_layout(param_entries(model, params, keys, owners), comm.world_size, bucket_numel=sys.maxsize)
-        dtype, device = config.precision.param_dtype, _device_of(model)
-        home = shard_home(config, comm.stats, device, global_rank)
+        dtype, device = part.param_dtype, _device_of(model)
+        home = shard_home(part.offload, comm.stats, device, global_rank)
         node = process_groups.node  # See [Note: hpZ's secondary copy] in flat/sharded.py
         trainable = ShardedFlat(FlatParameters(params, layout, dtype), comm.rank, home, node,
-                                shard_dtype=_trainable_shard_dtype(config, home))
+                                shard_dtype=_trainable_shard_dtype(part, home))
         frozen = ShardedFlat(_frozen_flat(model, params, unit_of, comm.world_size, dtype), comm.rank, home, node)
         shards = UnitShards(units, trainable, frozen, [b.group // per_unit for b in layout.buckets],
-                            process_groups.gather, config.stage3)
-        homes = master_homes([trainable.shard(b) for b in layout.buckets], config, comm.stats, device, global_rank,
-                             home, plan.names)
+                            process_groups.gather, part.units)
+        homes = master_homes([trainable.shard(b) for b in layout.buckets], part.offload, comm.stats, device,
+                             global_rank, home, plan.names)
         masters = ShardMasters(homes, [b.param_slices(comm.rank) for b in layout.buckets],
-                               [groups[b.slots[0].param_index] for b in layout.buckets], plan, config.sub_group_size)
+                               [groups[b.slots[0].param_index] for b in layout.buckets], plan, part.sub_group_size)
         _place(model, shards, masters, comm, construction or Construction())
-        return cls(trainable.flat, masters, process_groups, config, settings, shards)
+        return cls(trainable.flat, masters, process_groups, part, settings, shards)
 
     # --- gradients, step -----------------------------------------------------------------------------
     def reduce_bucket(self, bucket: Bucket) -> Reduction:
@@ -120,7 +119,7 @@ class ShardedParameters(ShardedGradients):
 
     def recomputed_modules(self) -> list[nn.Module]:
         """With checkpoint_units, every unit but the root (which is the whole model)."""
-        return [unit.module for unit in self.units[1:]] if self.config.activation_checkpointing.checkpoint_units else []
+        return [unit.module for unit in self.units[1:]] if self.part.checkpoint_units else []
 
     def publish_params(self) -> None:
         """Masters -> shards; units that stay gathered (persistent, or all while pinned) are re-gathered (from the
@@ -229,11 +228,11 @@ class ShardedParameters(ShardedGradients):
         return [unit for unit in self.units if unit.param_ids & wanted]
 
 
-def _trainable_shard_dtype(config: ZeroConfig, home: ShardIO) -> torch.dtype:
+def _trainable_shard_dtype(part: StageSettings, home: ShardIO) -> torch.dtype:
     """fp32 where the shards can be the masters: a 16-bit compute dtype, with the shards and the optimizer on the
     device (See [Note: the shard is the fp32 master] in zerokit/flat/sharded.py); else the compute dtype."""
-    on_device = home.tier == "device" and not config.offload_optimizer.enabled
-    return torch.float32 if on_device else config.precision.param_dtype
+    on_device = home.tier == "device" and not part.offload.optimizer.enabled
+    return torch.float32 if on_device else part.param_dtype
 
 
 def _device_of(model: nn.Module) -> torch.device:

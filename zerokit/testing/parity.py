@@ -331,7 +331,7 @@ def reference_step_counts(model: torch.nn.Module, optimizers: list[torch.optim.O
 def stage3_frozen_layout(stage) -> dict:
     """Stage 3 shards frozen parameters per unit: each unit's gathered (padded) frozen elements, and
     this rank's shards of them all. Empty at other stages."""
-    if stage.config.stage != 3:
+    if stage.part.stage != 3:
         return {}
     frozen_of = stage.shards.frozen_of
     return {"unit_frozen_numel": [frozen_of[u.index].numel if u.index in frozen_of else 0 for u in stage.units],

@@ -15,8 +15,8 @@ import torch
 
 from zerokit._support.log import logger
 from zerokit.comm import CommStats
-from zerokit.config.typed import ZeroConfig
 from zerokit.config.defaults import NVME_SUB_GROUP_NUMEL
+from zerokit.config.settings import OffloadSettings
 from zerokit.tiers.homes import DeviceHome, Home, HostHome, ShardIO
 from zerokit.tiers.nvme_masters import NvmeHome
 from zerokit.tiers.nvme_shards import NvmeShards
@@ -25,16 +25,16 @@ from zerokit.tiers.preflight import aligned, check_host_memory, check_nvme, stat
 from zerokit.tiers.swap import BufferPool, SwapDirectory
 
 
-def master_homes(compute: list[torch.Tensor], config: ZeroConfig, stats: CommStats, device: torch.device, rank: int,
+def master_homes(compute: list[torch.Tensor], part: OffloadSettings, stats: CommStats, device: torch.device, rank: int,
                  io: ShardIO, optimizer_names: list[str]) -> list[Home]:
     """A home for each master, given the compute shard it publishes to, the device the model runs on, the
     compute shards' home (the device's flat buffer; stage 3's parameter tier), and the optimizers' class
     names (for the pre-flight check of what their state needs)."""
-    offload, key = config.offload_optimizer, "zero_optimization.offload_optimizer"
+    offload, key = part.optimizer, "zero_optimization.offload_optimizer"
     per_element = 8 + state_bytes_per_element(optimizer_names)  # fp32 master and gradient, and the state
     if offload.device == "nvme":
         # 0 makes every piece (whole parameters then) a sub-group, as DeepSpeed's 0 does
-        sub_group = config.sub_group_size if config.sub_group_size is not None else NVME_SUB_GROUP_NUMEL
+        sub_group = part.sub_group_size if part.sub_group_size is not None else NVME_SUB_GROUP_NUMEL
         largest = max((shard.numel() for shard in compute), default=0)
         largest = min(sub_group, largest) if sub_group else largest
         pool = BufferPool(offload.buffer_count, offload.pin_memory)
@@ -51,7 +51,7 @@ def master_homes(compute: list[torch.Tensor], config: ZeroConfig, stats: CommSta
     on_host = _host_share(compute, offload.ratio) if offload.enabled else [False] * len(compute)
     check_host_memory(key, sum(shard.numel() for shard, host in zip(compute, on_host) if host) * per_element)
     return [HostHome(shard, offload.pin_memory, stats, io) if host else
-            DeviceHome(shard, device, io, config.precision.param_dtype) for shard, host in zip(compute, on_host)]
+            DeviceHome(shard, device, io, part.param_dtype) for shard, host in zip(compute, on_host)]
 
 
 def _log_swap(key: str, swap: SwapDirectory, speed: float) -> None:
@@ -60,9 +60,9 @@ def _log_swap(key: str, swap: SwapDirectory, speed: float) -> None:
                     "yes" if swap.direct_io else "no, the file system refused it", speed)
 
 
-def shard_home(config: ZeroConfig, stats: CommStats, device: torch.device, rank: int) -> ShardIO:
+def shard_home(part: OffloadSettings, stats: CommStats, device: torch.device, rank: int) -> ShardIO:
     """Where stage 3's parameter shards live between gathers (offload_param)."""
-    offload = config.offload_param
+    offload = part.param
     if offload.device == "nvme":
         speed = check_nvme("zero_optimization.offload_param", offload.nvme_path, 0)  # what the shards need: at allocate
         swap = SwapDirectory(offload.nvme_path, rank, "params")

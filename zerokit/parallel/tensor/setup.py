@@ -28,31 +28,30 @@ import torch.distributed as dist
 from torch import nn
 
 from zerokit.comm import Communicator
-from zerokit.config.typed import ZeroConfig, ranks_per_node_from_launcher
 from zerokit.parallel.mesh import Layout
+from zerokit.config.settings import TensorSettings, ranks_per_node
 from zerokit.parallel.tensor.autotp import planned_splits, split_model
 from zerokit.parallel.tensor.layers import split_parameters
 from zerokit.parallel.tensor.share import TensorShare
 from zerokit.parallel.tensor.torch_tp import adopt_dtensor_linears, has_dtensors, planned_adoptions
 
 
-def tensor_layout(layout: Layout | None, config: ZeroConfig) -> Layout | None:
+def tensor_layout(layout: Layout | None, part: TensorSettings) -> Layout | None:
     """The job's layout with the config's tensor degree: `layout` itself where the config asks for none or the
     same; one resolved from torchrun's world (the tensor group inside a node) where the caller gave none."""
-    degree = config.autotp_size
+    degree = part.autotp_size
     if degree <= 1:
         return layout
     if layout is None:
         world = dist.get_world_size()
-        per_node = config.ranks_per_node or ranks_per_node_from_launcher(world)
-        return Layout.resolve(world, tensor=degree, ranks_per_node=per_node)
+        return Layout.resolve(world, tensor=degree, ranks_per_node=ranks_per_node(part.ranks_per_node, world))
     if layout.tensor != degree:
         raise ValueError(f"tensor_parallel.autotp_size={degree} but the layout has {layout.tensor} tensor rank(s) "
                          f"({layout.describe()}): give the same degree, or leave one of them out")
     return layout
 
 
-def parallelize(model: nn.Module, layout: Layout | None, config: ZeroConfig, optimizer: Any,
+def parallelize(model: nn.Module, layout: Layout | None, part: TensorSettings, optimizer: Any,
                 model_parameters: Iterable[Any] | None) -> tuple[TensorShare | None, Any, Iterable[Any] | None]:
     """The model split by its plan where the config asks for AutoTP, or its DTensor linears adopted where the caller
     parallelized it, and the tensor group's TensorShare (None where the layout has no tensor dimension); with
@@ -61,10 +60,10 @@ def parallelize(model: nn.Module, layout: Layout | None, config: ZeroConfig, opt
     in autotp.py)."""
     if layout is None or layout.tensor == 1:
         return None, optimizer, model_parameters
-    if config.autotp_size > 1 and has_dtensors(model):
+    if part.autotp_size > 1 and has_dtensors(model):
         raise ValueError("tensor_parallel.autotp_size splits a whole model, but this one is parallelized already "
                          "(DTensor parameters): drop the tensor_parallel block and pass layout=")
-    splits = planned_splits(model, layout.tensor) if config.autotp_size > 1 else []
+    splits = planned_splits(model, layout.tensor) if part.autotp_size > 1 else []
     tensor_group = next(ranks for ranks in layout.tensor_groups() if dist.get_rank() in ranks)
     adoptions = planned_adoptions(model, tensor_group) if has_dtensors(model) else []
     # See [Note: the local piece of a DTensor is the parameter ZeRO shards] in torch_tp.py
@@ -75,7 +74,7 @@ def parallelize(model: nn.Module, layout: Layout | None, config: ZeroConfig, opt
                          "the config's tensor_parallel.autotp_size, or parallelize the model on "
                          "layout.device_mesh(...)['tensor'] first")
     refuse_stepped_state(optimizer, {id(p) for module in planned for p in module.parameters(recurse=False)})
-    comm = Communicator.create(config.comm_timeout_seconds, parts=layout.tensor_groups(), name="tensor")
+    comm = Communicator.create(part.timeout_seconds, parts=layout.tensor_groups(), name="tensor")
     replaced = adopt_dtensor_linears(model, adoptions, comm) if adoptions else split_model(model, splits, comm)
     optimizer, model_parameters = remap_parameters(optimizer, model_parameters, replaced)
     made_whole = tuple(plan.name for plan in adoptions if plan.how == "whole")
@@ -122,14 +121,14 @@ def remap_parameters(optimizer: Any, model_parameters: Iterable[Any] | None,
     return optimizer, remapped
 
 
-def batch_ranks(layout: Layout | None, config: ZeroConfig, data_ranks: int) -> int:
+def batch_ranks(layout: Layout | None, part: TensorSettings, data_ranks: int) -> int:
     """The ranks the batch identity counts (See [Note: batch sizes under AutoTP count the tensor ranks])."""
-    if layout is not None and config.autotp_size > 1:
+    if layout is not None and part.autotp_size > 1:
         return data_ranks * layout.tensor
     return data_ranks
 
 
-def startup_lines(layout: Layout | None, config: ZeroConfig, share: TensorShare | None) -> list[str]:
+def startup_lines(layout: Layout | None, part: TensorSettings, share: TensorShare | None) -> list[str]:
     if share is None or layout is None:
         return []
     split = len(share.split)
@@ -138,8 +137,8 @@ def startup_lines(layout: Layout | None, config: ZeroConfig, share: TensorShare 
     if share.made_whole:
         lines.append(f"{', '.join(share.made_whole)}: split by the caller's plan, held whole on every tensor rank (an "
                      "embedding's lookup needs no collective then; ZeRO shards it over the data group)")
-    if config.autotp_size > 1:
-        lines.append(f"tensor_parallel.autotp_size={config.autotp_size}: batch sizes count all "
+    if part.autotp_size > 1:
+        lines.append(f"tensor_parallel.autotp_size={part.autotp_size}: batch sizes count all "
                      f"{layout.data * layout.tensor} ranks as DeepSpeed does (train_batch_size = micro-batch x "
                      f"accumulation x {layout.data * layout.tensor}), though only {layout.data} replica(s) read "
                      "distinct data: the ranks of a tensor group must read the same batch")

@@ -27,8 +27,11 @@ def _names(requirements: list[str]) -> set[str]:
     return {re.split(r"[<>=!~\[ ;]", requirement, maxsplit=1)[0].lower() for requirement in requirements}
 
 
+# Import names whose distribution is named otherwise: each extra then also allows the name its package imports as.
+IMPORTED_AS = {"pytest-xdist": "xdist"}
 CORE = _names(PYPROJECT["project"]["dependencies"])
-EXTRAS = {extra: _names(packages) for extra, packages in PYPROJECT["project"]["optional-dependencies"].items()}
+EXTRAS = {extra: (names := _names(packages)) | {IMPORTED_AS[name] for name in names if name in IMPORTED_AS}
+          for extra, packages in PYPROJECT["project"]["optional-dependencies"].items()}
 
 
 def _imports(path: Path) -> list[tuple[str, bool, int]]:

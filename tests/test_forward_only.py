@@ -168,7 +168,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     # runs here); a fixed threshold hands each freed block back at once. The ranks read it at start.
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 * 1024))
-        return spawn(forward_only_checks, WORLD_SIZE, str(tmp_path_factory.mktemp("forward_only")), timeout=300)
+        return spawn(forward_only_checks, WORLD_SIZE, str(tmp_path_factory.mktemp("forward_only")), timeout=300,
+                     fresh=True)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

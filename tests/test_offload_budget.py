@@ -54,8 +54,8 @@ def test_nvme_offload_keeps_the_training_loop_within_its_buffers(tmp_path) -> No
     first backward to its step] in zerokit/stages/base.py) and a margin of 24 MiB (the I/O threads, the first
     step's state before its first write, allocator slack: measured 15-19 MiB here), while the same loop without
     offload grows by AdamW's whole state (measured 76-79 MiB for its 64 MiB)."""
-    offloaded = spawn(train_and_measure, 1, {"device": "nvme", "buffer_count": 4}, str(tmp_path))[0]
-    plain = spawn(train_and_measure, 1, None, str(tmp_path))[0]
+    offloaded = spawn(train_and_measure, 1, {"device": "nvme", "buffer_count": 4}, str(tmp_path), fresh=True)[0]
+    plain = spawn(train_and_measure, 1, None, str(tmp_path), fresh=True)[0]
     pool = offloaded["tiers"]["host"]["optimizer_state"]
     on_nvme = offloaded["tiers"]["nvme"]["optimizer_state"]
     assert on_nvme >= 3 * pool  # the state really is several times the budget

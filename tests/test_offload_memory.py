@@ -98,7 +98,8 @@ def measured(tmp_path_factory) -> dict[MemoryRun, dict]:
     os.environ.update(ALLOCATOR)  # read by each new process's allocator at its start
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
-            results = pool.map(lambda run: spawn(train_and_measure, 1, run, nvme_path, timeout=300)[0], RUNS)
+            results = pool.map(lambda run: spawn(train_and_measure, 1, run, nvme_path, timeout=300, fresh=True)[0],
+                               RUNS)
             return dict(zip(RUNS, results))
     finally:
         for name, value in saved.items():
@@ -205,7 +206,7 @@ def train_pair(rank: int, world_size: int, nvme_path: str) -> dict:
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory) -> list[dict]:
-    return spawn(train_pair, 2, str(tmp_path_factory.mktemp("nvme")), timeout=600)
+    return spawn(train_pair, 2, str(tmp_path_factory.mktemp("nvme")), timeout=600, fresh=True)
 
 
 def test_small_records_train_bit_for_bit_as_without_offload(pairs) -> None:

@@ -54,15 +54,18 @@ def _worker(rank: int, fn: Callable[..., Any], world_size: int, workdir: str, ar
         dist.destroy_process_group()  # gloo can abort at exit without it
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None) -> list[Any]:
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None,
+          fresh: bool = False) -> list[Any]:
     """`fn(rank, world_size, *args)` on `world_size` processes; returns each rank's result, in rank order.
     `fn` must be a module-level function (it is pickled to the children). `timeout` (seconds): ranks still
-    running after it are killed and this raises, so that a hung rank cannot hang a test run."""
+    running after it are killed and this raises, so that a hung rank cannot hang a test run. `fresh`: each rank is a
+    new interpreter (torch's "spawn"), for a test of what a whole process holds or does (its resident memory from
+    /proc/self/status, its atexit handlers, which a forked rank does not run: it leaves by os._exit)."""
     with tempfile.TemporaryDirectory(prefix="zerokit-spawn-") as workdir:
         try:
             multiprocessing.set_forkserver_preload(PRELOADED)
             context = mp.start_processes(_worker, args=(fn, world_size, workdir, args, dict(os.environ)),
-                                         nprocs=world_size, join=False, start_method="forkserver")
+                                         nprocs=world_size, join=False, start_method="spawn" if fresh else "forkserver")
             _join(context, timeout)
         except Exception as error:
             raise RuntimeError(f"a rank failed:\n{_failures(Path(workdir))}") from error

@@ -113,6 +113,7 @@ def test_a_waited_collective_holds_none_of_its_tensors(one_process) -> None:
     once it was waited on: they are freed as soon as zerokit lets go of them (See [Note: a waited collective lets
     go of its tensors] in zerokit/comm/deadline.py)."""
     import gc
+    import time
     import weakref
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -123,6 +124,10 @@ def test_a_waited_collective_holds_none_of_its_tensors(one_process) -> None:
     kept = pending.work  # as the watcher keeps it
     pending.work.wait()
     del tensor, pending
-    gc.collect()
+    # gloo's worker thread lets go of a Work it completed a moment after wait() returns (See [Note: leaving at exit]
+    # in zerokit/comm/process.py): on a busy machine that moment is seen, so the tensor is given a few seconds to go
+    give_up = time.monotonic() + 5.0
+    while (gc.collect(), gone())[1] is not None and time.monotonic() < give_up:
+        time.sleep(0.01)
     assert gone() is None and kept.is_completed()
     comm.close()

@@ -185,7 +185,7 @@ RECORDED_DURATIONS = Path(__file__).parent / "durations.json"
 PARITY_GROUP = {"test_accounting", "test_parity", "test_exact_steps", "test_offload"}
 
 
-def test_group(nodeid: str) -> str:
+def unit_of(nodeid: str) -> str:
     """The unit of work a test belongs to: its module, or "parity" for the modules that share the sweep."""
     module = Path(nodeid.partition("::")[0]).stem
     return "parity" if module in PARITY_GROUP else module
@@ -195,10 +195,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     recorded = json.loads(RECORDED_DURATIONS.read_text()) if RECORDED_DURATIONS.exists() else {}
     weight: dict[str, float] = {}
     for item in items:
-        group = test_group(item.nodeid)
+        group = unit_of(item.nodeid)
         weight[group] = weight.get(group, 0.0) + recorded.get(item.nodeid, 0.0)
     order = {id(item): index for index, item in enumerate(items)}
-    items.sort(key=lambda item: (-weight[test_group(item.nodeid)], order[id(item)]))
+    items.sort(key=lambda item: (-weight[unit_of(item.nodeid)], order[id(item)]))
 
 
 # `make test-fast` (`-m fast`): one case of each capability, for the loop of development; CI runs everything. Each is
@@ -232,14 +232,14 @@ if importlib.util.find_spec("xdist") is not None:  # the test extra installs it;
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleUnits(LoadScopeScheduling):
-        """xdist's scope scheduling, with `test_group` as the scope, in the collection's (longest first) order."""
+        """xdist's scope scheduling, with `unit_of` as the scope, in the collection's (longest first) order."""
 
         def __init__(self, config: pytest.Config, log=None) -> None:
             super().__init__(config, log)
             config.option.loadscopereorder = False
 
         def _split_scope(self, nodeid: str) -> str:
-            return test_group(nodeid)
+            return unit_of(nodeid)
 
     def pytest_xdist_make_scheduler(config: pytest.Config, log) -> LoadScopeScheduling | None:
         return ModuleUnits(config, log) if config.getvalue("dist") != "each" else None

@@ -450,7 +450,6 @@ def engine_settings(config: ZeroConfig, world_size: int, backend: str,
                                   ranks_per_node=per_node)
 
 
-ranks_per_node_from_launcher = launcher_ranks_per_node  # its old name here; the rule lives in settings.py
 
 
 # ---------------------------------------------------------------------------------------------

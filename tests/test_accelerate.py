@@ -15,8 +15,13 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from test_hf_trainer import ZEROKIT_ENGINE, assert_zerokit_trained, environment, launch
+from test_hf_trainer import SCRIPTS, ZEROKIT_ENGINE, assert_zerokit_trained, environment, job
+from zerokit.testing.jobs import launch
+
+sys.path.insert(0, str(SCRIPTS))
+import hf_trainer  # noqa: E402
 
 TOLERANCE = 2e-6  # See tests/test_hf_trainer.py
 SAVE_AT = 10  # micro-steps: the first epoch's end, right after its short window (issue 31); the resumed run's ends in one
@@ -27,13 +32,14 @@ pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    """accelerate's DDP, then zerokit at stages 2 and 3 (one launch each, saving its state after SAVE_AT
-    micro-steps), and each stage resumed from that state in a launch of its own."""
+    """accelerate's DDP, then zerokit at stages 2 and 3 (each saving its state after SAVE_AT micro-steps), and each
+    stage resumed from that state by a run of its own: five runs, in order, in one torchrun launch (See [Note: jobs
+    forked inside one torchrun launch])."""
     root = tmp_path_factory.mktemp("accelerate")
     pretrained = root / "pretrained"
-    code = f"import hf_trainer; hf_trainer.save_pretrained_model({str(pretrained)!r})"
-    subprocess.run([sys.executable, "-c", code], env=environment(), check=True, timeout=300)
-    out = {}
+    with torch.random.fork_rng():  # the model's seed, not this process's generator
+        hf_trainer.save_pretrained_model(str(pretrained))
+    jobs = []
     for name, stage in (("ddp", None), ("zero2", 2), ("zero3", 3), ("zero2_resumed", 2), ("zero3_resumed", 3)):
         args = ["--out", str(root / name), "--pretrained", str(pretrained)]
         if stage is not None:
@@ -41,8 +47,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
             resumed = name.endswith("_resumed")
             args += (["--resume-from", str(root / f"zero{stage}" / "state"), "--resume-at", str(SAVE_AT)] if resumed
                      else ["--save-at", str(SAVE_AT)])
-        launch("accelerate_loop.py", args, zerokit=stage is not None)
-        out[name] = [json.loads((root / name / f"rank{rank}.json").read_text()) for rank in range(2)]
+        jobs.append(job(name, "accelerate_loop.py", args, zerokit=stage is not None))  # HF_PRELOAD: accelerate too
+    outcomes = launch(jobs, root / "jobs", env=environment())
+    out = {}
+    for each in jobs:
+        outcomes.check(each.name)
+        out[each.name] = [json.loads((root / each.name / f"rank{rank}.json").read_text()) for rank in range(2)]
     return out
 
 

@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import zerokit
+from zerokit.testing.jobs import Job, Outcomes, launch
 from zerokit.testing.spawn import spawn
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -41,16 +41,6 @@ def switch_imports(source: str) -> str:
                 line = line.replace("deepspeed", "zerokit.deepspeed", 1)
         lines.append(line)
     return "\n".join(lines) + "\n"
-
-
-def launch(script: Path, args: list[str], timeout: int = 300) -> None:
-    """torchrun, 2 processes on this machine, as a user would start the script."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
-               *args]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
 
 def results(directory: Path) -> list[dict]:
@@ -125,13 +115,30 @@ RUNS = {  # script -> its command-line arguments, given the output directory
 
 
 @pytest.fixture(scope="module")
-def zerokit_runs(tmp_path_factory) -> dict[str, list[dict]]:
-    root = tmp_path_factory.mktemp("zerokit-scripts")
-    runs = {}
+def launched(tmp_path_factory) -> tuple[Path, Outcomes]:
+    """Each script with its import lines switched, then (where DeepSpeed is installed) the unchanged train and
+    zero_init scripts under DeepSpeed: one torchrun launch (See [Note: jobs forked inside one torchrun launch])."""
+    root = tmp_path_factory.mktemp("scripts")
+    jobs = []
     for name, (script, arguments) in RUNS.items():
         switched = root / script
         switched.write_text(switch_imports((SCRIPTS / script).read_text()))
-        launch(switched, arguments(root / name))
+        jobs.append(Job(name, [str(switched), *arguments(root / name)], preload=("zerokit.deepspeed",)))
+    for name in ("train", "zero_init") if HAS_DEEPSPEED else ():
+        script, arguments = RUNS[name]
+        jobs.append(Job(f"deepspeed_{name}", [str(SCRIPTS / script), *arguments(root / f"deepspeed_{name}")],
+                        preload=("deepspeed",)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    return root, launch(jobs, root / "jobs", env=env)
+
+
+@pytest.fixture(scope="module")
+def zerokit_runs(launched) -> dict[str, list[dict]]:
+    root, outcomes = launched
+    runs = {}
+    for name in RUNS:
+        outcomes.check(name)
         runs[name] = results(root / name)
     runs["checkpoint"] = sorted(path.name for path in (root / "train" / "checkpoint").iterdir())
     return runs
@@ -180,10 +187,10 @@ RESOLVED = ("train_batch_size", "micro_batch", "accumulation", "stage", "fp16", 
 
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (the bench extra)")
 @pytest.mark.parametrize("name", ["train", "zero_init"])
-def test_deepspeed_runs_the_same_script_with_the_same_settings(zerokit_runs, tmp_path, name: str) -> None:
-    script, arguments = RUNS[name]
-    launch(SCRIPTS / script, arguments(tmp_path))
-    for ours, theirs in zip(zerokit_runs[name], results(tmp_path)):
+def test_deepspeed_runs_the_same_script_with_the_same_settings(zerokit_runs, launched, name: str) -> None:
+    root, outcomes = launched
+    outcomes.check(f"deepspeed_{name}")
+    for ours, theirs in zip(zerokit_runs[name], results(root / f"deepspeed_{name}")):
         assert {key: ours[key] for key in RESOLVED if key in ours} == {key: theirs[key] for key in RESOLVED if key in theirs}
         assert ours["lrs"] == pytest.approx(theirs["lrs"], rel=1e-12, abs=1e-15)
         if name == "train":  # fp32 ZeRO-2, same data order, same clipping: DeepSpeed's losses too

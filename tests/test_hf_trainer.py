@@ -4,7 +4,8 @@ causal LM loaded with from_pretrained, launched with torchrun on 2 gloo ranks un
 learning rate equal DDP's; the script reports which engine trained and its collectives, so that a silent
 fallback to DDP fails; save_model() reloads to DDP's weights; resume_from_checkpoint reproduces the uninterrupted
 run; at stage 3 from_pretrained (zero.Init and GatheredParameters) loads exactly; Hugging Face's "auto" configs
-train. Each launch costs 10-20 s here, so one launch serves several checks and runs once per session.
+train. A launch costs about 9 s here, nearly all of it imports: every run of this module shares one torchrun launch
+(zerokit.testing.jobs), made once per session on first use.
 
 Tolerance: fp32 throughout. DDP all-reduces each gradient bucket, zerokit reduces flat buckets (and steps AdamW
 on flat master pieces), so sums are added in another order: per-step losses and grad norms agree to a few ulps
@@ -18,11 +19,13 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from zerokit.testing.jobs import Job, launch
 
 SCRIPTS = Path(__file__).parent / "scripts"
 CONFIGS = Path(__file__).parent / "fixtures" / "ds_configs"
@@ -30,6 +33,8 @@ TOLERANCE = 2e-6
 QUANTITIES = ("loss", "grad_norm", "learning_rate")
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 ZEROKIT_ENGINE = "zerokit.deepspeed.engine.DeepSpeedEngine"
+# what the scripts import, imported once by each launch's ranks (See [Note: jobs forked inside one torchrun launch])
+HF_PRELOAD = ("transformers.trainer", "transformers.models.llama.modeling_llama")
 
 pytest.importorskip("transformers")
 
@@ -39,13 +44,10 @@ def environment() -> dict[str, str]:
             "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
-def launch(script: str, args: list[str], zerokit: bool) -> None:
-    """torchrun on 2 processes; with zerokit, through `-m zerokit.deepspeed.install` (no edit to the script)."""
-    install = ["-m", "zerokit.deepspeed.install"] if zerokit else []
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *install,
-               str(SCRIPTS / script), *args]
-    done = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+def job(name: str, script: str, args: list[str], zerokit: bool, preload: tuple[str, ...] = HF_PRELOAD) -> Job:
+    """A run of `script` on 2 ranks under torchrun; with zerokit, through `-m zerokit.deepspeed.install` (no edit to
+    the script). Runs share one torchrun launch: See [Note: jobs forked inside one torchrun launch]."""
+    return Job(name, [str(SCRIPTS / script), *args], install=zerokit, preload=preload)
 
 
 def stage_config(directory: Path, stage: int) -> str:
@@ -58,35 +60,43 @@ def stage_config(directory: Path, stage: int) -> str:
 
 
 class Runs:
-    """Each launch once per session, on first use."""
+    """Every run of this module in one torchrun launch, on first use."""
+
+    NAMES = ("ddp", "zero1", "zero2", "zero3", "hf_zero2_auto", "hf_zero3_auto", "fp16",
+             *(("deepspeed1", "deepspeed2", "deepspeed3") if HAS_DEEPSPEED else ()))
 
     def __init__(self, root: Path) -> None:
-        self.root, self.done = root, {}
+        self.root, self.done, self.outcomes = root, {}, None
         self.pretrained = root / "pretrained"
-        code = f"import hf_trainer; hf_trainer.save_pretrained_model({str(self.pretrained)!r})"
-        subprocess.run([sys.executable, "-c", code], env=environment(), check=True, timeout=300)
+        sys.path.insert(0, str(SCRIPTS))
+        import hf_trainer
 
-    def arguments(self, name: str) -> tuple[list[str], bool]:
+        with torch.random.fork_rng():  # the model's seed, not this process's generator
+            hf_trainer.save_pretrained_model(str(self.pretrained))
+
+    def job(self, name: str) -> Job:
         out = self.root / name
         common = ["--out", str(out), "--pretrained", str(self.pretrained)]
         full = ["--resume-at", "4", "--save-model", str(out / "saved")]
         if name == "ddp":
-            return common + full, False
+            return job(name, "hf_trainer.py", common + full, zerokit=False)
         if name.startswith("zero"):  # zero1, zero2, zero3
             stage = int(name[-1])
-            return common + ["--deepspeed", stage_config(self.root, stage)] + (full if stage > 1 else []), True
+            return job(name, "hf_trainer.py", common + ["--deepspeed", stage_config(self.root, stage)]
+                       + (full if stage > 1 else []), zerokit=True)
         if name == "hf_zero2_auto":
-            return common + ["--deepspeed", str(CONFIGS / "hf_zero2_auto.json")], True
+            return job(name, "hf_trainer.py", common + ["--deepspeed", str(CONFIGS / "hf_zero2_auto.json")], True)
         if name == "hf_zero3_auto":  # arguments equal to its fixed values, which the Trainer checks
-            return common + ["--deepspeed", self.zero3_auto(), "--bf16", "--accumulation", "4",
-                             "--weight-decay", "0.1"], True
+            return job(name, "hf_trainer.py", common + ["--deepspeed", self.zero3_auto(), "--bf16", "--accumulation",
+                                                        "4", "--weight-decay", "0.1"], zerokit=True)
         if name == "fp16":  # fp16 on a CPU, which real DeepSpeed refuses: its block "auto" <- --fp16
             path = self.root / "zero2_fp16.json"
             path.write_text(json.dumps({**json.loads(Path(stage_config(self.root, 2)).read_text()),
                                         "fp16": {"enabled": "auto"}}))
-            return common + ["--deepspeed", str(path), "--fp16"], True
+            return job(name, "hf_trainer.py", common + ["--deepspeed", str(path), "--fp16"], zerokit=True)
         if name.startswith("deepspeed"):  # the real DeepSpeed (deepspeed1..3): no install()
-            return common + ["--deepspeed", stage_config(self.root, int(name[-1]))], False
+            return job(name, "hf_trainer.py", common + ["--deepspeed", stage_config(self.root, int(name[-1]))],
+                       zerokit=False, preload=("deepspeed", *HF_PRELOAD))
         raise KeyError(name)
 
     def zero3_auto(self) -> str:
@@ -101,9 +111,10 @@ class Runs:
         return str(path)
 
     def __call__(self, name: str) -> list[dict]:
+        if self.outcomes is None:
+            self.outcomes = launch([self.job(each) for each in self.NAMES], self.root / "jobs", env=environment())
         if name not in self.done:
-            args, zerokit = self.arguments(name)
-            launch("hf_trainer.py", args, zerokit)
+            self.outcomes.check(name)
             self.done[name] = [json.loads((self.root / name / f"rank{rank}.json").read_text()) for rank in range(2)]
         return self.done[name]
 
@@ -166,16 +177,14 @@ def test_zero3_from_pretrained_loads_exactly(runs: Runs) -> None:
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_save_model_reloads_with_from_pretrained_to_ddps_weights(runs: Runs, stage: int) -> None:
+    from transformers import AutoModelForCausalLM
+
     runs("ddp"), runs(f"zero{stage}")
-    code = ("import sys, torch\nfrom transformers import AutoModelForCausalLM\n"
-            "a, b = (AutoModelForCausalLM.from_pretrained(p).state_dict() for p in sys.argv[1:])\n"
-            "assert a.keys() == b.keys(), (a.keys(), b.keys())\n"
-            "print(max(((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)).item() for k in a))\n")
-    done = subprocess.run([sys.executable, "-c", code, str(runs.root / "ddp" / "saved"),
-                           str(runs.root / f"zero{stage}" / "saved")], env=environment(), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert float(done.stdout.split()[-1]) <= 1e-5  # 8 AdamW steps on weights of size ~0.1: see TOLERANCE
+    ddp, zerokit = (AutoModelForCausalLM.from_pretrained(runs.root / name / "saved").state_dict()
+                    for name in ("ddp", f"zero{stage}"))
+    assert ddp.keys() == zerokit.keys(), (ddp.keys(), zerokit.keys())
+    worst = max(((ddp[k] - zerokit[k]).abs().max() / ddp[k].abs().max().clamp_min(1e-12)).item() for k in ddp)
+    assert worst <= 1e-5  # 8 AdamW steps on weights of size ~0.1: see TOLERANCE
 
 
 # --- Hugging Face's templates with "auto" ------------------------------------------------------------------

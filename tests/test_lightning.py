@@ -5,10 +5,10 @@ reference), under ZerokitStrategy(config=...) and under the registered names, at
 losses, and per optimizer step grad norms (before clipping) and learning rates, equal DDP's; the script reports
 the strategy, the engine and its collectives, so that a silent fallback to DDP fails; a fit resumed through
 ckpt_path from the first epoch's end reproduces the uninterrupted one exactly; trainer.save_checkpoint(...,
-weights_only=True) loads into the plain model, equal to DDP's weights. Each launch costs 10-15 s here; one launch
-serves several checks and runs once per module. The DDP launch and the stage-3 object's also run extra fits:
-configure_model() (stage 3 builds on the meta device), bf16 and fp16; those and the stage-2 object's run an epoch
-ended inside an accumulation window, saved there and resumed (issue 31).
+weights_only=True) loads into the plain model, equal to DDP's weights. A launch costs 10-15 s here, nearly all of it
+imports: the five fits share one torchrun launch (zerokit.testing.jobs), made once per module. The DDP fit and the
+stage-3 object's also run extra fits: configure_model() (stage 3 builds on the meta device), bf16 and fp16; those
+and the stage-2 object's run an epoch ended inside an accumulation window, saved there and resumed (issue 31).
 
 Tolerance: fp32; DDP all-reduces its gradient buckets, zerokit reduces flat buckets and steps AdamW on flat master
 pieces, so sums are added in another order (measured: losses near 4 within 1.2e-7 relative, grad norms within
@@ -36,6 +36,7 @@ import pytest
 import torch
 
 from test_hf_trainer import environment
+from zerokit.testing.jobs import Job, launch
 
 pytest.importorskip("lightning")
 
@@ -58,18 +59,20 @@ ZEROKIT_RUNS = {"object2": ("object:2", 2), "object3": ("object:3", 3), "name2":
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[dict]]]:
-    """Lightning's DDP, then zerokit four ways (each with a resumed second fit): one launch each."""
+    """Lightning's DDP, then zerokit four ways (each with a resumed second fit): one torchrun launch for all five
+    (See [Note: jobs forked inside one torchrun launch])."""
     root = tmp_path_factory.mktemp("lightning")
-    out = {}
+    jobs = []
     for name, (strategy, _) in {"ddp": ("ddp", None), **ZEROKIT_RUNS}.items():
         resume = [] if name == "ddp" else ["--resume"]
         extra = ["--extra", EXTRAS[name]] if name in EXTRAS else []
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                   str(SCRIPTS / "lightning_fit.py"), "--out", str(root / name), "--strategy", strategy, *resume,
-                   *extra]
-        done = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-        out[name] = [json.loads((root / name / f"rank{rank}.json").read_text()) for rank in range(2)]
+        jobs.append(Job(name, [str(SCRIPTS / "lightning_fit.py"), "--out", str(root / name), "--strategy", strategy,
+                               *resume, *extra], preload=("lightning.pytorch", "zerokit.integrations.lightning")))
+    outcomes = launch(jobs, root / "jobs", env=environment())
+    out = {}
+    for job in jobs:
+        outcomes.check(job.name)
+        out[job.name] = [json.loads((root / job.name / f"rank{rank}.json").read_text()) for rank in range(2)]
     return root, out
 
 

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from zerokit.testing.jobs import Job, launch
 
 pytest.importorskip("trl")
 
@@ -49,14 +50,6 @@ def environment() -> dict[str, str]:
             "HF_DATASETS_OFFLINE": "1"}
 
 
-def launch(args: list[str], zerokit: bool) -> None:
-    install = ["-m", "zerokit.deepspeed.install"] if zerokit else []
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *install,
-               str(SCRIPTS / "trl_jobs.py"), *args]
-    done = subprocess.run(command, env=environment(), capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-
-
 def stage_config(directory: Path, stage: int) -> str:
     path = directory / f"zero{stage}.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": stage, **(UNITS if stage == 3 else {})},
@@ -66,10 +59,11 @@ def stage_config(directory: Path, stage: int) -> str:
 
 
 class Runs:
-    """Each launch once per session, on first use."""
+    """The three launches' runs (DDP, ZeRO-2, ZeRO-3) in one torchrun launch, on first use (See [Note: jobs forked
+    inside one torchrun launch])."""
 
     def __init__(self, root: Path) -> None:
-        self.root, self.done = root, {}
+        self.root, self.done, self.outcomes = root, {}, None
         self.pretrained = root / "pretrained"
         sys.path.insert(0, str(SCRIPTS))
         import trl_jobs
@@ -84,10 +78,20 @@ class Runs:
         return common + ["--jobs", ",".join(jobs), "--deepspeed", stage_config(self.root, int(name[-1])),
                          "--resume-at", str(RESUME_AT)], True, jobs
 
+    def launch(self) -> None:
+        runs = []
+        for name in ("ddp", "zero2", "zero3"):
+            args, zerokit, _ = self.arguments(name)
+            runs.append(Job(name, [str(SCRIPTS / "trl_jobs.py"), *args], install=zerokit,
+                            preload=("trl.trainer.dpo_trainer", "trl.trainer.grpo_trainer", "trl.trainer.sft_trainer")))
+        self.outcomes = launch(runs, self.root / "launch", env=environment())
+
     def __call__(self, name: str, job: str) -> list[dict]:
+        if self.outcomes is None:
+            self.launch()
         if name not in self.done:
-            args, zerokit, jobs = self.arguments(name)
-            launch(args, zerokit)
+            _, _, jobs = self.arguments(name)
+            self.outcomes.check(name)
             self.done[name] = {each: [json.loads((self.root / name / each / f"rank{rank}.json").read_text())
                                       for rank in range(2)] for each in jobs}
         return self.done[name][job]

@@ -276,7 +276,7 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
         results.append(asdict(result))
         after = engine.comm_stats()
         comm_per_step.append({kind: {k: after[kind][k] - before[kind][k] for k in after[kind]} for kind in after})
-    return {
+    out = {
         "case": asdict(case), "losses": losses, "results": results, "comm_per_step": comm_per_step,
         "params": {name: value for name, value in engine.full_state_dict().items() if name in dict(model.named_parameters())},
         "memory": engine.memory_stats(),
@@ -298,6 +298,12 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
         "step_counts": engine_step_counts(engine, model),
         "owned_buckets": [(b.owner, b.numel) for b in engine.stage.layout.buckets if b.owner is not None],
     }
+    # A sweep runs a hundred cases in one process: an engine left open keeps its process groups' gloo threads and
+    # its heartbeat posting to the store twice a second, and by the sweep's end a rank of 3 on 2 cores spent half
+    # its time in the kernel switching between ~300 such threads (the N=3 sweep took 71 s; See [Note: the suite's
+    # time] in docs/testing.md).
+    engine.close()
+    return out
 
 
 def engine_step_counts(engine, model: torch.nn.Module) -> dict[str, float]:

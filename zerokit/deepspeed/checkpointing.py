@@ -9,12 +9,11 @@ Model parallelism (mpu_) is refused, as everywhere in zerokit.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 from zerokit.engine import activations
+from zerokit._support.log import logger
 
-logger = logging.getLogger("zerokit")
 _SETTINGS: dict[str, Any] = {}
 
 

@@ -10,7 +10,6 @@ are accepted and have no effect; comms_logger in the config reports the engine's
 
 from __future__ import annotations
 
-import logging
 import os
 from datetime import timedelta
 from typing import Any
@@ -19,9 +18,9 @@ import torch
 import torch.distributed as torch_dist
 
 from zerokit.deepspeed.distributed import init_distributed
+from zerokit._support.log import logger
 
 ReduceOp = torch_dist.ReduceOp
-logger = logging.getLogger("zerokit")
 
 
 def is_initialized() -> bool:

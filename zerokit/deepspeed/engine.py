@@ -40,7 +40,6 @@ this the first step after a resume took the rate of the step before the save.
 
 from __future__ import annotations
 
-import logging
 import os
 import warnings
 from pathlib import Path
@@ -60,8 +59,8 @@ from zerokit.precision.result import StepResult
 from zerokit.reliability.compiled import compile_model
 from zerokit.comm.process import open_engines
 from zerokit.stages.construction import ParamInit
+from zerokit._support.log import logger
 
-logger = logging.getLogger("zerokit")
 SCHEDULES_KEY = "zerokit.lr_schedules"  # where earlier checkpoints of the drop-in kept its LR schedules
 
 

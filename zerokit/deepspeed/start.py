@@ -24,7 +24,6 @@ absent gradient_clipping as 1.0 and says so at start-up; zerokit.initialize keep
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -42,8 +41,7 @@ from zerokit.deepspeed.engine import DeepSpeedEngine
 from zerokit.engine.schedules import both_given_error
 from zerokit.stages.construction import ParamInit
 from zerokit.checkpoint.locate import layout_directory
-
-logger = logging.getLogger("zerokit")
+from zerokit._support.log import logger
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

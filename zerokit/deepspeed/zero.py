@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import weakref
 from typing import Any, Iterable, Iterator, NamedTuple
 
@@ -53,8 +52,7 @@ from zerokit.comm import Communicator
 from zerokit.config.typed import ZeroConfig, load_config
 from zerokit.deepspeed.config_view import config_dict
 from zerokit.deepspeed.zero3_params import is_whole
-
-logger = logging.getLogger("zerokit")
+from zerokit._support.log import logger
 
 
 class Init:

@@ -29,7 +29,6 @@ block that names foreach, fused or differentiable keeps what it says.
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any, Iterable, Sequence
 
@@ -37,8 +36,7 @@ import torch
 from torch import nn
 
 from zerokit.config.dsconfig.blocks import OptimizerSpec, SchedulerSpec
-
-logger = logging.getLogger("zerokit")
+from zerokit._support.log import logger
 
 
 # --- the formulas: learning rate (or ratio, or momentum) at DeepSpeed's last_batch_iteration ------------

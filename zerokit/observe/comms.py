@@ -11,7 +11,6 @@ zerokit never issues (all_to_all_single, send, barrier, ...) are accepted and si
 
 from __future__ import annotations
 
-import logging
 import sys
 from dataclasses import dataclass, field
 
@@ -20,8 +19,8 @@ import torch.distributed as dist
 
 from zerokit.comm.counting import Collective, CommStats, Transfer
 from zerokit.config.dsconfig.blocks import CommsLogger
+from zerokit._support.log import logger
 
-logger = logging.getLogger("zerokit")
 
 DEEPSPEED_OPS: dict[str, Collective | None] = {
     "all_reduce": Collective.ALL_REDUCE, "all_reduce_coalesced": Collective.ALL_REDUCE,

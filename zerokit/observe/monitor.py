@@ -17,7 +17,6 @@ step the user did not ask for.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from contextlib import contextmanager, nullcontext
@@ -32,8 +31,8 @@ from zerokit.observe.timers import PhaseTimers, breakdown_line
 from zerokit.observe.writers import Event, writers_for
 from zerokit.precision.result import StepResult
 from zerokit.config.settings import ObserveSettings
+from zerokit._support.log import logger
 
-logger = logging.getLogger("zerokit")
 Lap = Callable[[str], None]
 
 

@@ -26,7 +26,6 @@ reference model, computes no gradient and meets none of this.
 
 from __future__ import annotations
 
-import logging
 from functools import partial
 
 import torch
@@ -34,8 +33,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from zerokit._support.log import configure_logging
-
-logger = logging.getLogger("zerokit")
+from zerokit._support.log import logger
 
 
 def engine_name(model: nn.Module) -> str:

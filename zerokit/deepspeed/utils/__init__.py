@@ -12,9 +12,7 @@ from typing import Any, Iterable
 
 import torch.distributed as dist
 
-from zerokit._support.log import configure_logging
-
-logger = logging.getLogger("zerokit")
+from zerokit._support.log import configure_logging, logger
 
 
 def log_dist(message: str, ranks: Iterable[int] | None = None, level: int = logging.INFO) -> None:

@@ -2,7 +2,8 @@
 holds outside itself (See [Note: leaving at exit] in zerokit/comm/process.py).
 
 The endings run as real process exits, 8 two-rank runs of each ending at each stage (tests/scripts/exit_endings.py
-forks both ranks of a run from one process that imported torch once, so that 32 runs take a minute, not five).
+forks both ranks of every run from one process that imported torch once, so that 32 runs take half a minute, not
+five).
 An abort at exit is a race, rare on an idle machine; what makes it impossible is that no gloo thread is left when
 the interpreter finalizes, and every run checks that too, so a few runs of each ending fail as surely as many would
 (25 of each, until 2026-11-27: the suite's time went to runs that checked the same thing)."""
@@ -34,15 +35,21 @@ from exit_endings import STAGE3_UNITS, gloo_threads  # noqa: E402
 RUNS = 8  # of each ending at each stage
 
 
-@pytest.mark.parametrize("stage", (2, 3))
-@pytest.mark.parametrize("ending", ("destroy", "none"))
-def test_common_endings_never_abort_and_leave_no_gloo_thread(tmp_path, stage, ending) -> None:
-    out = tmp_path / "endings.json"
-    done = subprocess.run([sys.executable, str(SCRIPTS / "exit_endings.py"), "--stage", str(stage), "--ending", ending,
-                           "--runs", str(RUNS), "--out", str(out)],
+@pytest.fixture(scope="module")
+def endings(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Every rank of RUNS runs of each ending at each stage, from one process (one start-up of torch and zerokit)."""
+    out = tmp_path_factory.mktemp("endings") / "endings.json"
+    done = subprocess.run([sys.executable, str(SCRIPTS / "exit_endings.py"), "--stage", "2", "3", "--ending", "destroy",
+                           "none", "--runs", str(RUNS), "--out", str(out)],
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
-    ranks = json.loads(out.read_text())["ranks"]
+    return json.loads(out.read_text())["ranks"]
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+@pytest.mark.parametrize("ending", ("destroy", "none"))
+def test_common_endings_never_abort_and_leave_no_gloo_thread(endings, stage, ending) -> None:
+    ranks = [rank for rank in endings if (rank["stage"], rank["ending"]) == (stage, ending)]
     assert len(ranks) == 2 * RUNS
     assert {rank["api"] for rank in ranks} == {"zerokit", "deepspeed"}
     failed = [rank for rank in ranks if rank.get("exit_status") != 0]

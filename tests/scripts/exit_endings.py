@@ -11,7 +11,7 @@ script's does. The parent records how each rank ended (exit status or signal, an
 gloo's threads (pt_gloo_runloop, gloo_tcp_loop) were still alive when the interpreter began to finalize (an
 atexit hook registered before zerokit's, so it runs after it). See [Note: leaving at exit] in zerokit/comm/process.py.
 
-    python exit_endings.py --stage 3 --ending destroy --runs 25 --out results.json
+    python exit_endings.py --stage 2 3 --ending destroy none --runs 8 --out results.json   # runs of each pair
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ ENGINE = None  # the engine, referenced until the interpreter finalizes, as in a
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stage", type=int, choices=(2, 3), required=True)
-    parser.add_argument("--ending", choices=("destroy", "none"), required=True)
+    parser.add_argument("--stage", type=int, nargs="+", choices=(2, 3), required=True)
+    parser.add_argument("--ending", nargs="+", choices=("destroy", "none"), required=True)
     parser.add_argument("--runs", type=int, default=25)
     parser.add_argument("--api", choices=("zerokit", "deepspeed", "both"), default="both",
                         help="both: odd runs through zerokit.deepspeed.initialize")
@@ -96,7 +96,7 @@ def train(rank: int, rundir: Path, stage: int, ending: str, api: str) -> None:
         dist.destroy_process_group()
 
 
-def fork_rank(rank: int, rundir: Path, args: argparse.Namespace, api: str) -> int:
+def fork_rank(rank: int, rundir: Path, stage: int, ending: str, api: str) -> int:
     """The child's pid in the parent; 0 in the child, once it has trained and ended."""
     sys.stdout.flush()
     sys.stderr.flush()
@@ -105,7 +105,7 @@ def fork_rank(rank: int, rundir: Path, args: argparse.Namespace, api: str) -> in
         err = os.open(rundir / f"stderr{rank}", os.O_WRONLY | os.O_CREAT)
         os.dup2(err, 2)
         os.dup2(err, 1)
-        train(rank, rundir, args.stage, args.ending, api)
+        train(rank, rundir, stage, ending, api)
     return pid
 
 
@@ -129,21 +129,20 @@ def reap(pids: list[int]) -> list[dict]:
     return [ended[pid] for pid in pids]
 
 
-def run_once(index: int, args: argparse.Namespace, root: Path) -> list[dict] | None:
+def run_once(index: int, stage: int, ending: str, api: str, root: Path) -> list[dict] | None:
     """One run's two ranks; None in a forked rank (which must then leave main and exit)."""
-    rundir = root / f"run{index}"
+    rundir = root / f"stage{stage}-{ending}-run{index}"
     rundir.mkdir()
-    api = args.api if args.api != "both" else ("deepspeed" if index % 2 else "zerokit")
     pids = []
     for rank in range(2):
-        pid = fork_rank(rank, rundir, args, api)
+        pid = fork_rank(rank, rundir, stage, ending, api)
         if pid == 0:
             return None
         pids.append(pid)
     outcomes = reap(pids)
     for rank, outcome in enumerate(outcomes):
         threads = rundir / f"threads{rank}"
-        outcome.update(run=index, rank=rank, api=api, stderr=(rundir / f"stderr{rank}").read_text()[-2000:],
+        outcome.update(stage=stage, ending=ending, run=index, rank=rank, api=api, stderr=(rundir / f"stderr{rank}").read_text()[-2000:],
                        gloo_threads_at_exit=int(threads.read_text()) if threads.exists() else None)
     return outcomes
 
@@ -161,11 +160,14 @@ def main() -> None:
     started = time.monotonic()
     # not a TemporaryDirectory: its finalizer would run at each forked rank's exit too, and remove the folder
     root = Path(tempfile.mkdtemp(prefix="zerokit-exit-"))
-    for index in range(args.runs):
-        run = run_once(index, args, root)
-        if run is None:
-            return  # a forked rank: the interpreter exits when this module ends, as a script's does
-        outcomes += run
+    for stage in args.stage:
+        for ending in args.ending:
+            for index in range(args.runs):
+                api = args.api if args.api != "both" else ("deepspeed" if index % 2 else "zerokit")
+                run = run_once(index, stage, ending, api, root)
+                if run is None:
+                    return  # a forked rank: the interpreter exits when this module ends, as a script's does
+                outcomes += run
     shutil.rmtree(root, ignore_errors=True)
     Path(args.out).write_text(json.dumps({"seconds": time.monotonic() - started, "ranks": outcomes}))
 

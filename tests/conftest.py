@@ -174,13 +174,13 @@ def parity_runs():
 
 # --- how the suite is shared between workers (issue 42) ------------------------------------------------------------
 # [Note: the suite on two workers]
-# `make test` runs pytest with two xdist workers (`-n 2`): on this 2-core machine a test that launches processes
-# (torchrun's agent starting, ranks importing, rendezvous, teardown) leaves a core idle for about half of its time,
-# and the other worker fills it. Each test module is one unit of work, given whole to one worker, so its
-# module-scoped fixtures (a module's shared launch or spawn) run once; the modules that compare with the parity
-# sweep are one unit, so the sweep (a session fixture) runs on one worker only. Units start longest first by the
-# recorded durations (tests/durations.json), so that the last unit to start is a short one. (xdist's own
-# `--dist loadgroup` cannot do this under pytest 9, which no longer reads the test id xdist rewrites.)
+# `make test` runs pytest with two xdist workers (`-n 2`), one per core of the 2-core machine it is budgeted on. Each
+# test module is one unit of work, given whole to one worker, so its module-scoped fixtures (a module's shared launch
+# or spawn) run once; the modules that compare with the parity sweep are one unit, so the sweep (a session fixture)
+# runs on one worker only. Units start longest first by the recorded durations (tests/durations.json), so that the
+# last unit to start is a short one. (xdist's own `--dist loadgroup` cannot do this under pytest 9, which no longer
+# reads the test id xdist rewrites.) Beside the other worker a test has about one core: its seconds grow, the run's
+# fall (docs/testing.md, "The suite's time").
 RECORDED_DURATIONS = Path(__file__).parent / "durations.json"
 PARITY_GROUP = {"test_accounting", "test_parity", "test_exact_steps", "test_offload"}
 

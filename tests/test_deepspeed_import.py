@@ -9,14 +9,13 @@ import importlib.util
 import pickle
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from zerokit.cli import main as cli_main
 from zerokit.checkpoint.deepspeed_import import (DeepSpeedCheckpointError, check_model, is_deepspeed_checkpoint,
                                                  read_deepspeed_checkpoint)
 from conftest import deepspeed_script
@@ -94,15 +93,14 @@ def test_adam_moments_equal_deepspeeds_own_gather(written: Path) -> None:
 def test_consolidate_writes_what_zero_to_fp32_returns(written: Path, tmp_path: Path) -> None:
     for case in CASES:
         out = tmp_path / f"{case}.safetensors"
-        subprocess.run([sys.executable, "-m", "zerokit", "consolidate", str(written / case / "ckpt"), str(out)],
-                       check=True, capture_output=True)
+        assert cli_main(["consolidate", str(written / case / "ckpt"), str(out)]) == 0  # `zerokit consolidate ...`
         saved, reference = load_file(out), torch.load(written / case / "reference.pt")
         for key, tensor in reference.items():  # zero_to_fp32's script writes every floating tensor in fp32
             assert saved[key].dtype == torch.float32 and torch.equal(saved[key], tensor.float()), (case, key)
         assert set(saved) - set(reference) == ({"frozen.weight", "frozen.bias"} if "stage1" in case else set())
     trainable = tmp_path / "trainable.safetensors"
-    subprocess.run([sys.executable, "-m", "zerokit", "consolidate", str(written / "stage3_bf16_w3" / "ckpt"),
-                    str(trainable), "--trainable-only", "--dtype", "bf16"], check=True, capture_output=True)
+    assert cli_main(["consolidate", str(written / "stage3_bf16_w3" / "ckpt"), str(trainable), "--trainable-only",
+                     "--dtype", "bf16"]) == 0
     assert sorted(load_file(trainable)) == sorted(["embed.weight", "head.weight", "body.weight", "body.bias",
                                                    "out.weight", "out.bias", "norm.weight", "norm.bias"])
 

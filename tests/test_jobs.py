@@ -1,6 +1,7 @@
 """zerokit.testing.jobs, the harness that runs several torchrun jobs in one launch (See [Note: jobs forked inside one
 torchrun launch]): each job meets its peers in a process group of its own, sees its own environment and arguments,
-and a job that fails on one rank is reported, with its output, without stopping the jobs after it."""
+and a job that fails on one rank is reported, with its output, without stopping the jobs after it; a rank whose peer
+failed is stopped soon after, not at the job's timeout."""
 
 from __future__ import annotations
 
@@ -11,8 +12,13 @@ import pytest
 from zerokit.testing.jobs import Job, launch
 
 SCRIPT = """
-import json, os, sys
+import json, os, sys, time
 import torch.distributed as dist
+
+if sys.argv[2] == "stuck":  # rank 1 fails before meeting; rank 0 would wait for it for good
+    if os.environ["RANK"] == "1":
+        sys.exit(2)
+    time.sleep(600)
 
 dist.init_process_group("gloo")
 gathered = [None] * dist.get_world_size()
@@ -33,7 +39,7 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory):
     script = root / "job.py"
     script.write_text(SCRIPT)
     jobs = [Job(name, [str(script), str(root / name), ending], env={"JOB_COLOUR": name})
-            for name, ending in (("first", "ok"), ("failing", "fail"), ("after", "ok"))]
+            for name, ending in (("first", "ok"), ("failing", "fail"), ("stuck", "stuck"), ("after", "ok"))]
     for job in jobs:
         (root / job.name).mkdir()
     return root, launch(jobs, root / "launch")
@@ -57,4 +63,5 @@ def test_a_failed_rank_is_reported_with_its_output_and_later_jobs_still_run(outc
     assert done.statuses("failing") == ["0", "3"]
     with pytest.raises(AssertionError, match=r"(?s)job 'failing' ended with \['0', '3'\].*rank 1 says hello"):
         done.check("failing")
+    assert done.statuses("stuck") == ["a peer failed", "2"]  # stopped a few seconds after its peer, not at the timeout
     done.check("after")

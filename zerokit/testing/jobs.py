@@ -16,10 +16,15 @@ gives), and that process forks one child per job. The child runs the job's scrip
 would (runpy, sys.argv, sys.path[0]), or as `python -m zerokit.deepspeed.install script.py args` would, and
 leaves with its exit status. A job's child is a new process for its frameworks' globals (accelerate's
 AcceleratorState, transformers' DeepSpeed config, Lightning's environment), so jobs do not see each other's.
-Each job meets its peers on a port of its own, whose TCPStore rank 0's child hosts (as under torchrun with its
-agent's store turned off): a store shared by successive jobs would hand a job the previous job's addresses, whose
-keys are the same. The processes forked from have run no torch operation, so no thread pool is copied half-made
-(See [Note: ranks forked from a server that has imported torch] in zerokit/testing/spawn.py).
+Each job meets its peers in a TCPStore of its own: a store shared by successive jobs would hand a job the previous
+job's addresses, whose keys are the same. Rank 0's child hosts it on a port the kernel gives it (a port chosen
+beforehand and bound later was once taken in between by another test's process) and posts the port in torchrun's
+agent store, where the other ranks' children read it; then every rank's script reaches the job's store as
+torchrun's own store is reached (TORCHELASTIC_USE_AGENT_STORE). The ranks start each job together: a rank that
+finishes a job waits for the others' statuses, and a rank whose peer failed stops its own child after a short
+grace, so that one failure costs one job, not a timeout in every job after it. The processes forked from have run
+no torch operation, so no thread pool is copied half-made (See [Note: ranks forked from a server that has imported
+torch] in zerokit/testing/spawn.py).
 """
 
 from __future__ import annotations
@@ -30,16 +35,18 @@ import json
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 JOB_TIMEOUT = 300.0  # seconds one job may run on a rank before its process is killed
+PEER_FAILED_GRACE = 10.0  # seconds a rank's job may go on after a peer's ended with an error
+_HOSTED: list = []  # rank 0's store of the job running in this process, kept alive for the job's life
 
 
 @dataclass(frozen=True)
@@ -80,33 +87,23 @@ def launch(jobs: list[Job], workdir: Path, ranks: int = 2, env: dict[str, str] |
            timeout: float = 900) -> Outcomes:
     """Run `jobs` in order under one `torchrun --standalone --nproc_per_node ranks` (See [Note: jobs forked inside
     one torchrun launch]); a job that fails does not stop the others. Read each outcome with Outcomes.check."""
+    names = [job.name for job in jobs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"job names must differ (each names its folder and its keys), got {names}")
     workdir.mkdir(parents=True, exist_ok=True)
-    ports = free_ports(len(jobs))
     plan = {"workdir": str(workdir), "groups": []}
-    for job, port in zip(jobs, ports):
+    for job in jobs:
         group = plan["groups"][-1] if plan["groups"] else None
         if group is None or (group["install"], group["preload"]) != (job.install, list(job.preload)):
             group = {"install": job.install, "preload": list(job.preload), "jobs": []}
             plan["groups"].append(group)
-        group["jobs"].append({**asdict(job), "port": port})
+        group["jobs"].append(asdict(job))
     path = workdir / "plan.json"
     path.write_text(json.dumps(plan))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
                "-m", "zerokit.testing.jobs", str(path)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     return Outcomes(workdir, jobs, ranks, done)
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports free on this machine now (each held until all are chosen, so none repeats)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for each in sockets:
-            each.bind(("", 0))
-        return [each.getsockname()[1] for each in sockets]
-    finally:
-        for each in sockets:
-            each.close()
 
 
 # --- on each rank, under torchrun -------------------------------------------------------------------------
@@ -127,13 +124,59 @@ def _run_group(group: dict, workdir: Path) -> int:
         zerokit.deepspeed.install()
     for module in group["preload"]:
         importlib.import_module(module)
-    rank = os.environ["RANK"]
+    rank, agent = int(os.environ["RANK"]), _agent_store()
     for job in group["jobs"]:
         folder = workdir / job["name"]
         folder.mkdir(parents=True, exist_ok=True)
-        status = _wait(_fork(lambda: _run_job(job, folder / f"rank{rank}.log")), timeout=job["timeout"])
+        peers = _Peers(agent, job["name"], rank, int(os.environ["WORLD_SIZE"]))
+        status = _wait(_fork(lambda: _run_job(job, folder / f"rank{rank}.log")), job["timeout"], peers)
         (folder / f"rank{rank}.status").write_text(status)
+        peers.post(status)
+        peers.wait_for_all(timeout=job["timeout"])
     return 0
+
+
+def _agent_store() -> Any:
+    """torchrun's agent store (a client of it), through which the ranks of a job find each other."""
+    import torch.distributed as dist
+
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        raise RuntimeError("zerokit.testing.jobs runs under torchrun with its agent's store (torchrun --standalone "
+                           "sets TORCHELASTIC_USE_AGENT_STORE=True)")
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
+                         timedelta(seconds=JOB_TIMEOUT))
+
+
+class _Peers:
+    """One job's statuses as the ranks post them in the agent store."""
+
+    def __init__(self, agent: Any, job: str, rank: int, world_size: int) -> None:
+        self.agent, self.rank = agent, rank
+        self.keys = {peer: f"zerokit/jobs/{job}/status/{peer}" for peer in range(world_size)}
+
+    def post(self, status: str) -> None:
+        self.agent.set(self.keys[self.rank], status)
+
+    def failed(self) -> bool:
+        """Whether another rank's job ended with anything but 0."""
+        return any(self.agent.check([key]) and self.agent.get(key) != b"0"
+                   for peer, key in self.keys.items() if peer != self.rank)
+
+    def wait_for_all(self, timeout: float) -> None:
+        self.agent.wait(list(self.keys.values()), timedelta(seconds=timeout + PEER_FAILED_GRACE))
+
+
+def _meet(job: dict) -> None:
+    """Point this process's torch.distributed at the job's own store: hosted here on rank 0, on a port the kernel
+    gives (See [Note: jobs forked inside one torchrun launch]), found by the others in the agent store."""
+    import torch.distributed as dist
+
+    agent, key = _agent_store(), f"zerokit/jobs/{job['name']}/port"
+    if os.environ["RANK"] == "0":
+        _HOSTED.append(dist.TCPStore("0.0.0.0", 0, None, True, timedelta(seconds=job["timeout"]),
+                                     wait_for_workers=False))
+        agent.set(key, str(_HOSTED[-1].port))
+    os.environ["MASTER_PORT"] = agent.get(key).decode()  # waits for rank 0's post
 
 
 def _run_job(job: dict, log: Path) -> int:
@@ -142,7 +185,7 @@ def _run_job(job: dict, log: Path) -> int:
     os.dup2(descriptor, 1)
     os.dup2(descriptor, 2)
     os.environ.update(job["env"])
-    os.environ.update(MASTER_PORT=str(job["port"]), TORCHELASTIC_USE_AGENT_STORE="False")
+    _meet(job)
     argv = (["-m", "zerokit.deepspeed.install"] if job["install"] else []) + job["argv"]
     try:
         _run_command_line(argv)
@@ -195,17 +238,25 @@ def _die_with_parent() -> None:
         pass
 
 
-def _wait(pid: int, timeout: float | None) -> str:
-    """The child's exit status ("0", "1", "signal 9"), or "timeout" after killing it once `timeout` has passed."""
+def _wait(pid: int, timeout: float | None, peers: _Peers | None = None) -> str:
+    """The child's exit status ("0", "1", "signal 9"); "timeout" after killing it once `timeout` has passed, or "a
+    peer failed" after killing it PEER_FAILED_GRACE seconds after another rank's job ended with an error."""
     give_up = None if timeout is None else time.monotonic() + timeout
+    peer_failed_at, looked = None, 0.0
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return str(os.waitstatus_to_exitcode(status)).replace("-", "signal ", 1)
-        if give_up is not None and time.monotonic() > give_up:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return "timeout"
+        now = time.monotonic()
+        if peer_failed_at is None and peers is not None and now - looked > 0.5:
+            looked = now
+            peer_failed_at = now if peers.failed() else None
+        for deadline, why in ((give_up, "timeout"), (peer_failed_at and peer_failed_at + PEER_FAILED_GRACE,
+                                                     "a peer failed")):
+            if deadline is not None and now > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return why
         time.sleep(0.05)
 
 

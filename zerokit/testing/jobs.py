@@ -64,8 +64,8 @@ class Job:
 class Outcomes:
     """Each job's exit status on each rank, read from the files the ranks wrote."""
 
-    def __init__(self, workdir: Path, jobs: list[Job], ranks: int, launch: subprocess.CompletedProcess) -> None:
-        self.workdir, self.jobs, self.ranks, self.launch = workdir, {job.name: job for job in jobs}, ranks, launch
+    def __init__(self, workdir: Path, ranks: int, launch: subprocess.CompletedProcess) -> None:
+        self.workdir, self.ranks, self.launch = workdir, ranks, launch
 
     def statuses(self, name: str) -> list[str | None]:
         paths = [self.workdir / name / f"rank{rank}.status" for rank in range(self.ranks)]
@@ -103,7 +103,7 @@ def launch(jobs: list[Job], workdir: Path, ranks: int = 2, env: dict[str, str] |
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
                "-m", "zerokit.testing.jobs", str(path)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    return Outcomes(workdir, jobs, ranks, done)
+    return Outcomes(workdir, ranks, done)
 
 
 # --- on each rank, under torchrun -------------------------------------------------------------------------

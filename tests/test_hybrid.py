@@ -23,6 +23,7 @@ import torch
 import zerokit
 from test_parity import allowed_update_error, update_error
 from zerokit.comm.counting import RING_FACTOR, Collective
+from zerokit.config.settings import launcher_node_rank
 from zerokit.config.typed import engine_settings, load_config
 from zerokit.planner.check import check_rows
 from zerokit.planner.device import DeviceProfile
@@ -476,9 +477,10 @@ def test_settings_resolve_the_groups(monkeypatch) -> None:
 def test_a_node_numbered_out_of_order_is_named(monkeypatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("GROUP_RANK", "0")
-    refuse_misnumbered_node(2, 1)
+    refuse_misnumbered_node(2, launcher_node_rank(), 1)
     with pytest.raises(ValueError, match=r"^rank 2 runs on node 0 \(torchrun's GROUP_RANK\) but"):
-        refuse_misnumbered_node(2, 2)
+        refuse_misnumbered_node(2, launcher_node_rank(), 2)
+    refuse_misnumbered_node(2, None, 2)  # the nodes are not torchrun's: nothing to check
 
 
 # --- two real torchrun nodes ---------------------------------------------------------------------------------

@@ -65,3 +65,54 @@ def test_a_save_reads_tag_validation_from_its_part(mode, caplog):
         return
     assert _agree_on_tag(engine, _TwoTags(), "mine")[0] == "mine"
     assert ("different checkpoint tags" in caplog.text) == (mode == "Warn")
+
+
+def test_the_dict_is_read_once_resolve_fills_in_from_what_the_reader_recorded(monkeypatch):
+    """load_config reads the DeepSpeed dict; resolve fills in what needs the world size and the model from the values
+    the reader recorded (ZeroConfig.unknowns) and the config's own fields, never from the dict again."""
+    from zerokit.config.dsconfig import DeepSpeedConfig
+
+    config = load_config({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                          "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+                                                "stage3_prefetch_bucket_size": "auto"}})
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the DeepSpeed dict was read again")
+
+    monkeypatch.setattr(DeepSpeedConfig, "get", refuse)
+    monkeypatch.setattr(DeepSpeedConfig, "given", refuse)
+    resolved, parts = resolve(config, Facts(world_size=4, backend="gloo", hidden_size=8))
+    assert (resolved.gradient_accumulation_steps, resolved.reduce_bucket_bytes) == (2, 8 * 8 * 4)
+    assert resolved.stage3.prefetch_numel == int(0.9 * 64) and resolved.pending_auto == ()
+    assert parts.step.gradient_accumulation_steps == 2 and parts.decisions.bucket_numel == 64
+    assert "communication_data_type not set: gradients are reduced in fp32 (DeepSpeed reduces in the compute dtype, " \
+           "bf16)" in parts.startup_lines
+    assert resolved.resolve(world_size=4, hidden_size=8) is resolved  # resolved once: nothing left to fill in
+
+
+def test_the_nodes_are_decided_once_for_the_tiers_and_the_node_check():
+    """The ranks a node's host memory and NVMe hold, and the node torchrun's GROUP_RANK is checked against, come from
+    the one decision (settings.ranks_per_node), not from the environment read again in the rooms."""
+    facts = Facts(world_size=4, backend="gloo", ranks_per_node=2, node_rank=1)
+    _, parts = resolve(ZeroConfig(stage=3), facts)
+    assert parts.offload.ranks_per_node == parts.decisions.ranks_per_node == 2
+    assert parts.safeguards.node_rank == 1  # the nodes are torchrun's: consecutive numbering is checked
+    _, parts = resolve(ZeroConfig(stage=3, ranks_per_node=4), facts)
+    assert parts.offload.ranks_per_node == 4 and parts.safeguards.node_rank is None  # the config's nodes, not torchrun's
+    _, parts = resolve(ZeroConfig(stage=3), Facts(world_size=4, backend="gloo", ranks_per_node=3))
+    assert parts.offload.ranks_per_node == 4  # 3 does not divide 4 ranks: one node, as the decisions say
+
+
+@pytest.mark.parametrize("zero", [{"stage": 2}, {"stage": 3, "mics_shard_size": 2, "reduce_scatter": True},
+                                  {"stage": 3, "zero_hpz_partition_size": 2}])
+def test_the_planner_decides_with_the_engines_decide(zero):
+    """The planner's engine model makes its decisions with settings.decide, from the same choices a config makes
+    (EngineChoices) and the facts it predicts; resolve decides with it too."""
+    from zerokit.planner.engine_model import EngineSetup
+
+    config = load_config({"zero_optimization": {**zero, "reduce_bucket_size": 1000}, "ranks_per_node": 2})
+    _, parts = resolve(config, Facts(world_size=4, backend="nccl"))
+    setup = EngineSetup(stage=zero["stage"], world=4, backend="nccl", device="cuda", bucket_bytes=4000,
+                        reduce_scatter=zero.get("reduce_scatter"), mics_shard_size=zero.get("mics_shard_size"),
+                        hpz_partition_size=zero.get("zero_hpz_partition_size"), ranks_per_node=2)
+    assert setup.settings == parts.decisions

@@ -7,7 +7,8 @@ from zerokit._support.lazy import lazy_names
 
 _LAZY = dict.fromkeys(["ActivationCheckpointing", "CommsLogger", "FlopsProfiler", "LossScaling", "MixedPrecision",
                        "Monitor", "Offload", "OptimizerSpec", "Preemption", "Resume", "SchedulerSpec", "Stage3Policy",
-                       "Wandb", "ZeroConfig", "comm_settings", "engine_settings", "from_dict", "hidden_size_of",
-                       "load_config", "plain_fields", "replace", "resolve", "tensor_settings"], "zerokit.config.typed")
+                       "Wandb", "ZeroConfig", "engine_choices", "engine_settings", "from_dict", "hidden_size_of",
+                       "load_config", "parts_before_facts", "plain_fields", "replace", "resolve"],
+                      "zerokit.config.typed")
 __all__ = sorted(_LAZY)
 __getattr__ = lazy_names(__name__, _LAZY, globals())

@@ -7,12 +7,17 @@ Below the decisions, the run's settings: one typed part per room (See [Note: eac
 typed.py's resolve(config, facts) and handed out by the engine's build.
 
 [Note: each room gets its part]
-The config is the user's statement, read and checked once (typed.py; DeepSpeed's keys only in config/dsconfig/). What a
-run does with it is decided once more, against the facts of the run (world size, back-end, ranks per node, the
-model's hidden size), by typed.py's resolve(config, facts), which makes a RunSettings: the engine-wide decisions
-above, and one small frozen part per room below the engine. The engine's build hands each room its part, and no
+The config is the user's statement, read and checked once (typed.py; DeepSpeed's keys only in config/dsconfig/, which
+records as values what the dict leaves to the run: dsconfig/auto.py's Unknowns). What a run does with it is decided
+once more, against the facts of the run (world size, back-end, the launcher's ranks per node and node, the model's
+hidden size), by typed.py's resolve(config, facts), which fills in those values without reading the dict again and
+makes a RunSettings: the engine-wide decisions above (`decide`), and one small frozen part per room below the engine.
+The facts are read once, by the engine (torchrun's LOCAL_WORLD_SIZE and GROUP_RANK: launcher_ranks_per_node,
+launcher_node_rank); the rooms read the nodes from their parts. The engine's build hands each room its part, and no
 room below the engine takes or names the whole config: a room's part says everything it may read, so a new config
-field reaches a room only by a line in resolve. The planner predicts from the same decisions (EngineSettings).
+field reaches a room only by a line in resolve. The planner decides with the same `decide`, from the choices its
+setup makes (EngineChoices) and the facts it predicts. benchmarks/config_walk.py traces the walk (and
+tests/test_config_walk.py keeps it).
 The parts stay torch-free, as this module is the planner's too: a dtype or a torch-bearing policy of typed.py
 (MixedPrecision's dtypes, Stage3Policy, LossScaling) travels as it is, typed Any here, named in its comment.
 
@@ -87,18 +92,25 @@ def secondary_group_size(hpz_partition_size: int | None, world_size: int, stage:
     return k
 
 
-def launcher_ranks_per_node(world_size: int) -> int:
-    """torchrun's LOCAL_WORLD_SIZE where it set one that divides the world size; else every rank on one node."""
+def launcher_ranks_per_node() -> int | None:
+    """torchrun's LOCAL_WORLD_SIZE: the ranks it started on this node; None without torchrun. The engine reads it
+    once, into its Facts (the planner predicts it)."""
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    if not local.isdigit() or int(local) < 1 or world_size % int(local):
-        return world_size
-    return int(local)
+    return int(local) if local.isdigit() and int(local) >= 1 else None
 
 
-def ranks_per_node(configured: int | None, world_size: int) -> int:
+def launcher_node_rank() -> int | None:
+    """torchrun's GROUP_RANK: the node this rank was launched on; None without torchrun."""
+    node = os.environ.get("GROUP_RANK", "")
+    return int(node) if node.isdigit() else None
+
+
+def ranks_per_node(configured: int | None, launcher: int | None, world_size: int) -> int:
     """Ranks on each node, numbered consecutively, decided here only: the config's `ranks_per_node` where given, else
-    the launcher's (launcher_ranks_per_node), over `world_size` ranks."""
-    return configured or launcher_ranks_per_node(world_size)
+    the launcher's (launcher_ranks_per_node, a fact) where it divides the `world_size` ranks, else all on one node."""
+    if configured:
+        return configured
+    return launcher if launcher and world_size % launcher == 0 else world_size
 
 
 def bucket_numel(bucket_bytes: int, element_bytes: int) -> int:
@@ -172,23 +184,6 @@ class EngineSettings:
         if not self.ranks_per_node:
             object.__setattr__(self, "ranks_per_node", self.world_size)
 
-    @classmethod
-    def resolve(cls, *, stage: int, world_size: int, backend: str, reduce_scatter: bool | None,
-                reduce_every_micro_step: bool, bucket_bytes: int, reduce_dtype: str, mics_shard_size: int | None = None,
-                ranks_per_node: int | None = None, hpz_partition_size: int | None = None) -> "EngineSettings":
-        per_node = ranks_per_node or world_size
-        if world_size % per_node:
-            raise ValueError(f"ranks_per_node={per_node} does not divide the world size {world_size}; give the ranks "
-                             "on each node (nodes of equal size, numbered consecutively)")
-        return cls(stage=stage, world_size=world_size,
-                   reduce_scatter=reduces_by_scatter(backend, reduce_scatter),
-                   reduces_every_micro_step=reduces_every_micro_step(stage, reduce_every_micro_step),
-                   bucket_numel=bucket_numel(bucket_bytes, ELEMENT_BYTES[reduce_dtype]),
-                   shards_optimizer=stage > 0,
-                   shard_size=(shard := shard_group_size(mics_shard_size, world_size, stage, per_node)),
-                   ranks_per_node=per_node,
-                   secondary_size=secondary_group_size(hpz_partition_size, world_size, stage, shard, per_node))
-
     @property
     def layout_world_size(self) -> int:
         """The ranks a bucket is split over: the shard group from stage 1 up (every rank unless MiCS splits them);
@@ -220,11 +215,48 @@ class Facts:
     """The process group's back-end ("gloo", "nccl", ...)."""
     ranks_per_node: int | None = None
     """The launcher's ranks per node (launcher_ranks_per_node); the config's ranks_per_node wins. None: one node."""
+    node_rank: int | None = None
+    """The node the launcher started this rank on (torchrun's GROUP_RANK, launcher_node_rank); None: not known."""
     hidden_size: int | None = None
     """The model's hidden size, for the "auto" values that need it (None: unknown)."""
     batch_ranks: int | None = None
     """The ranks the batch identity counts (the tensor ranks too under AutoTP: See [Note: batch sizes under AutoTP
     count the tensor ranks] in parallel/tensor/setup.py); None: world_size."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineChoices:
+    """What a config chooses of the engine-wide decisions, in plain values: typed.py's resolve takes them from the
+    ZeroConfig, the planner from the setup it prices, and both decide with the same `decide` (See [Note: one place
+    for each engine decision])."""
+
+    stage: int
+    reduce_scatter: bool | None
+    reduce_every_micro_step: bool
+    bucket_bytes: int
+    reduce_dtype: str
+    """The reduce dtype's config name (fp32, bf16, fp16)."""
+    mics_shard_size: int | None = None
+    hpz_partition_size: int | None = None
+    ranks_per_node: int | None = None
+    """The config's ranks_per_node; None: the launcher's (a fact)."""
+
+
+def decide(choices: EngineChoices, facts: Facts) -> EngineSettings:
+    """The engine's decisions for these choices on these facts, each a one-line error where a size does not fit."""
+    world, stage = facts.world_size, choices.stage
+    per_node = ranks_per_node(choices.ranks_per_node, facts.ranks_per_node, world)
+    if world % per_node:
+        raise ValueError(f"ranks_per_node={per_node} does not divide the world size {world}; give the ranks "
+                         "on each node (nodes of equal size, numbered consecutively)")
+    shard = shard_group_size(choices.mics_shard_size, world, stage, per_node)
+    return EngineSettings(stage=stage, world_size=world,
+                          reduce_scatter=reduces_by_scatter(facts.backend, choices.reduce_scatter),
+                          reduces_every_micro_step=reduces_every_micro_step(stage, choices.reduce_every_micro_step),
+                          bucket_numel=bucket_numel(choices.bucket_bytes, ELEMENT_BYTES[choices.reduce_dtype]),
+                          shards_optimizer=stage > 0, shard_size=shard, ranks_per_node=per_node,
+                          secondary_size=secondary_group_size(choices.hpz_partition_size, world, stage, shard,
+                                                              per_node))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,6 +269,8 @@ class OffloadSettings:
     """zero_optimization.offload_param: stage 3's parameter shards between gathers."""
     sub_group_size: int | None
     """The optimizer piece size (See [Note: optimizer pieces] in masters/shards.py); NVMe sizes its buffers by it."""
+    ranks_per_node: int
+    """The ranks whose host memory and NVMe files share a node (tiers/preflight.py checks they all fit)."""
     param_dtype: Any
     """torch.dtype of a master's compute copy on the device (MixedPrecision.param_dtype)."""
 
@@ -289,7 +323,9 @@ class TensorSettings:
     autotp_size: int
     """tensor_parallel.autotp_size: the degree the model's tp_plan is split over; 0 and 1: none."""
     ranks_per_node: int | None
-    """The config's ranks_per_node (None: the launcher's, See ranks_per_node)."""
+    """The config's ranks_per_node (None: the launcher's, See ranks_per_node): a tensor group stays inside a node."""
+    launcher_ranks_per_node: int | None
+    """The launcher's (a fact, known before the mesh)."""
     timeout_seconds: float
 
 
@@ -332,6 +368,9 @@ class SafeguardSettings:
     units: Any
     """typed.py's Stage3Policy (stage 3's units, which a compiled module must not hold)."""
     ranks_per_node: int
+    node_rank: int | None
+    """torchrun's GROUP_RANK where the nodes are the launcher's (the config names none or the same size): the node
+    consecutive numbering must put this rank on; None: nothing to check."""
     broadcast_buffers: bool
     gradient_accumulation_steps: int
     has_scheduler: bool
@@ -356,6 +395,10 @@ class RunSettings:
     safeguards: SafeguardSettings
     activations: ActivationCheckpointing
     preemption: Preemption
+    startup_lines: tuple[str, ...] = ()
+    """What the start-up log says of the config (ZeroConfig.startup_log_lines), made once with the rest."""
+    warnings: tuple[str, ...] = ()
+    """The config's warnings for the start-up log: keys ignored, as DeepSpeed ignores them."""
 
 
 def flattened(prefix: str, value: Any) -> list[tuple[str, Any]]:
@@ -372,6 +415,7 @@ def flattened(prefix: str, value: Any) -> list[tuple[str, Any]]:
 
 __all__ = ["ELEMENT_BYTES", "EngineSettings", "bucket_numel", "optimizer_piece_numel", "reduces_by_scatter",
            "reduces_every_micro_step", "secondary_group_size", "shard_group_size", "consecutive_groups", "strided_groups",
-           "ring_crosses_nodes", "ring_share", "launcher_ranks_per_node", "ranks_per_node", "Facts", "RunSettings",
+           "ring_crosses_nodes", "ring_share", "launcher_ranks_per_node", "launcher_node_rank", "ranks_per_node", "Facts",
+           "EngineChoices", "decide", "RunSettings",
            "StageSettings", "OffloadSettings", "StepSettings", "CommSettings", "TensorSettings", "CheckpointSettings",
            "ObserveSettings", "SafeguardSettings", "flattened"]

@@ -9,10 +9,10 @@ refused with the closest accepted one, because a silently ignored knob is how a 
 anyone noticing.
 
 "auto" values (Hugging Face templates) are resolved at the dict level (zerokit/config/dsconfig/auto.py), before the typed
-config is built: at once where they need nothing more, and those that need the world size or the model in
-`ZeroConfig.resolve(world_size=, hidden_size=)`, which resolves the dict again and builds the typed fields from it by
-the same projection (`typed_fields`, one table from keys to fields: FIELDS); `startup_log_lines()` then says what
-zerokit chose. A field's default is the schema's default for its key (config/dsconfig/schema*.py), except where a comment
+config is built (`typed_fields`, one table from keys to fields: FIELDS): at once where they need nothing more. What
+needs the world size or the model the reader records as values (`Unknowns`), and `ZeroConfig.resolve(world_size=,
+hidden_size=)` fills it in from them and the config's own fields, without reading the dict again: the dict is read
+once. `startup_log_lines()` then says what zerokit chose. A field's default is the schema's default for its key (config/dsconfig/schema*.py), except where a comment
 says why zerokit's differs.
 """
 
@@ -27,8 +27,9 @@ import torch
 
 from zerokit.config.defaults import DEFAULT_BUCKET_BYTES
 from zerokit.config.dsconfig import AUTO, DeepSpeedConfig, read
-from zerokit.config.dsconfig.auto import (GAS, MICRO, TBS, Choice, default_differences, derive_batch, hidden_size_of,
-                                   pending)
+from zerokit.config.dsconfig.auto import (GAS, HIDDEN_KEYS, MICRO, TBS, Choice, Unknowns, default_differences,
+                                          derive_batch, fill, hidden_size_of, pending, unknowns,
+                                          unset_differing_defaults)
 from zerokit.config.dsconfig.auto import resolve as resolve_auto
 from zerokit.config.dsconfig.blocks import (ActivationCheckpointing, CommsLogger, FlopsProfiler, Monitor, Offload,
                                      OptimizerSpec, Preemption, Resume, SchedulerSpec, Wandb, block_fields,
@@ -36,9 +37,10 @@ from zerokit.config.dsconfig.blocks import (ActivationCheckpointing, CommsLogger
 from zerokit.config.dsconfig.precision import compute_dtype
 from zerokit.config.dsconfig.schema import default
 from zerokit._support.jsonfile import read_json_object
-from zerokit.config.settings import (ELEMENT_BYTES, CheckpointSettings, CommSettings, EngineSettings, Facts,
-                                     ObserveSettings, OffloadSettings, RunSettings, SafeguardSettings, StageSettings,
-                                     StepSettings, TensorSettings, flattened, launcher_ranks_per_node, ranks_per_node)
+from zerokit.config.settings import (ELEMENT_BYTES, CheckpointSettings, CommSettings, EngineChoices, EngineSettings,
+                                     Facts, ObserveSettings, OffloadSettings, RunSettings, SafeguardSettings,
+                                     StageSettings, StepSettings, TensorSettings, decide, flattened,
+                                     launcher_ranks_per_node)
 
 DTYPES_BY_NAME = {
     "fp32": torch.float32, "float32": torch.float32,
@@ -261,8 +263,15 @@ class ZeroConfig:
     """What "auto" (and absent batch keys) resolved to."""
     pending_auto: tuple[str, ...] = field(default=(), compare=False)
     """Keys whose value needs the world size or the model: see resolve()."""
+    unknowns: Unknowns | None = field(default=None, compare=False, repr=False)
+    """What the DeepSpeed config this was read from leaves to the world size and the model, recorded where it was
+    read (config/dsconfig/auto.py): resolve() fills it in without reading the dict again. None for a typed config, and
+    once resolved."""
+    unset_defaults: tuple[str, ...] = field(default=(), compare=False)
+    """Keys the DeepSpeed config left unset whose default differs from DeepSpeed's (the start-up log says so)."""
     source: DeepSpeedConfig | None = field(default=None, compare=False, repr=False)
-    """The DeepSpeed config this was read from (None for a typed config)."""
+    """The DeepSpeed config this was read from (None for a typed config), kept for the caller: zerokit reads it once,
+    in from_dict."""
 
     def __post_init__(self) -> None:
         if self.precision.param_dtype == torch.float16 and self.loss_scaling is None:
@@ -292,22 +301,45 @@ class ZeroConfig:
     def resolve(self, world_size: int, hidden_size: int | None = None) -> ZeroConfig:
         """This config with every "auto" filled in for this world size and model (hidden_size: see
         hidden_size_of), batch sizes derived, and the batch identity checked; auto_choices says what was
-        chosen. The DeepSpeed dict is resolved again, now with the world size and the model, and the typed fields
-        are built from it as from_dict builds them; fields changed with replace() since the dict was read keep
-        their value (and, where a key holds them, are written into the dict first, so that what is derived from
-        them agrees). A typed config has nothing to fill in and is only checked."""
-        if self.source is None:
+        chosen. What the DeepSpeed config left unknown was recorded where it was read (`unknowns`), so the dict is
+        not read again: the values come from this config's own fields, and a field changed with replace() since
+        reading keeps its value (what is derived from it agrees). A typed config has nothing to fill in and is only
+        checked; so has a resolved one."""
+        if self.unknowns is None:
             self.check_batch_sizes(world_size)
             return self
-        as_read = ZeroConfig(**typed_fields(self.source))
-        edited = {path: _field(self, name) for path, name in FIELDS.items()
-                  if _field(self, name) != _field(as_read, name)}
-        resolution = resolve_auto(self.source.with_values(edited), world_size=world_size, hidden_size=hidden_size)
-        fresh = ZeroConfig(**typed_fields(resolution.config), notes=self.notes, warnings=self.warnings,
-                           auto_choices=self.auto_choices + resolution.choices)
-        resolved = _keep_edits(fresh, as_read, self)
+        values, choices = fill(self._unknowns_now(), world_size, hidden_size)
+        resolved = replace(self, **self._typed_values(values), pending_auto=(), unknowns=None,
+                           auto_choices=self.auto_choices + tuple(choices))
         resolved.check_batch_sizes(world_size)
         return resolved
+
+    def _unknowns_now(self) -> Unknowns:
+        """`unknowns` with this config's own values: the batch sizes it holds (the accumulation steps unknown only
+        while they are the default a read config holds for a derived value), the hidden-size keys still at the
+        default a read "auto" leaves, the reduce dtype it reduces in."""
+        unknown = self.unknowns
+        read_gas = dict(unknown.batch)[GAS]
+        gas = None if read_gas is None and self.gradient_accumulation_steps == 1 else self.gradient_accumulation_steps
+        untouched = [path for path in unknown.hidden_keys
+                     if _field(self, HIDDEN_FIELDS[path]) == _read_auto_value(HIDDEN_FIELDS[path])]
+        return replace(unknown, batch=((TBS, self.train_batch_size), (MICRO, self.train_micro_batch_size_per_gpu),
+                                       (GAS, gas)),
+                       hidden_keys=tuple(untouched), reduce_dtype=DTYPE_NAMES[self.precision.reduce_dtype])
+
+    def _typed_values(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """`fill`'s values by key as this config's fields: the bucket from elements to bytes of the reduce dtype, the
+        stage-3 sizes into the Stage3Policy."""
+        typed: dict[str, Any] = {}
+        stage3: dict[str, Any] = {}
+        for path, value in values.items():
+            if path == HIDDEN_KEYS[0]:
+                typed["reduce_bucket_bytes"] = value * _element_size(self.precision.reduce_dtype)
+            elif FIELDS[path].startswith("stage3."):
+                stage3[FIELDS[path].removeprefix("stage3.")] = value
+            else:
+                typed[FIELDS[path]] = value
+        return {**typed, "stage3": replace(self.stage3, **stage3)} if stage3 else typed
 
     def startup_log_lines(self) -> list[str]:
         """What the start-up log should say about the config: keys accepted because zerokit always does that,
@@ -390,16 +422,16 @@ def _check_sizes(config: ZeroConfig) -> None:
     if config.tag_validation not in ("Ignore", "Warn", "Fail"):
         raise ValueError(f"checkpoint.tag_validation={config.tag_validation!r} is not accepted; use Ignore, Warn or "
                          "Fail")
-    _check_tensor_degree(config)
-
-
-def _check_tensor_degree(config: ZeroConfig) -> None:
-    """tensor_parallel.autotp_size, and tensor_parallel.tp.tp_size beside it as DeepSpeed 0.19.8 checks it."""
     degree = config.autotp_size
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 0:
         raise ValueError(f"tensor_parallel.autotp_size={degree!r} is not a tensor degree; use a positive divisor of "
                          "the ranks of a node (0 or 1: no tensor parallelism)")
-    tp_size = config.source.get("tensor_parallel.tp.tp_size") if config.source is not None else None
+
+
+def _check_tp_size(config: DeepSpeedConfig) -> None:
+    """tensor_parallel.tp.tp_size beside tensor_parallel.autotp_size, as DeepSpeed 0.19.8 checks it (where the dict is
+    read: no typed field holds it)."""
+    degree, tp_size = config.get("tensor_parallel.autotp_size"), config.get("tensor_parallel.tp.tp_size")
     if tp_size not in (None, 1, degree):
         raise ValueError(f"tensor_parallel.tp.tp_size ({tp_size}) does not match tensor_parallel.autotp_size "
                          f"({degree}): give 1 or the same degree")
@@ -414,9 +446,8 @@ def startup_log_lines(config: ZeroConfig) -> list[str]:
     lines = [*config.notes, *(choice.line() for choice in config.auto_choices), *_meaning_lines(config)]
     if config.pending_auto:
         lines.append(f"still to resolve with the world size and the model: {', '.join(config.pending_auto)}")
-    if config.source is not None:
-        lines += default_differences(config.source, DTYPE_NAMES[config.precision.param_dtype],
-                                     DTYPE_NAMES[config.precision.reduce_dtype], config.stage)
+    lines += default_differences(config.unset_defaults, DTYPE_NAMES[config.precision.param_dtype],
+                                 DTYPE_NAMES[config.precision.reduce_dtype], config.stage)
     return lines
 
 
@@ -436,56 +467,59 @@ def _meaning_lines(config: ZeroConfig) -> list[str]:
     return lines
 
 
+def engine_choices(config: ZeroConfig) -> EngineChoices:
+    """What this config chooses of the engine-wide decisions, in plain values (the planner makes its own)."""
+    return EngineChoices(stage=config.stage, reduce_scatter=config.reduce_scatter,
+                         reduce_every_micro_step=config.reduce_every_micro_step, bucket_bytes=config.reduce_bucket_bytes,
+                         reduce_dtype=DTYPE_NAMES[config.precision.reduce_dtype],
+                         mics_shard_size=config.mics_shard_size, hpz_partition_size=config.hpz_partition_size,
+                         ranks_per_node=config.ranks_per_node)
+
+
 def engine_settings(config: ZeroConfig, world_size: int, backend: str,
                     launcher_per_node: int | None = None) -> EngineSettings:
-    """What an engine with this (resolved) config does on these ranks and back-end, decided once (See [Note: one place for
-    each engine decision] in settings.py). `launcher_per_node`: the launcher's ranks per node (None: read it here)."""
-    per_node = config.ranks_per_node or launcher_per_node or launcher_ranks_per_node(world_size)
-    return EngineSettings.resolve(stage=config.stage, world_size=world_size, backend=backend,
-                                  reduce_scatter=config.reduce_scatter,
-                                  reduce_every_micro_step=config.reduce_every_micro_step,
-                                  bucket_bytes=config.reduce_bucket_bytes,
-                                  reduce_dtype=DTYPE_NAMES[config.precision.reduce_dtype],
-                                  mics_shard_size=config.mics_shard_size, hpz_partition_size=config.hpz_partition_size,
-                                  ranks_per_node=per_node)
-
-
+    """What an engine with this (resolved) config does on these ranks and back-end (See [Note: one place for each engine
+    decision] in settings.py), for a caller without the run's facts: `launcher_per_node` (None: the launcher's, read
+    here, as the engine reads it into its facts)."""
+    launcher = launcher_per_node or launcher_ranks_per_node()
+    return decide(engine_choices(config), Facts(world_size=world_size, backend=backend, ranks_per_node=launcher))
 
 
 # ---------------------------------------------------------------------------------------------
 # The run's settings: resolve(config, facts), one part per room (See [Note: each room gets its part] in settings.py)
 # ---------------------------------------------------------------------------------------------
 
-def tensor_settings(config: ZeroConfig) -> TensorSettings:
-    """parallel/tensor/'s part, which the mesh needs before the run's facts are known (the data group comes from it). No
-    "auto" reaches it: resolve hands out the same."""
-    return TensorSettings(autotp_size=config.autotp_size, ranks_per_node=config.ranks_per_node,
-                          timeout_seconds=config.comm_timeout_seconds)
-
-
-def comm_settings(config: ZeroConfig) -> CommSettings:
-    """comm/'s part, which the engine's group needs before the run's facts are known (its size and back-end are
-    facts). No "auto" reaches it: resolve hands out the same."""
-    return CommSettings(timeout_seconds=config.comm_timeout_seconds, logger=config.comms_logger)
+def parts_before_facts(config: ZeroConfig, launcher_per_node: int | None) -> tuple[TensorSettings, CommSettings]:
+    """The parts the run's facts come from, made before them: parallel/tensor/'s, for the mesh (the data group is one of
+    its dimensions), with the launcher's ranks per node (a fact known before), and comm/'s, for the engine's group
+    (its size and back-end are facts). No "auto" reaches them: resolve hands out the same."""
+    return (TensorSettings(autotp_size=config.autotp_size, ranks_per_node=config.ranks_per_node,
+                           launcher_ranks_per_node=launcher_per_node, timeout_seconds=config.comm_timeout_seconds),
+            CommSettings(timeout_seconds=config.comm_timeout_seconds, logger=config.comms_logger))
 
 
 def resolve(config: ZeroConfig, facts: Facts) -> tuple[ZeroConfig, RunSettings]:
     """The config with every "auto" filled in for these facts (ZeroConfig.resolve), and the run's settings made from it
-    once: the engine-wide decisions and one part per room."""
+    once: the engine-wide decisions (the planner's `decide` too) and one part per room."""
     config = config.resolve(world_size=facts.batch_ranks or facts.world_size, hidden_size=facts.hidden_size)
+    decisions = decide(engine_choices(config), facts)
+    # the tiers check that every rank of a node fits in its host memory and NVMe: the same nodes as the decisions'
     offload = OffloadSettings(optimizer=config.offload_optimizer, param=config.offload_param,
-                              sub_group_size=config.sub_group_size, param_dtype=config.precision.param_dtype)
-    decisions = engine_settings(config, facts.world_size, facts.backend, facts.ranks_per_node)
+                              sub_group_size=config.sub_group_size, ranks_per_node=decisions.ranks_per_node,
+                              param_dtype=config.precision.param_dtype)
+    # torchrun's node to check consecutive numbering against, where the nodes are the launcher's
+    node_rank = facts.node_rank if decisions.ranks_per_node == facts.ranks_per_node else None
     return config, RunSettings(
         decisions=decisions, stage=_stage_settings(config, offload), offload=offload,
         step=StepSettings(gradient_accumulation_steps=config.gradient_accumulation_steps,
                           gradient_clipping=config.gradient_clipping,
                           max_consecutive_skipped_steps=config.max_consecutive_skipped_steps,
                           loss_scaling=config.loss_scaling),
-        comm=comm_settings(config),
-        tensor=tensor_settings(config), checkpoint=_checkpoint_settings(config), observe=_observe_settings(config),
-        safeguards=_safeguard_settings(config, decisions.ranks_per_node),
-        activations=config.activation_checkpointing, preemption=config.preemption)
+        tensor=(early := parts_before_facts(config, facts.ranks_per_node))[0], comm=early[1],
+        checkpoint=_checkpoint_settings(config), observe=_observe_settings(config),
+        safeguards=_safeguard_settings(config, decisions.ranks_per_node, node_rank),
+        activations=config.activation_checkpointing, preemption=config.preemption,
+        startup_lines=tuple(config.startup_log_lines()), warnings=config.warnings)
 
 
 def _stage_settings(config: ZeroConfig, offload: OffloadSettings) -> StageSettings:
@@ -511,8 +545,8 @@ def _observe_settings(config: ZeroConfig) -> ObserveSettings:
                            csv_monitor=config.csv_monitor, tensorboard=config.tensorboard, wandb=config.wandb)
 
 
-def _safeguard_settings(config: ZeroConfig, per_node: int) -> SafeguardSettings:
-    return SafeguardSettings(stage=config.stage, units=config.stage3, ranks_per_node=per_node,
+def _safeguard_settings(config: ZeroConfig, per_node: int, node_rank: int | None) -> SafeguardSettings:
+    return SafeguardSettings(stage=config.stage, units=config.stage3, ranks_per_node=per_node, node_rank=node_rank,
                              broadcast_buffers=config.broadcast_buffers,
                              gradient_accumulation_steps=config.gradient_accumulation_steps,
                              has_scheduler=config.scheduler is not None, agreed=tuple(flattened("config", config)))
@@ -591,10 +625,22 @@ field of another shape are typed_fields' own: the precision blocks, reduce_bucke
 accumulation dtype and the torch-free blocks (config/dsconfig/blocks.py)."""
 
 
+HIDDEN_FIELDS = {HIDDEN_KEYS[0]: "reduce_bucket_bytes", HIDDEN_KEYS[1]: "stage3.prefetch_numel",
+                 HIDDEN_KEYS[2]: "stage3.persistence_threshold"}
+"""The typed fields that hold the hidden-size keys (reduce_bucket_size in bytes, not elements)."""
+
+
+def _read_auto_value(name: str) -> Any:
+    """What a hidden-size field holds when its key was read as "auto": its default, which the key shares."""
+    owner, attribute = (Stage3Policy, name.removeprefix("stage3.")) if name.startswith("stage3.") else (ZeroConfig, name)
+    return next(item.default for item in fields(owner) if item.name == attribute)
+
+
 def typed_fields(config: DeepSpeedConfig) -> dict[str, Any]:
     """ZeroConfig's fields from a DeepSpeed config at the dict level, every "auto" in it resolved that can be (See
     [Note: resolving "auto"] in config/dsconfig/auto.py): from_dict builds the typed config with them, and resolve() again
     from the same dict resolved with the world size and the model."""
+    _check_tp_size(config)
     given = {name: config.get(path) for path, name in FIELDS.items()
              if config.given(path) and config.get(path) is not AUTO}
     stage3 = {name.removeprefix("stage3."): given.pop(name) for name in list(given) if name.startswith("stage3.")}
@@ -603,7 +649,8 @@ def typed_fields(config: DeepSpeedConfig) -> dict[str, Any]:
     return dict(**given, precision=precision, loss_scaling=scaling, stage3=Stage3Policy(**stage3),
                 reduce_bucket_bytes=_bucket_bytes(config, precision.reduce_dtype),
                 grad_accum_dtype=None if data_types is None else DTYPES_BY_NAME[data_types], **block_fields(config),
-                pending_auto=pending(config), source=config)
+                pending_auto=pending(config), unknowns=unknowns(config),
+                unset_defaults=unset_differing_defaults(config), source=config)
 
 
 def _field(config: Any, name: str) -> Any:
@@ -611,20 +658,6 @@ def _field(config: Any, name: str) -> Any:
     for part in name.split("."):
         config = getattr(config, part)
     return config
-
-
-def _keep_edits(fresh: Any, as_read: Any, current: Any) -> Any:
-    """`fresh`, but with every field of `current` that differs from `as_read` (changed with replace() since the dict
-    was read) kept as `current` has it; inside a policy (a dataclass field such as stage3 or precision), field by
-    field. Fields that are not compared (notes, choices, the source) are `fresh`'s."""
-    kept = {}
-    for item in fields(current):
-        now, then = getattr(current, item.name), getattr(as_read, item.name)
-        if not item.compare or now == then:
-            continue
-        both_policies = is_dataclass(now) and type(now) is type(then)
-        kept[item.name] = _keep_edits(getattr(fresh, item.name), then, now) if both_policies else now
-    return replace(fresh, **kept) if kept else fresh
 
 
 def from_dict(raw: Mapping[str, Any]) -> ZeroConfig:
@@ -648,7 +681,7 @@ def load_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None) -> Z
     raise ValueError(f"config must be a ZeroConfig, a dict or a JSON file path, not {type(config).__name__}")
 
 
-__all__ = ["engine_settings", "resolve", "tensor_settings", "comm_settings", "plain_fields",
+__all__ = ["engine_choices", "engine_settings", "resolve", "parts_before_facts", "plain_fields",
            "ZeroConfig", "MixedPrecision", "LossScaling", "Stage3Policy", "Offload", "OptimizerSpec",
            "SchedulerSpec", "Preemption", "Resume", "ActivationCheckpointing", "CommsLogger", "FlopsProfiler", "Monitor", "Wandb",
            "load_config", "from_dict", "hidden_size_of", "replace"]

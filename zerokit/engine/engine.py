@@ -21,7 +21,7 @@ from zerokit.checkpoint.data_position import DataPosition
 from zerokit.checkpoint.newest import resume_from_newest
 from zerokit.checkpoint.session import close as close_checkpoints
 from zerokit.comm import Communicator
-from zerokit.config.typed import ZeroConfig, comm_settings, hidden_size_of, load_config, resolve, tensor_settings
+from zerokit.config.typed import ZeroConfig, hidden_size_of, load_config, parts_before_facts, resolve
 from zerokit.engine.state import engine_state_dict, load_engine_state, totals
 from zerokit.engine.checkpoints import Checkpoints
 from zerokit.checkpoint.locate import layout_directory
@@ -36,7 +36,7 @@ from zerokit.precision.scaler import make_loss_scaler
 from zerokit.reliability.preemption import PreemptionWatcher
 from zerokit.reliability import Safeguards, check_at_start
 from zerokit.comm.process import close_at_exit, default_device, ensure_process_group, forget_at_exit
-from zerokit.config.settings import Facts, RunSettings, launcher_ranks_per_node
+from zerokit.config.settings import Facts, RunSettings, launcher_node_rank, launcher_ranks_per_node
 from zerokit.stages import STAGES, BucketReducer, ZeroStage, install_hooks
 from zerokit.stages.base import memory_by_tier
 from zerokit.engine.step import Progress, Stepper
@@ -63,33 +63,35 @@ class Engine(ExternalBackward, Checkpoints):
         mesh (See [Note: one layout, resolved once] in zerokit/parallel/mesh.py); the engine shards over this rank's data
         group. None: over every rank."""
         ensure_process_group()
+        launcher_per_node, node_rank = launcher_ranks_per_node(), launcher_node_rank()  # torchrun's, read once
         # The mesh first: the tensor degree decides this rank's data group, whose size the facts below are
         # (See zerokit/parallel/tensor/setup.py: the tensor degree, the model split by its plan, the tensor group)
-        tensor_part = tensor_settings(config)
+        tensor_part, comm_part = parts_before_facts(config, launcher_per_node)
         self.layout = checked_layout(tensor_layout(layout, tensor_part))
         hidden_size = hidden_size_of(model)  # a fact for "auto" sizes, from the model's Hugging Face config
         self.tensor, optimizer, model_parameters = parallelize(model, self.layout, tensor_part, optimizer,
                                                                model_parameters)
+        mesh_lines = tensor_startup_lines(self.layout, tensor_part, self.tensor)  # logged with the others, at the end
+        counted_ranks = batch_ranks(self.layout, tensor_part)  # a fact: the ranks the batch sizes count
         # the engine's group (its waits have the config's deadline) before resolve: its size and back-end are facts
-        comm_part = comm_settings(config)
         self.comm = Communicator.create(comm_part.timeout_seconds, stats=collective_stats(comm_part.logger),
                                         parts=None if self.layout is None else self.layout.data_groups())
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         facts = Facts(world_size=self.world_size, backend=self.comm.backend, hidden_size=hidden_size,
-                      ranks_per_node=launcher_ranks_per_node(self.world_size),
-                      batch_ranks=batch_ranks(self.layout, tensor_part, self.world_size))
+                      ranks_per_node=launcher_per_node, node_rank=node_rank,
+                      batch_ranks=counted_ranks)
         # See [Note: each room gets its part] in zerokit/config/settings.py; engine.config keeps the whole, for the
         # public API
         self.config, self.parts = resolve(config, facts)
         # See [Note: one place for each engine decision] in zerokit/config/settings.py
         self.settings = self.parts.decisions
         self.device, self.module = device or default_device(), model
-        self._build(optimizer, model_parameters, param_init)
+        self._build(optimizer, model_parameters, param_init, mesh_lines)
         self.closed = False
         close_at_exit(self)  # See [Note: leaving at exit] in comm/process.py
 
     def _build(self, optimizer: Optimizers | None, model_parameters: Iterable[Any] | None,
-               param_init: ParamInit | None) -> None:
+               param_init: ParamInit | None, mesh_lines: list[str]) -> None:
         """Each room built with its part of the settings, in the order a step's data flows: the stage (layout, flat
         buffers, masters), the reducer and the hooks that fill its buckets, the guards, the step, then what watches
         the step (monitor, activations, preemption)."""
@@ -114,9 +116,8 @@ class Engine(ExternalBackward, Checkpoints):
         # whose units it recomputes
         self.activations = ActivationCheckpointer(parts.activations, self.comm.stats, self.device)
         self.activations.checkpoint_modules(self.stage.recomputed_modules())
-        setup_lines = (grad_accum_dtype_lines(config) + tensor_startup_lines(self.layout, parts.tensor, self.tensor)
-                       + self.activations.startup_lines())
-        log_startup(self.stage, config.startup_log_lines() + setup_lines, config.warnings)
+        setup_lines = grad_accum_dtype_lines(config) + mesh_lines + self.activations.startup_lines()
+        log_startup(self.stage, list(parts.startup_lines) + setup_lines, parts.warnings)
         # last: a signal saves a checkpoint, which needs everything above
         self.preemption = PreemptionWatcher(parts.preemption, self.comm, self.save_checkpoint)
 

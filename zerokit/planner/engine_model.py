@@ -48,8 +48,8 @@ from functools import cached_property
 
 from zerokit.config.defaults import DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
 from zerokit.flat.layout import build_layout, round_up
-from zerokit.config.settings import (EngineSettings, consecutive_groups, optimizer_piece_numel, ring_crosses_nodes,
-                              ring_share, strided_groups)
+from zerokit.config.settings import (EngineChoices, EngineSettings, Facts, consecutive_groups, decide,
+                                     optimizer_piece_numel, ring_crosses_nodes, ring_share, strided_groups)
 from zerokit.planner.spec import BYTES_PER_ELEMENT, OFFLOAD_DEVICES, PRECISIONS, _choice, _positive_int
 
 BACKENDS = ("gloo", "nccl")
@@ -171,12 +171,12 @@ class EngineSetup:
     @cached_property
     def settings(self) -> EngineSettings:
         """The engine's own decisions for this setup (zerokit/config/settings.py), not a copy of them."""
-        return EngineSettings.resolve(stage=self.stage, world_size=self.world, backend=self.backend,
-                                      reduce_scatter=self.reduce_scatter,
-                                      reduce_every_micro_step=self.reduce_every_micro_step,
-                                      bucket_bytes=self.bucket_bytes, reduce_dtype=self.reduce_dtype,
-                                      mics_shard_size=self.mics_shard_size, ranks_per_node=self.ranks_per_node,
-                                      hpz_partition_size=self.hpz_partition_size)
+        choices = EngineChoices(stage=self.stage, reduce_scatter=self.reduce_scatter,
+                                reduce_every_micro_step=self.reduce_every_micro_step, bucket_bytes=self.bucket_bytes,
+                                reduce_dtype=self.reduce_dtype, mics_shard_size=self.mics_shard_size,
+                                hpz_partition_size=self.hpz_partition_size, ranks_per_node=self.ranks_per_node)
+        # the predicted facts; the nodes are stated as a config states them (the plan's config names them: emit.py)
+        return decide(choices, Facts(world_size=self.world, backend=self.backend))
 
     @property
     def shards_are_masters(self) -> bool:

@@ -11,7 +11,6 @@ its `.grad` grows. So the set of requires_grad flags is recorded at start and co
 
 from __future__ import annotations
 
-import os
 
 from torch import nn
 
@@ -88,14 +87,14 @@ class TrainableGuard:
                            "initialize a new engine after changing it")
 
 
-def refuse_misnumbered_node(ranks_per_node: int | None, rank: int) -> None:
-    """torchrun's GROUP_RANK must be the node that the config's consecutive numbering gives this rank (rank //
-    ranks_per_node), when the nodes come from torchrun's LOCAL_WORLD_SIZE: otherwise the bytes counted as crossing
-    nodes, and MiCS's shard groups, would not be the nodes the job runs on (See [Note: hybrid sharding])."""
-    local, node = os.environ.get("LOCAL_WORLD_SIZE", ""), os.environ.get("GROUP_RANK", "")
-    if not (local.isdigit() and node.isdigit()) or ranks_per_node is None or int(local) != ranks_per_node:
+def refuse_misnumbered_node(ranks_per_node: int, node: int | None, rank: int) -> None:
+    """torchrun's GROUP_RANK (`node`, None where the nodes do not come from torchrun's LOCAL_WORLD_SIZE: See
+    SafeguardSettings.node_rank) must be the node that consecutive numbering gives this rank (rank // ranks_per_node):
+    otherwise the bytes counted as crossing nodes, and MiCS's shard groups, would not be the nodes the job runs on (See
+    [Note: hybrid sharding])."""
+    if node is None:
         return
-    if int(node) != rank // ranks_per_node:
+    if node != rank // ranks_per_node:
         raise ValueError(f"rank {rank} runs on node {node} (torchrun's GROUP_RANK) but consecutive numbering puts it on "
                          f"node {rank // ranks_per_node} of {ranks_per_node} ranks; give each node's ranks consecutive "
                          "numbers (torchrun --node_rank), or set ranks_per_node in the config")

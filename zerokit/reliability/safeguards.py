@@ -29,7 +29,7 @@ def check_at_start(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
         if optimizers:  # none: an engine that runs forward only (See zerokit/reliability/forward_only.py)
             refuse_nothing_to_train(model)
         refuse_fullgraph_around_units(model, part.stage, part.units)
-        refuse_misnumbered_node(part.ranks_per_node, comm.rank)
+        refuse_misnumbered_node(part.ranks_per_node, part.node_rank, comm.rank)
     except ValueError as error:
         problem = error
     fields = {"start-up checks": str(problem) if problem else "passed",

@@ -101,8 +101,10 @@ class NvmeShards:
 
     tier = "nvme"
 
-    def __init__(self, device: torch.device, offload: Offload, stats: CommStats, swap: SwapDirectory) -> None:
+    def __init__(self, device: torch.device, offload: Offload, stats: CommStats, swap: SwapDirectory,
+                 ranks_per_node: int) -> None:
         self.device, self.stats, self.swap = device, stats, swap
+        self.ranks_per_node = ranks_per_node  # whose files and buffers share this node's disk and host memory
         self.pin = offload.pin_memory and torch.cuda.is_available()
         self.budget = offload.max_in_cpu  # host-memory elements, over every allocation
         self.chunk_numel = offload.buffer_size or sys.maxsize  # 0: a shard is one record
@@ -119,9 +121,10 @@ class NvmeShards:
         element = torch.empty((), dtype=dtype).element_size()
         cached = min(self.budget, local.numel)
         largest = min(self.chunk_numel, max((end - begin for begin, end in local.ranges), default=0))
-        check_host_memory(key, (cached + self.pool.count * largest) * element)
+        check_host_memory(key, (cached + self.pool.count * largest) * element, self.ranks_per_node)
         records = len(local.ranges) + local.numel // self.chunk_numel  # each rounded up to a block at most
-        check_nvme(key, str(self.swap.root.parent), round_up((local.numel - cached) * element) + records * 4096)
+        check_nvme(key, str(self.swap.root.parent), round_up((local.numel - cached) * element) + records * 4096,
+                   self.ranks_per_node)
         allocation = _Allocation(f"shards{len(self.allocations)}", local, dtype, self.budget, self.chunk_numel, self.pin)
         self.budget -= allocation.cache.numel()
         if allocation.cache.numel() and self.swap.rank == 0:

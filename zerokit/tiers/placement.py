@@ -38,8 +38,9 @@ def master_homes(compute: list[torch.Tensor], part: OffloadSettings, stats: Comm
         largest = max((shard.numel() for shard in compute), default=0)
         largest = min(sub_group, largest) if sub_group else largest
         pool = BufferPool(offload.buffer_count, offload.pin_memory)
-        check_host_memory(key, pool.count * largest * per_element)
-        speed = check_nvme(key, offload.nvme_path, aligned(sum(shard.numel() for shard in compute) * per_element))
+        check_host_memory(key, pool.count * largest * per_element, part.ranks_per_node)
+        speed = check_nvme(key, offload.nvme_path, aligned(sum(shard.numel() for shard in compute) * per_element),
+                           part.ranks_per_node)
         swap = SwapDirectory(offload.nvme_path, rank, "optimizer")
         _log_swap(key, swap, speed)
         if rank == 0:
@@ -49,7 +50,8 @@ def master_homes(compute: list[torch.Tensor], part: OffloadSettings, stats: Comm
         return [NvmeHome(shard, f"master{index}", swap, pool, stats, io, sub_group)
                 for index, shard in enumerate(compute)]
     on_host = _host_share(compute, offload.ratio) if offload.enabled else [False] * len(compute)
-    check_host_memory(key, sum(shard.numel() for shard, host in zip(compute, on_host) if host) * per_element)
+    check_host_memory(key, sum(shard.numel() for shard, host in zip(compute, on_host) if host) * per_element,
+                      part.ranks_per_node)
     return [HostHome(shard, offload.pin_memory, stats, io) if host else
             DeviceHome(shard, device, io, part.param_dtype) for shard, host in zip(compute, on_host)]
 
@@ -64,12 +66,13 @@ def shard_home(part: OffloadSettings, stats: CommStats, device: torch.device, ra
     """Where stage 3's parameter shards live between gathers (offload_param)."""
     offload = part.param
     if offload.device == "nvme":
-        speed = check_nvme("zero_optimization.offload_param", offload.nvme_path, 0)  # what the shards need: at allocate
+        # what the shards need is checked when they are allocated
+        speed = check_nvme("zero_optimization.offload_param", offload.nvme_path, 0, part.ranks_per_node)
         swap = SwapDirectory(offload.nvme_path, rank, "params")
         _log_swap("zero_optimization.offload_param", swap, speed)
-        return NvmeShards(device, offload, stats, swap)
+        return NvmeShards(device, offload, stats, swap, part.ranks_per_node)
     if offload.device == "cpu":
-        return HostShards(device, offload.pin_memory, stats)
+        return HostShards(device, offload.pin_memory, stats, part.ranks_per_node)
     return DeviceShards(device, stats)
 
 

@@ -1,8 +1,9 @@
 """Before training: can each tier hold its share? A tier that cannot gets a one-line error naming the key, what
 it needs and what there is, at initialize, not an out-of-memory error an hour later.
 
-Host memory is shared by the ranks of a node (LOCAL_WORLD_SIZE under torchrun), so a rank checks that all of
-them fit in what the node has available (MemAvailable). An NVMe path must be a writable directory on a file
+Host memory is shared by the ranks of a node (the settings' ranks per node: the config's, else torchrun's
+LOCAL_WORLD_SIZE, else every rank), so a rank checks that all of them fit in what the node has available
+(MemAvailable). An NVMe path must be a writable directory on a file
 system with room for every local rank's files; a short write and read (direct I/O where allowed) proves it
 and measures it.
 """
@@ -24,10 +25,6 @@ STATE_BYTES = {"SGD": 4, "Adagrad": 4, "RMSprop": 8, "Muon": 4, "Adafactor": 4}
 DEFAULT_STATE_BYTES = 8
 
 
-def local_ranks() -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
 def available_host_bytes() -> int:
     """MemAvailable from /proc/meminfo (what can be allocated without swapping), or what os reports."""
     try:
@@ -43,9 +40,9 @@ def free_disk_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def check_host_memory(key: str, needed: int) -> None:
-    """`needed`: bytes this rank will hold in host memory for the tier named by `key`."""
-    ranks = local_ranks()
+def check_host_memory(key: str, needed: int, ranks: int) -> None:
+    """`needed`: bytes this rank will hold in host memory for the tier named by `key`; `ranks`: the ranks of its node,
+    each holding as much."""
     available = available_host_bytes()
     if needed * ranks > available:
         raise ValueError(f"{key} needs {needed * ranks / GIB:.2f} GiB of host memory on this node ({ranks} rank(s) x "
@@ -53,15 +50,15 @@ def check_host_memory(key: str, needed: int) -> None:
                          "more nodes, or free host memory")
 
 
-def check_nvme(key: str, nvme_path: str, needed: int) -> float:
-    """`needed`: bytes of files this rank will write under `nvme_path`. Returns the probe's write+read GB/s."""
+def check_nvme(key: str, nvme_path: str, needed: int, ranks: int) -> float:
+    """`needed`: bytes of files this rank will write under `nvme_path`, as each of the `ranks` of its node will.
+    Returns the probe's write+read GB/s."""
     path = Path(nvme_path)
     if not path.exists():
         raise ValueError(f"{key}.nvme_path={nvme_path!r} does not exist; give an existing directory on the NVMe drive")
     if not path.is_dir():
         raise ValueError(f"{key}.nvme_path={nvme_path!r} is not a directory")
     seconds = _probe(key, path)
-    ranks = local_ranks()
     free = free_disk_bytes(path)
     if needed * ranks > free:
         raise ValueError(f"{key}.nvme_path={nvme_path!r} needs {needed * ranks / GIB:.2f} GiB free for {ranks} rank(s) "

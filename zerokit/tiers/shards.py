@@ -79,13 +79,14 @@ class HostShards(_MemoryShards):
 
     tier, into, out_of = "host", Transfer.DEVICE_TO_HOST, Transfer.HOST_TO_DEVICE
 
-    def __init__(self, device: torch.device, pin_memory: bool, stats: CommStats) -> None:
+    def __init__(self, device: torch.device, pin_memory: bool, stats: CommStats, ranks_per_node: int) -> None:
         super().__init__(device, stats)
         self.pin = pin_memory and torch.cuda.is_available()  # page-locking needs the CUDA driver
+        self.ranks_per_node = ranks_per_node  # whose shards share this node's host memory
 
     def allocate(self, local: RankShards, dtype: torch.dtype) -> torch.Tensor:
         element = torch.empty((), dtype=dtype).element_size()
-        check_host_memory("zero_optimization.offload_param", local.numel * element)
+        check_host_memory("zero_optimization.offload_param", local.numel * element, self.ranks_per_node)
         return host_buffer(local.numel, dtype=dtype, pin=self.pin, zeroed=True)  # See zerokit/tiers/pinned.py
 
     def issuing(self) -> ContextManager[None]:

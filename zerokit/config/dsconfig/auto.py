@@ -59,6 +59,24 @@ class Resolution:
     choices: tuple[Choice, ...]
 
 
+@dataclass(frozen=True)
+class Unknowns:
+    """What a read config leaves to the world size and the model (See [Note: resolving "auto"]), in values: recorded
+    once where the dict is read, so that filling it in (`fill`) never reads the dict again. The typed config keeps
+    one until it is resolved, with its own fields' values put in (an edit made with replace() since reading counts)."""
+
+    batch: tuple[tuple[str, int | None], ...] = ((TBS, None), (MICRO, None), (GAS, None))
+    """train_batch_size, the micro-batch and the accumulation steps, each known or None (absent, or "auto")."""
+    given: frozenset[str] = frozenset()
+    """The batch keys the config names (a value or "auto"): a config that names none needs no line about them."""
+    hidden_keys: tuple[str, ...] = ()
+    """The HIDDEN_KEYS given as "auto"."""
+    reduce_dtype: str = "fp32"
+    """communication_data_type's name: the bucket is counted in its elements where the model has no hidden size."""
+    elastic: ElasticPolicy | None = None
+    """An enabled elasticity block, which chooses every batch size for the world size."""
+
+
 def pending(config: DeepSpeedConfig) -> tuple[str, ...]:
     """Paths whose value needs the world size or the model's hidden size before training can start."""
     out = [path for path in HIDDEN_KEYS if config.get(path, None) is AUTO]
@@ -69,15 +87,25 @@ def pending(config: DeepSpeedConfig) -> tuple[str, ...]:
     return tuple(out)
 
 
+def unknowns(config: DeepSpeedConfig) -> Unknowns:
+    """What `config` (resolved where no context is needed) leaves to the world size and the model."""
+    elastic = ElasticPolicy.from_block(config.under("elasticity")) if config.get(ELASTIC_SWITCH, False) else None
+    return Unknowns(batch=tuple((path, _known(config, path)) for path in (TBS, MICRO, GAS)),
+                    given=frozenset(path for path in (TBS, MICRO, GAS) if config.given(path)),
+                    hidden_keys=tuple(path for path in HIDDEN_KEYS if config.get(path, None) is AUTO),
+                    reduce_dtype=config.get("communication_data_type") or "fp32", elastic=elastic)
+
+
 def resolve(config: DeepSpeedConfig, *, world_size: int | None = None, hidden_size: int | None = None) -> Resolution:
     """Fill in every AUTO and the derived batch sizes. world_size None: only what needs no context (the
     `pending()` paths stay as they are); with a world size, everything, or a one-line error naming the key."""
     updates: dict[str, Any] = {}
     drops: list[str] = []
     choices: list[Choice] = []
-    _batch(config, world_size, updates, choices)
-    if world_size is not None:
-        _hidden(config, hidden_size, updates, choices)
+    if world_size is None:
+        _batch_without_world_size(config, updates, choices)
+    else:
+        updates, choices = fill(unknowns(config), world_size, hidden_size)
     for path in config.auto_paths():
         if path in updates or path in (GAS, TBS, MICRO) or path in HIDDEN_KEYS:
             continue
@@ -88,6 +116,24 @@ def resolve(config: DeepSpeedConfig, *, world_size: int | None = None, hidden_si
         else:
             updates[path] = value
     return Resolution(config.with_values(updates, tuple(drops)), tuple(choices))
+
+
+def fill(unknown: Unknowns, world_size: int, hidden_size: int | None) -> tuple[dict[str, Any], list[Choice]]:
+    """The values the world size and the model decide, by key, and the choices to log: every unknown batch size
+    (by DeepSpeed's identity, or the elasticity block's choice) and the "auto" hidden-size keys."""
+    values: dict[str, Any] = {}
+    choices: list[Choice] = []
+    if unknown.elastic is not None:
+        _elastic_batch(unknown.elastic, _named_batch(unknown), world_size, values, choices)
+    else:
+        _batch(unknown, world_size, values, choices)
+    _hidden(unknown, hidden_size, values, choices)
+    return values, choices
+
+
+def _named_batch(unknown: Unknowns) -> dict[str, int | None]:
+    """The batch keys the config names, with their values (None: "auto")."""
+    return {path: value for path, value in unknown.batch if path in unknown.given}
 
 
 def _known(config: DeepSpeedConfig, path: str) -> int | None:
@@ -112,42 +158,51 @@ def _default_for(config: DeepSpeedConfig, path: str) -> tuple[Any, str]:
     return value, "the default" if value is not None else "zerokit's default"
 
 
-def _batch(config: DeepSpeedConfig, world_size: int | None, updates: dict, choices: list) -> None:
-    if config.get(ELASTIC_SWITCH, False):
-        _elastic_batch(config, world_size, updates, choices)
+def _batch_without_world_size(config: DeepSpeedConfig, updates: dict, choices: list) -> None:
+    """What the batch keys decide before the world size is known: an elasticity block's clashes, and "auto"
+    accumulation steps where no batch key fixes them."""
+    unknown = unknowns(config)
+    if unknown.elastic is not None:
+        _elastic_batch(unknown.elastic, _named_batch(unknown), None, updates, choices)
         return
-    tbs, micro, gas = _known(config, TBS), _known(config, MICRO), _known(config, GAS)
-    for name, value in ((TBS, tbs), (MICRO, micro), (GAS, gas)):
+    batch = _checked_batch(unknown)
+    if config.get(GAS, None) is AUTO and not (batch[TBS] is not None and batch[MICRO] is not None):
+        _choose(GAS, 1, "no batch key fixes it", unknown.given, updates, choices)
+
+
+def _checked_batch(unknown: Unknowns) -> dict[str, int | None]:
+    batch = dict(unknown.batch)
+    for name, value in batch.items():
         if value is not None and value < 1:
             raise ValueError(f"{name}={value} must be >= 1")
-    if world_size is None:  # only the accumulation steps can be fixed without the world size
-        if config.get(GAS, None) is AUTO and not (tbs is not None and micro is not None):
-            _choose(config, GAS, 1, "no batch key fixes it", updates, choices)
-        return
+    return batch
+
+
+def _batch(unknown: Unknowns, world_size: int, updates: dict, choices: list) -> None:
+    batch = _checked_batch(unknown)
+    tbs, micro, gas = batch[TBS], batch[MICRO], batch[GAS]
     derived = derive_batch(tbs, micro, gas, world_size)
-    mentioned = any(config.given(path) for path in (TBS, MICRO, GAS))
     reasons = {TBS: f"micro-batch x accumulation x {world_size} ranks",
                MICRO: f"train_batch_size / (accumulation x {world_size} ranks)" if tbs is not None
                else "no batch key fixes it",
                GAS: f"train_batch_size / (micro-batch x {world_size} ranks)" if tbs is not None and micro is not None
                else "1, as DeepSpeed sets it when it cannot be derived"}
     for path, value in zip((TBS, MICRO, GAS), derived):
-        if _known(config, path) is None:
+        if batch[path] is None:
             updates[path] = value
-            if mentioned:  # a config that names no batch key needs no line about them
-                choices.append(Choice(path, value, reasons[path], derived=not config.given(path)))
+            if unknown.given:  # a config that names no batch key needs no line about them
+                choices.append(Choice(path, value, reasons[path], derived=path not in unknown.given))
 
 
-def _elastic_batch(config: DeepSpeedConfig, world_size: int | None, updates: dict, choices: list) -> None:
+def _elastic_batch(policy: ElasticPolicy, named: dict[str, int | None], world_size: int | None, updates: dict,
+                   choices: list) -> None:
     """The batch sizes DeepSpeed's elasticity block chooses for this world size (See [Note: elastic batch sizes] in
-    elastic.py). Batch keys given beside it are refused, as DeepSpeed refuses them, unless the block says to
+    elastic.py). Batch keys given beside it (`named`) are refused, as DeepSpeed refuses them, unless the block says to
     ignore them (then overridden) or they are what it chooses (a config resolved before)."""
-    policy = ElasticPolicy.from_block(config.under("elasticity"))
-    given = {path: _known(config, path) for path in (TBS, MICRO, GAS) if config.given(path)}
     chosen = None if world_size is None else elastic_batch(policy, world_size)
     values = {} if chosen is None else {TBS: chosen.train_batch_size, MICRO: chosen.micro_batch,
                                         GAS: chosen.accumulation}
-    clashing = [path for path, value in given.items() if values.get(path) != value]
+    clashing = [path for path, value in named.items() if values.get(path) != value]
     if clashing and not policy.ignore_non_elastic_batch_info:
         raise ValueError(f"{', '.join(clashing)} given beside an enabled elasticity block, which chooses the batch "
                          "sizes for the world size: remove them, or set elasticity.ignore_non_elastic_batch_info="
@@ -160,9 +215,9 @@ def _elastic_batch(config: DeepSpeedConfig, world_size: int | None, updates: dic
         choices.append(Choice(path, value, why, derived=True))
 
 
-def _choose(config: DeepSpeedConfig, path: str, value: Any, why: str, updates: dict, choices: list) -> None:
+def _choose(path: str, value: Any, why: str, given: frozenset[str], updates: dict, choices: list) -> None:
     updates[path] = value
-    choices.append(Choice(path, value, why, derived=not config.given(path)))
+    choices.append(Choice(path, value, why, derived=path not in given))
 
 
 def derive_batch(tbs: int | None, micro: int | None, gas: int | None, world_size: int) -> tuple[int, int, int]:
@@ -188,28 +243,26 @@ def _split(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-def _hidden(config: DeepSpeedConfig, hidden_size: int | None, updates: dict, choices: list) -> None:
-    wanted = [path for path in HIDDEN_KEYS if config.get(path, None) is AUTO]
-    if not wanted:
+def _hidden(unknown: Unknowns, hidden_size: int | None, updates: dict, choices: list) -> None:
+    if not unknown.hidden_keys:
         return
     if hidden_size is not None and hidden_size < 1:
         raise ValueError(f"hidden_size={hidden_size} must be a positive number of features")
     if hidden_size is None:
-        rules = _without_hidden_size(config)
+        rules = _without_hidden_size(unknown.reduce_dtype)
     else:
         rules = {HIDDEN_KEYS[0]: (hidden_size * hidden_size, "hidden^2"),
                  HIDDEN_KEYS[1]: (int(0.9 * hidden_size * hidden_size), "0.9 x hidden^2"),
                  HIDDEN_KEYS[2]: (10 * hidden_size, "10 x hidden")}
         rules = {path: (value, f"{rule}, hidden size {hidden_size}, as Hugging Face sets it")
                  for path, (value, rule) in rules.items()}
-    for path in wanted:
-        _choose(config, path, *rules[path], updates, choices)
+    for path in unknown.hidden_keys:
+        _choose(path, *rules[path], frozenset(unknown.hidden_keys), updates, choices)
 
 
-def _without_hidden_size(config: DeepSpeedConfig) -> dict[str, tuple[int, str]]:
+def _without_hidden_size(reduce_dtype: str) -> dict[str, tuple[int, str]]:
     """zerokit's defaults for the hidden-size keys, for a model with no config.hidden_size (See [Note: resolving
     "auto"]). The bucket is DEFAULT_BUCKET_BYTES counted in elements of the dtype gradients are reduced in."""
-    reduce_dtype = config.get("communication_data_type") or "fp32"
     missing = "the model has no config.hidden_size"
     return {HIDDEN_KEYS[0]: (DEFAULT_BUCKET_BYTES // ELEMENT_BYTES[reduce_dtype],
                              f"zerokit's default bucket, {DEFAULT_BUCKET_BYTES >> 20} MiB of {reduce_dtype}: {missing}"),
@@ -232,15 +285,25 @@ def hidden_size_of(model: Any) -> int | None:
     return None
 
 
-def default_differences(config: DeepSpeedConfig, compute: str, reduce: str, stage: int) -> list[str]:
-    """Start-up lines for keys whose absence means something else in zerokit than in DeepSpeed 0.19.8."""
+DIFFERING_DEFAULTS = ("gradient_clipping", "communication_data_type", Z + "overlap_comm")
+"""Keys whose absence means something else in zerokit than in DeepSpeed 0.19.8 (See default_differences)."""
+
+
+def unset_differing_defaults(config: DeepSpeedConfig) -> tuple[str, ...]:
+    """The DIFFERING_DEFAULTS `config` leaves unset, recorded where it is read for the start-up log's lines."""
+    return tuple(path for path in DIFFERING_DEFAULTS if not config.given(path))
+
+
+def default_differences(unset: tuple[str, ...], compute: str, reduce: str, stage: int) -> list[str]:
+    """Start-up lines for the keys of DIFFERING_DEFAULTS left `unset`, whose absence means something else in zerokit
+    than in DeepSpeed 0.19.8."""
     lines = []
-    if not config.given("gradient_clipping"):
+    if "gradient_clipping" in unset:
         lines.append("gradient_clipping not set: zerokit does not clip (DeepSpeed 0.19.8 clips at 1.0 by default)")
-    if compute != "fp32" and not config.given("communication_data_type"):
+    if compute != "fp32" and "communication_data_type" in unset:
         lines.append(f"communication_data_type not set: gradients are reduced in {reduce} (DeepSpeed reduces in "
                      f"the compute dtype, {compute})")
-    if not config.given(Z + "overlap_comm") and stage < 3:
+    if Z + "overlap_comm" in unset and stage < 3:
         lines.append("zero_optimization.overlap_comm not set: zerokit overlaps reduction with backward (DeepSpeed "
                      "overlaps only at stage 3 by default)")
     return lines

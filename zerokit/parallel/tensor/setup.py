@@ -44,7 +44,8 @@ def tensor_layout(layout: Layout | None, part: TensorSettings) -> Layout | None:
         return layout
     if layout is None:
         world = dist.get_world_size()
-        return Layout.resolve(world, tensor=degree, ranks_per_node=ranks_per_node(part.ranks_per_node, world))
+        per_node = ranks_per_node(part.ranks_per_node, part.launcher_ranks_per_node, world)
+        return Layout.resolve(world, tensor=degree, ranks_per_node=per_node)
     if layout.tensor != degree:
         raise ValueError(f"tensor_parallel.autotp_size={degree} but the layout has {layout.tensor} tensor rank(s) "
                          f"({layout.describe()}): give the same degree, or leave one of them out")
@@ -121,11 +122,12 @@ def remap_parameters(optimizer: Any, model_parameters: Iterable[Any] | None,
     return optimizer, remapped
 
 
-def batch_ranks(layout: Layout | None, part: TensorSettings, data_ranks: int) -> int:
-    """The ranks the batch identity counts (See [Note: batch sizes under AutoTP count the tensor ranks])."""
+def batch_ranks(layout: Layout | None, part: TensorSettings) -> int | None:
+    """The ranks the batch identity counts (See [Note: batch sizes under AutoTP count the tensor ranks]): the data and
+    tensor ranks where the config's tensor degree made the layout; None: the data ranks."""
     if layout is not None and part.autotp_size > 1:
-        return data_ranks * layout.tensor
-    return data_ranks
+        return layout.data * layout.tensor
+    return None
 
 
 def startup_lines(layout: Layout | None, part: TensorSettings, share: TensorShare | None) -> list[str]:

@@ -182,10 +182,10 @@ ABOVE_THE_ENGINE = ("zerokit", "zerokit.__main__", "zerokit.engine", "zerokit.en
 may take the whole ZeroConfig. Every other module is a room below the engine, or the config itself; engine/'s step.py,
 schedules.py, activations.py and startup.py sit in the engine's folder but take only their parts (StepSettings, the
 activation block, the stage's lines), like any room below it."""
-THE_CONFIG = ("zerokit.config", "zerokit.config.typed", "zerokit.config.dsconfig")
+THE_CONFIG = ("zerokit.config", "zerokit.config.typed", "zerokit.config.resolve", "zerokit.config.dsconfig")
 """The config room: the typed config (config/typed.py) and the DeepSpeed reader (config/dsconfig/), the only code that
-knows DeepSpeed's keys; resolve(config, facts) in config/typed.py makes each room's part (config/settings.py, which is
-a torch-free room like the others: it never names the whole config)."""
+knows DeepSpeed's keys; resolve(config, facts) in config/resolve.py makes each room's part (config/settings.py, which
+is a torch-free room like the others: it never names the whole config)."""
 
 TRANSLATORS = ("zerokit.planner",)
 """Beside the engine, not below it: the planner translates DeepSpeed configs to and from other frameworks' (through

@@ -24,7 +24,8 @@ import zerokit
 from test_parity import allowed_update_error, update_error
 from zerokit.comm.counting import RING_FACTOR, Collective
 from zerokit.config.settings import launcher_node_rank
-from zerokit.config.typed import engine_settings, load_config
+from zerokit.config.resolve import engine_settings
+from zerokit.config.typed import load_config
 from zerokit.planner.check import check_rows
 from zerokit.planner.device import DeviceProfile
 from zerokit.planner.engine_model import EngineSetup, engine_comm, engine_states

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from zerokit.config.settings import Facts
-from zerokit.config.typed import ZeroConfig, engine_settings, load_config, resolve
+from zerokit.config.resolve import engine_settings, resolve
+from zerokit.config.typed import ZeroConfig, load_config
 
 FACTS = Facts(world_size=4, backend="gloo")
 
@@ -98,7 +99,8 @@ def test_the_nodes_are_decided_once_for_the_tiers_and_the_node_check():
     assert parts.offload.ranks_per_node == parts.decisions.ranks_per_node == 2
     assert parts.safeguards.node_rank == 1  # the nodes are torchrun's: consecutive numbering is checked
     _, parts = resolve(ZeroConfig(stage=3, ranks_per_node=4), facts)
-    assert parts.offload.ranks_per_node == 4 and parts.safeguards.node_rank is None  # the config's nodes, not torchrun's
+    # the config's nodes, not torchrun's: nothing to check GROUP_RANK against
+    assert parts.offload.ranks_per_node == 4 and parts.safeguards.node_rank is None
     _, parts = resolve(ZeroConfig(stage=3), Facts(world_size=4, backend="gloo", ranks_per_node=3))
     assert parts.offload.ranks_per_node == 4  # 3 does not divide 4 ranks: one node, as the decisions say
 

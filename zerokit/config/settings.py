@@ -4,13 +4,13 @@ elements a gradient bucket and an optimizer piece hold). Pure Python, no torch: 
 decisions, and the planner predicts from the very same functions, so the two cannot drift apart.
 
 Below the decisions, the run's settings: one typed part per room (See [Note: each room gets its part]), made by
-typed.py's resolve(config, facts) and handed out by the engine's build.
+resolve.py's resolve(config, facts) and handed out by the engine's build.
 
 [Note: each room gets its part]
 The config is the user's statement, read and checked once (typed.py; DeepSpeed's keys only in config/dsconfig/, which
 records as values what the dict leaves to the run: dsconfig/auto.py's Unknowns). What a run does with it is decided
 once more, against the facts of the run (world size, back-end, the launcher's ranks per node and node, the model's
-hidden size), by typed.py's resolve(config, facts), which fills in those values without reading the dict again and
+hidden size), by resolve.py's resolve(config, facts), which fills in those values without reading the dict again and
 makes a RunSettings: the engine-wide decisions above (`decide`), and one small frozen part per room below the engine.
 The facts are read once, by the engine (torchrun's LOCAL_WORLD_SIZE and GROUP_RANK: launcher_ranks_per_node,
 launcher_node_rank); the rooms read the nodes from their parts. The engine's build hands each room its part, and no
@@ -226,7 +226,7 @@ class Facts:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineChoices:
-    """What a config chooses of the engine-wide decisions, in plain values: typed.py's resolve takes them from the
+    """What a config chooses of the engine-wide decisions, in plain values: resolve.py takes them from the
     ZeroConfig, the planner from the setup it prices, and both decide with the same `decide` (See [Note: one place
     for each engine decision])."""
 
@@ -415,7 +415,7 @@ def flattened(prefix: str, value: Any) -> list[tuple[str, Any]]:
 
 __all__ = ["ELEMENT_BYTES", "EngineSettings", "bucket_numel", "optimizer_piece_numel", "reduces_by_scatter",
            "reduces_every_micro_step", "secondary_group_size", "shard_group_size", "consecutive_groups", "strided_groups",
-           "ring_crosses_nodes", "ring_share", "launcher_ranks_per_node", "launcher_node_rank", "ranks_per_node", "Facts",
-           "EngineChoices", "decide", "RunSettings",
+           "ring_crosses_nodes", "ring_share", "launcher_ranks_per_node", "launcher_node_rank", "ranks_per_node",
+           "Facts", "EngineChoices", "decide", "RunSettings",
            "StageSettings", "OffloadSettings", "StepSettings", "CommSettings", "TensorSettings", "CheckpointSettings",
            "ObserveSettings", "SafeguardSettings", "flattened"]

@@ -21,7 +21,8 @@ from zerokit.checkpoint.data_position import DataPosition
 from zerokit.checkpoint.newest import resume_from_newest
 from zerokit.checkpoint.session import close as close_checkpoints
 from zerokit.comm import Communicator
-from zerokit.config.typed import ZeroConfig, hidden_size_of, load_config, parts_before_facts, resolve
+from zerokit.config.resolve import parts_before_facts, resolve
+from zerokit.config.typed import ZeroConfig, hidden_size_of, load_config
 from zerokit.engine.state import engine_state_dict, load_engine_state, totals
 from zerokit.engine.checkpoints import Checkpoints
 from zerokit.checkpoint.locate import layout_directory

@@ -130,6 +130,43 @@ def test_a_stage_that_does_not_accept_the_previous_ones_output_is_refused_on_eve
     assert "\n" not in message
 
 
+NOT_TWO_EQUAL = ("a pipeline step's inputs (first stage) hold {} rows on a replica, which do not split into "
+                 "gradient_accumulation_steps=2 equal micro-batches: pass a multiple of 2 rows per replica, or set "
+                 "train_micro_batch_size_per_gpu")
+
+
+def test_a_batch_that_does_not_split_as_configured_is_refused_on_every_rank(two_by_two) -> None:
+    """2 micro-batches of 2 rows: 12 rows (torch would train 2 micro-batches of 6), 10 (the last stage failed with
+    torch's batch-size mismatch while the others hung) and a wrong batch on one replica only are refused on all four
+    ranks in one line, nothing trained, and a right batch trains after them (issue 44)."""
+    outcomes = [result["refused_batches"]["config"] for result in two_by_two]
+    for rows, given in ((12, 12), (10, 10), ("one replica", 6)):
+        assert {outcome[rows] for outcome in outcomes} == {
+            f"a pipeline step's inputs (first stage) hold {given} rows on a replica, but the config makes each step "
+            "gradient_accumulation_steps=2 micro-batches of train_micro_batch_size_per_gpu=2 rows: pass 4 rows per "
+            "replica"}, rows
+    assert {outcome[9] for outcome in outcomes} == {NOT_TWO_EQUAL.format(9)}
+    assert all(outcome["unchanged"] for outcome in outcomes)
+    assert len({outcome[4] for outcome in outcomes}) == 1 and outcomes[0][4].startswith("trained ")
+
+
+def test_the_deepspeed_drop_in_takes_its_micro_batches_from_the_batch_as_deepspeed_does(two_by_two) -> None:
+    """micro_batch_from="batch" (the drop-in's train_batch, which concatenates the micro-batches its iterator
+    yields): the first step's batch decides the micro-batch (10 rows: 2 of 5, whatever the config's 2), as DeepSpeed
+    trains what its iterator gives; replicas of different sizes, a later step of another size (torch's stages keep
+    their first step's shapes: it hung before) and 9 rows, which no 2 equal micro-batches make, are refused."""
+    outcomes = [result["refused_batches"]["batch"] for result in two_by_two]
+    assert {outcome["one replica"] for outcome in outcomes} == {
+        "a pipeline step's inputs (first stage) hold 6 rows on a replica, but another replica passes 4 rows (every "
+        "replica's micro-batches are one size): pass 4 rows per replica"}
+    assert all(outcome[rows].startswith("trained ") for outcome in outcomes for rows in (10, "10 again"))
+    assert {outcome[12] for outcome in outcomes} == {
+        "a pipeline step's inputs (first stage) hold 12 rows on a replica, but this pipeline's first step ran "
+        "gradient_accumulation_steps=2 micro-batches of 5 rows, and torch's pipeline stages keep the shapes of their "
+        "first step: pass 10 rows per replica"}
+    assert {outcome[9] for outcome in outcomes} == {NOT_TWO_EQUAL.format(9)}
+
+
 def test_fewer_micro_batches_than_stages_warns_naming_the_bubble() -> None:
     with pytest.warns(BubbleWarning, match=r"^2 micro-batch\(es\) per step on 4 pipeline stages: the bubble is 60% "):
         warn_about_the_bubble(2, 4)

@@ -25,8 +25,9 @@ class PipelineEngine:
             model_parameters = None  # the optimizer already holds them
         self.module = module
         loss_fn = module.loss_fn if module.loss_fn is not None else _output_is_the_loss
+        # DeepSpeed's train_batch takes its micro-batches as the data iterator yields them, whatever the config's size
         self.pipe = initialize_pipeline(module, optimizer, config, module.layout, schedule="1F1B", loss_fn=loss_fn,
-                                        tied=module.tied_weights)
+                                        tied=module.tied_weights, micro_batch_from="batch")
         self.engine = self.pipe.engine
         self.optimizer = self.engine.optimizer
         self.grid: PipelineParallelGrid = module.mpu()

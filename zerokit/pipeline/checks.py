@@ -6,17 +6,20 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
+from zerokit.comm.agreement import min_max
 from zerokit.parallel.mesh import Layout
 
 SCHEDULES = ("GPipe", "1F1B")
 GATHERINGS = ("step", "micro_batch")  # See [Note: stage 3 under a pipeline: gather once per step, or per micro-batch]
+MICRO_BATCH_SOURCES = ("config", "batch")  # See [Note: a pipeline batch is checked on every rank] in engine.py
 
 
 class BubbleWarning(UserWarning):
     """Fewer micro-batches than stages: most of each step is the pipeline filling and draining."""
 
 
-def check_pipeline_arguments(layout: Layout, loss_fn: Callable[..., Any] | None, gathering: str) -> None:
+def check_pipeline_arguments(layout: Layout, loss_fn: Callable[..., Any] | None, gathering: str,
+                             micro_batch_from: str = "config") -> None:
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be a zerokit.Layout (Layout.resolve(world_size, pipeline=...)), got "
                         f"{type(layout).__name__}")
@@ -24,6 +27,8 @@ def check_pipeline_arguments(layout: Layout, loss_fn: Callable[..., Any] | None,
         raise ValueError("a pipeline needs loss_fn(output, target), the last stage's loss of one micro-batch")
     if gathering not in GATHERINGS:
         raise ValueError(f"stage3_gathering={gathering!r} is not one of {GATHERINGS}")
+    if micro_batch_from not in MICRO_BATCH_SOURCES:
+        raise ValueError(f"micro_batch_from={micro_batch_from!r} is not one of {MICRO_BATCH_SOURCES}")
 
 
 def check_tied(config: Any, tied: list) -> None:
@@ -91,6 +96,52 @@ def check_stage_shapes(engine: Any, stage_index: int, num_stages: int, first_inp
             raise ValueError(value)
         if stage_index == sender + 1:
             received = tuple(torch.zeros(shape, dtype=dtype, device=engine.device) for shape, dtype in value)
+
+
+def check_step_batch(engine: Any, first: bool, last: bool, inputs: Any, target: Any, micro_batches: int,
+                     micro_rows: int | None, source: str) -> int:
+    """Before a step's schedule runs, on every rank: the first stage's inputs and the last stage's target hold
+    micro_batches x micro_rows rows on every replica (micro_rows None: the same multiple of micro_batches on every
+    replica), as torch's schedule splits dim 0 into the micro-batches. Otherwise one ValueError naming the rows given
+    and the rows expected (`source`: what makes micro_rows), raised on every rank before anything runs (See
+    [Note: a pipeline batch is checked on every rank] in engine.py). Returns the rows of a micro-batch. Two
+    all-reduces of a few integers, counted apart from the model's traffic (control)."""
+    rows = [_rows(inputs) if first else -1, _rows(target) if last else -1]
+    if engine.stages_comm is not None:  # the first stage's rows and the last stage's, on every stage of the pipeline
+        _, rows = min_max(engine.stages_comm.control, rows, purpose="a pipeline step's batch rows, over the stages")
+    lowest, highest = min_max(engine.comm.control, rows, purpose="a pipeline step's batch rows, over the replicas")
+    for what, low, high in (("inputs (first stage)", lowest[0], highest[0]),
+                            ("target (last stage)", lowest[1], highest[1])):
+        expected, why = micro_batches * (micro_rows or 0), source
+        if micro_rows is None:  # the first step: every replica's micro-batches of one size, which later steps keep
+            expected = max(low, 0)
+            why = f"another replica passes {low} rows (every replica's micro-batches are one size)"
+        for given in sorted({low, high}):
+            problem = _batch_problem(what, given, expected, micro_batches, why)
+            if problem:
+                raise ValueError(problem)
+    return max(highest) // micro_batches
+
+
+def _rows(batch: Any) -> int:
+    """Rows along dim 0 (the first tensor's, for a tuple of inputs); -1 for none."""
+    import torch
+    parts = batch if isinstance(batch, (tuple, list)) else (batch,)
+    tensors = [part for part in parts if isinstance(part, torch.Tensor)]
+    return tensors[0].shape[0] if tensors and tensors[0].dim() else -1
+
+
+def _batch_problem(what: str, rows: int, expected: int, micro_batches: int, why: str) -> str | None:
+    """What is wrong with a step's `rows` (-1: a stage that passed none, which torch's schedule names itself)."""
+    if rows < 0:
+        return None
+    if rows % micro_batches or rows == 0:
+        return (f"a pipeline step's {what} hold {rows} rows on a replica, which do not split into "
+                f"gradient_accumulation_steps={micro_batches} equal micro-batches: pass a multiple of "
+                f"{micro_batches} rows per replica, or set train_micro_batch_size_per_gpu")
+    if rows != expected:
+        return f"a pipeline step's {what} hold {rows} rows on a replica, but {why}: pass {expected} rows per replica"
+    return None
 
 
 def _probe(module: Any, inputs: Any, stage: int) -> tuple[str, Any]:

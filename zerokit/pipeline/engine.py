@@ -16,6 +16,21 @@ micro-batch's forward and again for its backward, freeing it after each ("micro_
 unit, but 2m all-gathers of the stage's parameters per step instead of one). The planner prices both
 (Training.stage3_gathering in zerokit/planner/spec.py); "step" is the default because a pipeline's m is large where
 the bubble is small.
+
+[Note: a pipeline batch is checked on every rank]
+torch's schedule splits the first stage's inputs and the last stage's target along dim 0 into the step's micro-batches
+(tensor_split: as evenly as it can). A batch of 12 rows under a config of 2 micro-batches of 2 would train as 2
+micro-batches of 6, silently; 10 rows would fail on the last stage (its target split apart from the activations it
+receives) while the other stages waited in their sends until the group's timeout. So before each step's schedule
+every rank learns the rows the first and last stages hold on every replica (check_step_batch: two small all-reduces
+over the pipeline and the data group, counted apart from the model's traffic) and a batch that is not
+gradient_accumulation_steps x train_micro_batch_size_per_gpu rows is one ValueError on every rank, naming both,
+before anything runs. The micro-batch size is enforced where the config fixes it (the key, or train_batch_size,
+from which it is derived); where nothing does, the first step's batch decides it (the same multiple of the micro-batch
+count on every replica, split into equal micro-batches), and later steps keep it: torch's pipeline stages keep the
+shapes of their first step, and a step of another size hung in their sends. The DeepSpeed drop-in takes the second
+way whatever the config says (micro_batch_from="batch"), as DeepSpeed's train_batch trains the micro-batches its data
+iterator yields.
 """
 
 from __future__ import annotations
@@ -29,8 +44,8 @@ from torch import nn
 
 from zerokit.engine.engine import Engine, Optimizers, initialize as initialize_engine
 from zerokit.parallel.mesh import Layout
-from zerokit.pipeline.checks import (check_pipeline_arguments, check_stage_shapes, check_tied, schedule_class_of,
-                                     warn_about_the_bubble)
+from zerokit.pipeline.checks import (check_pipeline_arguments, check_stage_shapes, check_step_batch, check_tied,
+                                     schedule_class_of, warn_about_the_bubble)
 from zerokit.pipeline.stage import engine_stage
 from zerokit.pipeline.tied import TiedWeight, TiedWeights
 from zerokit.precision.result import StepResult
@@ -50,8 +65,10 @@ class PipelineEngine:
     zerokit.pipeline.initialize)."""
 
     def __init__(self, engine: Engine, layout: Layout, schedule_class: type, loss_fn: Callable[..., torch.Tensor],
-                 gathering: str, tied: TiedWeights) -> None:
+                 gathering: str, tied: TiedWeights, micro_rows: int | None) -> None:
         self.engine, self.layout, self.tied = engine, layout, tied
+        # See [Note: a pipeline batch is checked on every rank]
+        self.micro_rows, self.micro_rows_from_config = micro_rows, micro_rows is not None
         self.stage_index, self.replica, _ = layout.coordinates(torch.distributed.get_rank())
         self.num_stages = layout.pipeline
         self.micro_batches = engine.config.gradient_accumulation_steps
@@ -87,6 +104,7 @@ class PipelineEngine:
     def train_step(self, inputs: Any = None, target: Any = None) -> PipelineStep:
         """One optimizer step over this replica's batch: `inputs` (first stage; split along dim 0 into the micro-
         batches) and `target` (last stage); the other stages pass nothing."""
+        self._check_batch(inputs, target)
         self._check_shapes(inputs)
         keep = self.engine.config.stage == 3 and self.gathering == "step"
         scaled: list[torch.Tensor] = []
@@ -103,6 +121,7 @@ class PipelineEngine:
     def eval_step(self, inputs: Any = None, target: Any = None) -> torch.Tensor:
         """The mean loss of one batch, without gradients, on every rank (DeepSpeed's eval_batch)."""
         self._losses = []
+        self._check_batch(inputs, target)
         self._check_shapes(inputs)
         with torch.no_grad():
             output = self._run(self.eval_schedule, inputs, None, None)
@@ -111,6 +130,17 @@ class PipelineEngine:
                 targets = target.chunk(self.micro_batches)
                 self._losses = [self.loss_fn(o, t).detach().float() for o, t in zip(chunks, targets)]
         return self._reported_loss()
+
+    def _check_batch(self, inputs: Any, target: Any) -> None:
+        """See [Note: a pipeline batch is checked on every rank]."""
+        m, rows = self.micro_batches, self.micro_rows
+        source = (f"the config makes each step gradient_accumulation_steps={m} micro-batches of "
+                  f"train_micro_batch_size_per_gpu={rows} rows" if self.micro_rows_from_config else
+                  f"this pipeline's first step ran gradient_accumulation_steps={m} micro-batches of {rows} rows, and "
+                  "torch's pipeline stages keep the shapes of their first step")
+        agreed = check_step_batch(self.engine, self.is_first_stage(), self.is_last_stage(), inputs, target, m, rows,
+                                  source)
+        self.micro_rows = agreed  # the first step's, where the config fixes none
 
     def _check_shapes(self, inputs: Any) -> None:
         """Once, before the first step: every stage accepts what the one before it outputs (See check_stage_shapes)."""
@@ -184,20 +214,26 @@ def reduced_once_per_step(config: Any) -> Any:
 def initialize(stage_module: nn.Module, optimizer: Optimizers | None, config: Any, layout: Layout,
                schedule: str | type = "1F1B", loss_fn: Callable[..., torch.Tensor] | None = None,
                stage3_gathering: str = "step", device: torch.device | None = None,
-               tied: list[TiedWeight] | None = None) -> PipelineEngine:
+               tied: list[TiedWeight] | None = None, micro_batch_from: str = "config") -> PipelineEngine:
     """This rank's stage (`stage_module`: the part of the model its pipeline stage runs, layout.coordinates(rank)
     .stage) under a zerokit engine over its stage's data group, driven by torch's `schedule` ("GPipe", "1F1B", or
     the class). The config's gradient_accumulation_steps is the schedule's micro-batch count. Every rank calls it at
     the same point. `loss_fn(output, target)`: the last stage's loss of one micro-batch. `stage3_gathering`: "step"
     or "micro_batch" (See [Note: stage 3 under a pipeline: gather once per step, or per micro-batch]). `tied`: this
     stage's copies of weights tied across stages, with their groups (See [Note: a tied weight's gradient across
-    stages] in tied.py); the copies take the first stage's values here."""
-    check_pipeline_arguments(layout, loss_fn, stage3_gathering)
+    stages] in tied.py); the copies take the first stage's values here. `micro_batch_from`: "config" (a step's batch
+    must be the config's micro-batches: See [Note: a pipeline batch is checked on every rank]) or "batch" (the first
+    step's batch, split evenly, decides them: DeepSpeed's train_batch, whose iterator gives the micro-batches)."""
+    check_pipeline_arguments(layout, loss_fn, stage3_gathering, micro_batch_from)
     schedule_class = schedule_class_of(schedule)
     config = reduced_once_per_step(config)
+    # the micro-batch size the config fixes: its own key, or train_batch_size's (resolve derives it); else none
+    fixed = micro_batch_from == "config" and (config.train_micro_batch_size_per_gpu is not None
+                                             or config.train_batch_size is not None)
     check_tied(config, tied or [])
     tied_weights = TiedWeights(tied or [], config.comm_timeout_seconds)
     tied_weights.synchronize()  # before the engine copies the weights into its masters
     engine = initialize_engine(stage_module, optimizer, config, device=device, layout=layout)
     warn_about_the_bubble(engine.config.gradient_accumulation_steps, layout.pipeline)
-    return PipelineEngine(engine, layout, schedule_class, loss_fn, stage3_gathering, tied_weights)
+    micro_rows = engine.config.train_micro_batch_size_per_gpu if fixed else None
+    return PipelineEngine(engine, layout, schedule_class, loss_fn, stage3_gathering, tied_weights, micro_rows)

@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 from collections import OrderedDict
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -194,9 +195,48 @@ def refused_shapes(rank: int, world_size: int) -> str:
     return message if unchanged else "weights changed: " + message
 
 
+def refused_batches(rank: int, world_size: int) -> dict[str, Any]:
+    """2 micro-batches of 2 rows a step (the config's): what each rank gets for a batch of 12 rows (torch's schedule
+    would split it into 2 of 6), 10 (5 and 5), 9 (5 and 4) and a wrong batch on one replica only; whether the weights
+    stayed as they were; the outcome of a right batch after them (the ranks still agree). As the DeepSpeed drop-in
+    takes its batches (micro_batch_from="batch"): replicas of different rows, then 10 rows (the first step:
+    micro-batches of 5), 12, 9 and 10 again."""
+    import zerokit.pipeline
+    from zerokit.parallel.mesh import Layout
+    layout = Layout.resolve(world_size, pipeline=2)
+    stage, replica, _ = layout.coordinates(rank)
+    case = PipeCase("batches", stage=2, micro_batches=2, micro=2)
+
+    def attempt(pipe: Any, rows: int) -> str:
+        try:
+            return f"trained {pipe.train_step(*batch(replica, 0, rows)).loss.item():.6f}"
+        except ValueError as error:
+            return str(error)
+
+    out: dict[str, Any] = {}
+    attempts = {"config": (12, 10, 9, "one replica", "unchanged", 4), "batch": ("one replica", 10, 12, 9, "10 again")}
+    for source, sequence in attempts.items():
+        torch.manual_seed(0)
+        module = stage_module(layers(case.n_blocks), stage, 2)
+        before = [p.detach().clone() for p in module.parameters()]
+        pipe = zerokit.pipeline.initialize(module, optimizer_for(module), case.config(), layout, loss_fn=lm_loss,
+                                           micro_batch_from=source)
+        out[source] = {}
+        for what in sequence:
+            if what == "unchanged":
+                after = pipe.engine.full_state_dict().values()
+                out[source][what] = all(torch.equal(a, b) for a, b in zip(before, after))
+                continue
+            rows = {"one replica": 4 if replica == 0 else 6, "10 again": 10}.get(what, what)
+            out[source][what] = attempt(pipe, rows)
+        pipe.close()
+    return out
+
+
 def run_cases_and_refusals(rank: int, world_size: int, cases: list[PipeCase]) -> dict:
-    """run_pipeline_cases, then refused_shapes, in one spawn."""
-    return {**run_pipeline_cases(rank, world_size, cases), "refused_shapes": refused_shapes(rank, world_size)}
+    """run_pipeline_cases, then refused_shapes and refused_batches, in one spawn."""
+    return {**run_pipeline_cases(rank, world_size, cases), "refused_shapes": refused_shapes(rank, world_size),
+            "refused_batches": refused_batches(rank, world_size)}
 
 
 def resumed(rank: int, world_size: int, directory: str) -> dict[str, list[float]]:

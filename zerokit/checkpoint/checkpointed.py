@@ -14,8 +14,8 @@ from zerokit.stages.view import ParameterView
 
 
 class SavedProgress(Protocol):
-    """What checkpoints read and write of where training stands (zerokit/engine/step.py's Progress, a dataclass: saved with
-    dataclasses.asdict, restored with dataclasses.replace). Named by its shape, not imported: the engine's step
+    """What checkpoints read and write of where training stands (zerokit/engine/step.py's Progress, a dataclass: saved
+    with dataclasses.asdict, restored with dataclasses.replace). Named by its shape, not imported: the engine's step
     sits above the checkpoints, and a type is named only downward."""
 
     micro_step: int

@@ -66,10 +66,10 @@ def consolidate(checkpoint: str | os.PathLike, out: str | os.PathLike, tag: str 
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Consolidated:
     """Write the full state dict of `checkpoint` (a save_dir with `latest`, one checkpoint's directory, or the
     directory a pipeline's stages or a tensor group's ranks saved their parts under, read as one whole model: See
-    relayout.py, which holds one whole parameter at a time) to `out`: one file if it ends in .safetensors, else a Hugging Face directory (model.safetensors, or
-    shards of at most max_shard_bytes with model.safetensors.index.json, and config.json when the model
-    was a transformers model). Floating tensors in `dtype` (fp32: the masters exactly); keys as the
-    model's state_dict has them, tied ones included. trainable_only: only trainable parameters."""
+    relayout.py, which holds one whole parameter at a time) to `out`: one file if it ends in .safetensors, else a
+    Hugging Face directory (model.safetensors, or shards of at most max_shard_bytes with model.safetensors.index.json,
+    and config.json when the model was a transformers model). Floating tensors in `dtype` (fp32: the masters exactly);
+    keys as the model's state_dict has them, tied ones included. trainable_only: only trainable parameters."""
     if dtype not in OUTPUT_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not accepted; use fp32 or bf16 (or fp16)")
     if max_shard_bytes < 1:

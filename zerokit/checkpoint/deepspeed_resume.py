@@ -17,8 +17,8 @@ Each rank opens rank 0's two files (the shapes, the hyperparameters, the counter
 DeepSpeed ranks whose runs overlap the pieces it steps and holds, and nothing else; the files are memory-mapped
 (torch.load(mmap=True)), so only the pages of those runs are read. (zerokit's shards follow its buckets, in
 backward order, DeepSpeed's its flat groups, in forward order, so a rank's pieces usually overlap every
-DeepSpeed rank's file: it is the memory map that keeps a rank to the bytes it needs.) Every file a rank needs is opened and
-checked against the computed layout before anything is restored, so a missing, truncated or foreign file fails
+DeepSpeed rank's file: it is the memory map that keeps a rank to the bytes it needs.) Every file a rank needs is opened
+and checked against the computed layout before anything is restored, so a missing, truncated or foreign file fails
 before the engine changes (See [Note: a load fails on every rank or on none] in load.py).
 """
 

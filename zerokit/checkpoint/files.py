@@ -200,7 +200,8 @@ class CheckedReader:
     def read(self, begin: int, end: int) -> bytes:
         """Bytes [begin, end) of the file."""
         if end > self.size:
-            raise CheckpointFileError(f"{self.path}: truncated: bytes {begin}-{end} asked for, the file has {self.size}")
+            raise CheckpointFileError(f"{self.path}: truncated: bytes {begin}-{end} asked for, "
+                                      f"the file has {self.size}")
         chunk = self.record.chunk_bytes
         pieces = []
         for index in range(begin // chunk, (end - 1) // chunk + 1 if end > begin else begin // chunk):
@@ -263,7 +264,8 @@ class CheckedReader:
         size = spec.dtype.itemsize
         first, last = self.data_start + offset + begin * size, self.data_start + offset + end * size
         if last > self.size:
-            raise CheckpointFileError(f"{self.path}: truncated: bytes {first}-{last} asked for, the file has {self.size}")
+            raise CheckpointFileError(f"{self.path}: truncated: bytes {first}-{last} asked for, "
+                                      f"the file has {self.size}")
         target = out.view(-1).view(torch.uint8).numpy()
         chunk, position = self.record.chunk_bytes, first
         while position < last:

@@ -137,7 +137,8 @@ class Manifest:
         data = dict(data)
         data["files"] = {item["name"]: FileRecord.from_json(item) for item in data["files"]}
         data["rng"] = {int(rank): value for rank, value in data["rng"].items()}
-        data["params"] = {name: ParamRecord(**{**record, "shape": tuple(record["shape"]), "state": tuple(record["state"]),
+        data["params"] = {name: ParamRecord(**{**record, "shape": tuple(record["shape"]),
+                                               "state": tuple(record["state"]),
                                                "parts": [tuple(part) for part in record["parts"]]})
                           for name, record in data["params"].items()}
         return cls(**data)
@@ -175,7 +176,8 @@ def merge_parts(reports: list[RankReport]) -> dict[str, ParamRecord]:
                                    "(an internal bug)")
             covered = end
         if covered != record.numel:
-            raise RuntimeError(f"the saved parts of {name!r} cover {covered} of {record.numel} elements (an internal bug)")
+            raise RuntimeError(f"the saved parts of {name!r} cover {covered} of {record.numel} elements "
+                               "(an internal bug)")
     return records
 
 
@@ -191,7 +193,8 @@ def read_manifest(directory: Path) -> Manifest:
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{path}: corrupted: not valid JSON ({error})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a zerokit checkpoint manifest (format {data.get('format') if isinstance(data, dict) else None!r})")
+        raise ValueError(f"{path}: not a zerokit checkpoint manifest "
+                         f"(format {data.get('format') if isinstance(data, dict) else None!r})")
     if data.get("version") != VERSION:
         raise ValueError(f"{path}: checkpoint format version {data.get('version')!r} (written by zerokit "
                          f"{data.get('zerokit_version')}); this zerokit reads version {VERSION}")

@@ -87,8 +87,9 @@ def _saved_at(directory: Path, manifest: Manifest) -> tuple[int, int, float]:
 
 
 def nothing_named(load_dir: str | os.PathLike) -> bool:
-    """`load_dir` has no `latest`, is no checkpoint itself and holds no stage's or tensor rank's: DeepSpeed's load_checkpoint(load_dir) warns and
-    returns (None, None) there, and the drop-in does as DeepSpeed, naming the complete checkpoints it passes over."""
+    """`load_dir` has no `latest`, is no checkpoint itself and holds no stage's or tensor rank's: DeepSpeed's
+    load_checkpoint(load_dir) warns and returns (None, None) there, and the drop-in does as DeepSpeed, naming the
+    complete checkpoints it passes over."""
     load_dir = Path(load_dir)
     if saved_parts(load_dir) or is_deepspeed_checkpoint(load_dir):  # a checkpoint, or a layout's parts of one
         return False

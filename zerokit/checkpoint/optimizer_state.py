@@ -60,8 +60,9 @@ def split_piece_state(state: dict[str, Any], piece: torch.Tensor, whole_tensor: 
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             if not whole_tensor and value.shape != piece.shape:
-                raise ValueError(f"optimizer state {key!r} of {name!r} has shape {tuple(value.shape)}, neither one value "
-                                 f"per element ({tuple(piece.shape)}) nor a scalar: it cannot be saved by parameter part")
+                raise ValueError(f"optimizer state {key!r} of {name!r} has shape {tuple(value.shape)}, "
+                                 f"neither one value per element ({tuple(piece.shape)}) nor a scalar: "
+                                 "it cannot be saved by parameter part")
             tensors[key] = value.detach()
         else:
             scalars[key] = encode_scalar(value, piece.device)

@@ -4,8 +4,8 @@ into flat ZeRO and back, a tensor degree into another or none.
 [Note: a checkpoint per stage and tensor rank, read as one]
 An engine of a layout saves under `root/stage<s>/tensor<j>-of-<t>` (each level only where the layout has more than
 one), a zerokit checkpoint of its own stage's pieces with the data group alone (See [Note: a checkpoint per tensor
-rank] in parallel/tensor/setup.py), and its manifest records where it stood: the stage of how many, the tensor rank of how
-many, the dimension each split parameter is cut on, and the parameters tied to copies on other stages. Where the
+rank] in parallel/tensor/setup.py), and its manifest records where it stood: the stage of how many, the tensor rank of
+how many, the dimension each split parameter is cut on, and the parameters tied to copies on other stages. Where the
 loading engine's layout is the saved one, each engine loads its own directory as any checkpoint (any data degree,
 any ZeRO stage). Otherwise the parts are read as one checkpoint of the whole model: a parameter is the stage's that
 holds it (its name as the whole model names it: torch's pipeline() tracer, DeepSpeed's PipelineModule and a

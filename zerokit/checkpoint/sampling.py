@@ -71,9 +71,11 @@ class ResumableSampler(DistributedSampler):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The next pass starts where the saved one stood (See [Note: the data position])."""
         mine = self.state_dict()
-        differing = [f"{key} {state.get(key)!r} (now {mine[key]!r})" for key in ORDER_KEYS if state.get(key) != mine[key]]
+        differing = [f"{key} {state.get(key)!r} (now {mine[key]!r})" for key in ORDER_KEYS
+                     if state.get(key) != mine[key]]
         if differing:
-            raise ValueError(f"the saved data position is for another order of samples: saved with {', '.join(differing)}; "
+            raise ValueError("the saved data position is for another order of samples: "
+                             f"saved with {', '.join(differing)}; "
                              "resume with the dataset and sampler settings of the saving run")
         taken = int(state["taken"])
         if state["num_replicas"] != self.num_replicas:

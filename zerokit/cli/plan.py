@@ -205,7 +205,8 @@ def _device(args: argparse.Namespace):
 
     return DeviceProfile.load(args.device_file).with_overrides(
         peak_flops=_float_or_none(args.peak_tflops, 1e12), memory_bandwidth=_float_or_none(args.host_mem_gb_per_s, 1e9),
-        link_bandwidth=_float_or_none(args.intra_gb_per_s, 1e9), link_latency=_float_or_none(args.intra_latency_us, 1e-6))
+        link_bandwidth=_float_or_none(args.intra_gb_per_s, 1e9),
+        link_latency=_float_or_none(args.intra_latency_us, 1e-6))
 
 
 def _calibration(args: argparse.Namespace, model):
@@ -244,7 +245,8 @@ def scenario_from_args(args: argparse.Namespace):
         optimizer=args.optimizer, seq_len=args.seq_len, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
         checkpointing="none" if args.checkpointing == "auto" else args.checkpointing, attention=args.attention,
         reduce_dtype=args.reduce_dtype, bucket_bytes=int(args.bucket_mib * 2**20), overlap_comm=not args.no_overlap,
-        reduce_every_micro_step=not (args.reduce_once_per_step or args.pp > 1), trainable_fraction=args.trainable_fraction,
+        reduce_every_micro_step=not (args.reduce_once_per_step or args.pp > 1),
+        trainable_fraction=args.trainable_fraction,
         lora_rank=args.lora_rank, lora_targets=targets, tp=args.tp, pp=args.pp, replicas=args.replicas,
         secondary=args.hpz,
         mfu=args.mfu, bandwidth_efficiency=args.bandwidth_efficiency, overhead_bytes=int(args.overhead_gb * GB),
@@ -256,7 +258,8 @@ def scenario_from_args(args: argparse.Namespace):
         inter_latency=_float_or_none(args.inter_latency_us, 1e-6),
         host_ram=None if args.host_ram_gib is None else int(args.host_ram_gib * GiB),
         nvme_capacity=None if args.nvme_tb is None else int(args.nvme_tb * 1e12),
-        nvme_read=_float_or_none(args.nvme_read_gb_per_s, 1e9), nvme_write=_float_or_none(args.nvme_write_gb_per_s, 1e9),
+        nvme_read=_float_or_none(args.nvme_read_gb_per_s, 1e9),
+        nvme_write=_float_or_none(args.nvme_write_gb_per_s, 1e9),
         ram_bandwidth=_float_or_none(args.host_mem_gb_per_s, 1e9))
 
 
@@ -406,7 +409,8 @@ def check_run(args: argparse.Namespace) -> int:
         print("\n".join(format_rows(rows)))
     if args.memo:
         with open(args.memo, "a") as handle:
-            handle.write("\n## Predicted vs measured: " + args.check + "\n\n```\n" + "\n".join(format_rows(rows)) + "\n```\n")
+            handle.write("\n## Predicted vs measured: " + args.check + "\n\n```\n" + "\n".join(format_rows(rows))
+                         + "\n```\n")
     return 0
 
 

@@ -4,4 +4,5 @@ from zerokit.comm.deadline import CollectiveError
 from zerokit.comm.groups import ProcessGroups
 from zerokit.comm.reduction import Reduction
 
-__all__ = ["Collective", "CollectiveError", "CommStats", "Communicator", "Pending", "ProcessGroups", "Reduction", "Transfer", "wait"]
+__all__ = ["Collective", "CollectiveError", "CommStats", "Communicator", "Pending", "ProcessGroups", "Reduction",
+           "Transfer", "wait"]

@@ -20,8 +20,8 @@ one node; collectives before the stage made its groups (the start-up checks, pla
 across.
 
 The counting itself is counting.py's (CommStats for an engine, GroupCount for each of its groups); the groups'
-ranks and whether a ring crosses nodes are config/settings.py's (consecutive_groups, strided_groups, ring_crosses_nodes),
-which the planner calls too.
+ranks and whether a ring crosses nodes are config/settings.py's (consecutive_groups, strided_groups,
+ring_crosses_nodes), which the planner calls too.
 
 [Note: all-gather on gloo]
 gloo's all-gather copies its result through a temporary as large as the output: with 25 MiB buckets
@@ -237,8 +237,8 @@ class Communicator:
     def reduce(self, tensor: torch.Tensor, dst: int, op: dist.ReduceOp = dist.ReduceOp.AVG,
                async_op: bool = False, purpose: str = "") -> Pending:
         """In place on `dst`, which receives the reduction (AVG by default); the others' `tensor` is scratch."""
-        return self._launch(Collective.REDUCE, tensor, purpose, async_op,
-                            lambda: [dist.reduce(tensor, dst=self._global(dst), op=op, group=self.group, async_op=True)])
+        return self._launch(Collective.REDUCE, tensor, purpose, async_op, lambda: [dist.reduce(
+            tensor, dst=self._global(dst), op=op, group=self.group, async_op=True)])
 
     def _launch(self, kind: Collective, tensor: torch.Tensor, purpose: str, async_op: bool,
                 issue: Callable[[], list[dist.Work]], output: torch.Tensor | None = None) -> Pending:
@@ -246,8 +246,8 @@ class Communicator:
         default group to torch), count `tensor` (the logical one), issue under the profiler's name for the kind,
         record it for reports, and wait on it now (its deadline applies) unless `async_op`."""
         if self.closed:
-            raise RuntimeError(f"rank {self.rank}: a {kind.value} on zerokit's {self.name!r} group after its engine was "
-                               "closed (engine.close() or destroy()); build a new engine to train again")
+            raise RuntimeError(f"rank {self.rank}: a {kind.value} on zerokit's {self.name!r} group after its engine "
+                               "was closed (engine.close() or destroy()); build a new engine to train again")
         self.count.record(kind, tensor, self.group)
         with record_function(f"zerokit::{kind.value}"):
             works = issue()
@@ -288,7 +288,8 @@ def new_group_beside(siblings: list[list[int]], part: Iterable[int], backend: st
 def _group_timeout(timeout_seconds: float, backend: str) -> timedelta:
     """gloo: the deadline itself; NCCL: a margin more, so that zerokit's report comes before the watchdog's abort.
     See [Note: deadlines on collectives] in deadline.py."""
-    return timedelta(seconds=timeout_seconds if backend == "gloo" else timeout_seconds + max(10.0, timeout_seconds / 10))
+    return timedelta(seconds=timeout_seconds if backend == "gloo"
+                     else timeout_seconds + max(10.0, timeout_seconds / 10))
 
 
 def _threads(comm: Communicator, owns_recorder: bool) -> tuple[Watcher | None, Heartbeat | None]:

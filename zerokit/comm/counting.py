@@ -34,8 +34,8 @@ class Transfer(str, Enum):
 
 
 RING_FACTOR = {kind: (lambda n, name=kind.value: float(ring_share(name, n))) for kind in Collective}
-"""Ring traffic per rank as a multiple of the logical bytes, for N ranks (config/settings.py's ring_share, which the planner
-reads too)."""
+"""Ring traffic per rank as a multiple of the logical bytes, for N ranks (config/settings.py's ring_share, which the
+planner reads too)."""
 
 
 @dataclass
@@ -114,6 +114,6 @@ class GroupCount:
         """Whether this rank's ring traffic on `group` (this count's) goes to another node; decided on first use, once
         the stats know the nodes."""
         if self._crosses is None and self.stats.ranks_per_node is not None and group is not None:
-            self._crosses = ring_crosses_nodes(dist.get_process_group_ranks(group), dist.get_global_rank(group, self.rank),
-                                               self.stats.ranks_per_node)
+            self._crosses = ring_crosses_nodes(dist.get_process_group_ranks(group),
+                                               dist.get_global_rank(group, self.rank), self.stats.ranks_per_node)
         return bool(self._crosses)

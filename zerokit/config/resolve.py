@@ -20,7 +20,8 @@ from zerokit.config.typed import DTYPE_NAMES, ZeroConfig
 def engine_choices(config: ZeroConfig) -> EngineChoices:
     """What this config chooses of the engine-wide decisions, in plain values (the planner makes its own)."""
     return EngineChoices(stage=config.stage, reduce_scatter=config.reduce_scatter,
-                         reduce_every_micro_step=config.reduce_every_micro_step, bucket_bytes=config.reduce_bucket_bytes,
+                         reduce_every_micro_step=config.reduce_every_micro_step,
+                         bucket_bytes=config.reduce_bucket_bytes,
                          reduce_dtype=DTYPE_NAMES[config.precision.reduce_dtype],
                          mics_shard_size=config.mics_shard_size, hpz_partition_size=config.hpz_partition_size,
                          ranks_per_node=config.ranks_per_node)

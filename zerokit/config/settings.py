@@ -414,8 +414,9 @@ def flattened(prefix: str, value: Any) -> list[tuple[str, Any]]:
 
 
 __all__ = ["ELEMENT_BYTES", "EngineSettings", "bucket_numel", "optimizer_piece_numel", "reduces_by_scatter",
-           "reduces_every_micro_step", "secondary_group_size", "shard_group_size", "consecutive_groups", "strided_groups",
-           "ring_crosses_nodes", "ring_share", "launcher_ranks_per_node", "launcher_node_rank", "ranks_per_node",
+           "reduces_every_micro_step", "secondary_group_size", "shard_group_size", "consecutive_groups",
+           "strided_groups", "ring_crosses_nodes", "ring_share", "launcher_ranks_per_node", "launcher_node_rank",
+           "ranks_per_node",
            "Facts", "EngineChoices", "decide", "RunSettings",
            "StageSettings", "OffloadSettings", "StepSettings", "CommSettings", "TensorSettings", "CheckpointSettings",
            "ObserveSettings", "SafeguardSettings", "flattened"]

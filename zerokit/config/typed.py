@@ -127,7 +127,8 @@ class Stage3Policy:
 
     def __post_init__(self) -> None:
         if self.skipped_units not in ("raise", "gather"):
-            raise ValueError(f"stage3 skipped_units={self.skipped_units!r} is not a policy; use \"raise\" or \"gather\"")
+            raise ValueError(f"stage3 skipped_units={self.skipped_units!r} is not a policy; "
+                             "use \"raise\" or \"gather\"")
         # A bare string would otherwise be read as the tuple of its letters, a bare class as an error.
         object.__setattr__(self, "unit_classes", self._entries(self.unit_classes, (str,)))
         object.__setattr__(self, "units", self._entries(self.units, (type, torch.nn.Module)))
@@ -165,7 +166,8 @@ class ZeroConfig:
     """Micro-steps per optimizer step; the loss is divided by this in `engine.backward`."""
     gradient_clipping: float = default("gradient_clipping")  # DeepSpeed 0.19.8 clips at 1.0: See default_differences
     """Clip the global gradient norm (across all shards) to this value; 0 disables clipping."""
-    # torch DDP's 25 MiB, not DeepSpeed's 5e8 elements (2 GB of fp32, one bucket for most models, reduced after backward)
+    # torch DDP's 25 MiB, not DeepSpeed's 5e8 elements (2 GB of fp32, one bucket for most models, reduced after
+    # backward)
     reduce_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """Gradients are reduced in buckets of about this many bytes (in reduce_dtype)."""
     sub_group_size: int | None = default(Z + "sub_group_size")
@@ -243,7 +245,8 @@ class ZeroConfig:
     preemption: Preemption = field(default_factory=Preemption)
     """zerokit's `preemption` block: save and exit with a requeue code on SIGTERM/SIGUSR1 (off by default)."""
     resume: Resume = field(default_factory=Resume)
-    """zerokit's `resume` block: at initialize, load the newest complete checkpoint in resume.load_dir (off by default)."""
+    """zerokit's `resume` block: at initialize, load the newest complete checkpoint in resume.load_dir (off by
+    default)."""
     autotp_size: int = default("tensor_parallel.autotp_size")
     """DeepSpeed's AutoTP training: the tensor degree the model's Hugging Face tp_plan is split over, inside a node,
     with ZeRO over the replicas (zerokit/parallel/tensor); 0 and 1: none."""
@@ -359,7 +362,8 @@ def check_config(config: ZeroConfig) -> None:
 
 
 def _check_step(config: ZeroConfig) -> None:
-    """The training loop's settings: stage, accumulation, clipping, skips, loss scaling, when to reduce, logging, deadline."""
+    """The training loop's settings: stage, accumulation, clipping, skips, loss scaling, when to reduce, logging,
+    deadline."""
     if isinstance(config.stage, bool) or config.stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_optimization.stage={config.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
     if config.gradient_accumulation_steps < 1:
@@ -499,8 +503,8 @@ def _bucket_bytes(config: DeepSpeedConfig, reduce_dtype: torch.dtype) -> int:
 
 FIELDS: dict[str, str] = {
     Z + "stage": "stage", TBS: "train_batch_size", MICRO: "train_micro_batch_size_per_gpu",
-    GAS: "gradient_accumulation_steps", "gradient_clipping": "gradient_clipping", Z + "sub_group_size": "sub_group_size",
-    Z + "reduce_scatter": "reduce_scatter", Z + "overlap_comm": "overlap_comm",
+    GAS: "gradient_accumulation_steps", "gradient_clipping": "gradient_clipping",
+    Z + "sub_group_size": "sub_group_size", Z + "reduce_scatter": "reduce_scatter", Z + "overlap_comm": "overlap_comm",
     Z + "reduce_every_micro_step": "reduce_every_micro_step", "max_consecutive_skipped_steps":
     "max_consecutive_skipped_steps", Z + "allgather_bucket_size": "allgather_bucket_size",
     Z + "allgather_partitions": "allgather_partitions", "zero_allow_untested_optimizer": "allow_untested_optimizer",
@@ -537,8 +541,8 @@ def _read_auto_value(name: str) -> Any:
 
 def typed_fields(config: DeepSpeedConfig) -> dict[str, Any]:
     """ZeroConfig's fields from a DeepSpeed config at the dict level, every "auto" in it resolved that can be (See
-    [Note: resolving "auto"] in config/dsconfig/auto.py): from_dict builds the typed config with them, and resolve() again
-    from the same dict resolved with the world size and the model."""
+    [Note: resolving "auto"] in config/dsconfig/auto.py): from_dict builds the typed config with them, and resolve()
+    again from the same dict resolved with the world size and the model."""
     _check_tp_size(config)
     given = {name: config.get(path) for path, name in FIELDS.items()
              if config.given(path) and config.get(path) is not AUTO}
@@ -581,5 +585,5 @@ def load_config(config: ZeroConfig | Mapping[str, Any] | str | Path | None) -> Z
 
 
 __all__ = [           "ZeroConfig", "MixedPrecision", "LossScaling", "Stage3Policy", "Offload", "OptimizerSpec",
-           "SchedulerSpec", "Preemption", "Resume", "ActivationCheckpointing", "CommsLogger", "FlopsProfiler", "Monitor", "Wandb",
-           "load_config", "from_dict", "hidden_size_of", "replace"]
+           "SchedulerSpec", "Preemption", "Resume", "ActivationCheckpointing", "CommsLogger", "FlopsProfiler",
+           "Monitor", "Wandb", "load_config", "from_dict", "hidden_size_of", "replace"]

@@ -3,7 +3,8 @@ training scripts call on DeepSpeed's accelerator object, on the CPU and on CUDA.
 
 The CPU answers as DeepSpeed's CPU accelerator does (device name 'cpu', memory as the process's resident set
 size, synchronize a no-op, device_count() LOCAL_SIZE if set, else 1 where DeepSpeed counts NUMA nodes), except
-that current_device() is LOCAL_RANK as an int (DeepSpeed returns the environment string). A method DeepSpeed has and zerokit does not is refused in one line naming it.
+that current_device() is LOCAL_RANK as an int (DeepSpeed returns the environment string). A method DeepSpeed has and
+zerokit does not is refused in one line naming it.
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ class ZerokitDeepSpeed(importlib.metadata.Distribution):
     def read_text(self, filename: str) -> str | None:
         if filename == "METADATA":
             return (f"Metadata-Version: 2.1\nName: {ALIAS}\nVersion: {distribution_version()}\n"
-                    "Summary: zerokit's DeepSpeed drop-in (zerokit.deepspeed), installed by zerokit.deepspeed.install()\n"
+                    "Summary: zerokit's DeepSpeed drop-in (zerokit.deepspeed), "
+                    "installed by zerokit.deepspeed.install()\n"
                     "Author: zerokit\n")
         return None
 

@@ -7,7 +7,8 @@ deepspeed.initialize merges them into the config's tensor_parallel block (confli
 there. The Trainer builds its optimizer between the two calls, over the whole model, and DeepSpeed remaps it onto the
 pieces. zerokit does the same: the record waits here, initialize takes it (once: it is consumed, so a second engine
 in the process is not split by an old call), and the engine splits the model and remaps the optimizer (See
-zerokit/parallel/tensor/setup.py). A record is process state, as the API makes it; nothing else of the engine lives here.
+zerokit/parallel/tensor/setup.py). A record is process state, as the API makes it; nothing else of the engine lives
+here.
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ def get_all_ranks_from_group(group: Any = None) -> list[int]:
     return torch_dist.get_process_group_ranks(group or torch_dist.group.WORLD)
 
 
-def barrier(group: Any = None, async_op: bool = False, device_ids: list[int] | None = None, **prof_log_name_debug: Any) -> Any:
+def barrier(group: Any = None, async_op: bool = False, device_ids: list[int] | None = None,
+            **prof_log_name_debug: Any) -> Any:
     return torch_dist.barrier(group=group, async_op=async_op, device_ids=device_ids)
 
 
@@ -83,7 +84,8 @@ def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = 
     return torch_dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False, **prof_log_name_debug: Any) -> Any:
+def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False,
+              **prof_log_name_debug: Any) -> Any:
     return torch_dist.broadcast(tensor, src, group=group, async_op=async_op)
 
 
@@ -128,7 +130,8 @@ def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, **prof
     torch_dist.send(tensor, dst, group=group, tag=tag)
 
 
-def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0, **prof_log_name_debug: Any) -> int:
+def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
+         **prof_log_name_debug: Any) -> int:
     return torch_dist.recv(tensor, src, group=group, tag=tag)
 
 
@@ -136,7 +139,8 @@ def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, **pro
     return torch_dist.isend(tensor, dst, group=group, tag=tag)
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0, **prof_log_name_debug: Any) -> Any:
+def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0,
+          **prof_log_name_debug: Any) -> Any:
     return torch_dist.irecv(tensor, src, group=group, tag=tag)
 
 

@@ -9,9 +9,9 @@ starts two worker processes per rank, zerokit loads in the training process (num
 workers), since small scripts on a few cores lose more to worker start-up than they gain.
 
 The sampler is zerokit's ResumableSampler, DistributedSampler's order with a position (See [Note: the data
-position] in zerokit/checkpoint/sampling.py), and the loader a ResumableLoader. The engine's first training loader is tracked
-(engine.data_position): every checkpoint saves where it stands, and a load puts it back, so that a resumed run sees
-the samples the uninterrupted run would have seen from the saved step on. DeepSpeed saves its loader's
+position] in zerokit/checkpoint/sampling.py), and the loader a ResumableLoader. The engine's first training loader is
+tracked (engine.data_position): every checkpoint saves where it stands, and a load puts it back, so that a resumed run
+sees the samples the uninterrupted run would have seen from the saved step on. DeepSpeed saves its loader's
 `data_sampler.state_dict()` only with its curriculum-learning sampler.
 """
 

@@ -140,7 +140,8 @@ class ShardMasters:
         """Attach every master's fp32 gradient to its pieces, divide it by the loss scale in place, and return
         the sum of its squares (float64: See [Note: one scalar decides overflow and norm] in precision/norm.py).
         `uncounted`: parameter indices whose squares are left out, though an inf or nan among them still makes the
-        sum nan (See [Note: each element counted once across tensor and data ranks] in zerokit/parallel/tensor/share.py)."""
+        sum nan (See [Note: each element counted once across tensor and data ranks] in
+        zerokit/parallel/tensor/share.py)."""
         grads = [home.grad32() for home in self.homes]
         for home, pieces, grad in zip(self.homes, self.pieces, grads):
             if not home.paged:  # a paged master's gradient is attached when it is paged in (See tiers/nvme_masters.py)
@@ -162,7 +163,8 @@ class ShardMasters:
         """Pieces of parameters that got no gradient on any rank lose theirs, so the optimizer skips them
         as torch's optimizers skip a parameter whose .grad is None (See [Note: parameters no rank used])."""
         if used is None:
-            raise RuntimeError("the ranks' gradient usage was never reduced before the optimizer step (an internal bug)")
+            raise RuntimeError("the ranks' gradient usage was never reduced before the optimizer step "
+                               "(an internal bug)")
         self._used = used
         for pieces in self.pieces:
             for piece in pieces:

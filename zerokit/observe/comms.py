@@ -57,7 +57,8 @@ class LoggedCommStats(CommStats):
     kinds: frozenset[Collective | Transfer] = field(default_factory=frozenset)
     debug: bool = False
 
-    def record(self, kind: Collective | Transfer, tensor: torch.Tensor, group: str = "", ring_share: float = 0.0) -> None:
+    def record(self, kind: Collective | Transfer, tensor: torch.Tensor, group: str = "",
+               ring_share: float = 0.0) -> None:
         super().record(kind, tensor, group, ring_share)
         if self.rank == 0 and kind in self.kinds:
             caller = f" | caller {_caller()}" if self.debug else ""

@@ -86,8 +86,8 @@ class FlopsProfile:
         for depth in range(1, deepest + 1):
             top = sorted(by_depth.get(depth, []), key=lambda item: -item[1])[:self.spec.top_modules]
             if top:
-                lines.append(f"  top at depth {depth}: " + ", ".join(f"{path} {_flops(flops)} ({_share(flops, forward)})"
-                                                                   for path, flops in top))
+                lines.append(f"  top at depth {depth}: "
+                             + ", ".join(f"{path} {_flops(flops)} ({_share(flops, forward)})" for path, flops in top))
         if self.spec.detailed:
             every = [(path, flops) for name, flops in self.forward.items()  # first-run order
                      if "." in name and (path := name.split(".", 1)[1]).count(".") < deepest]

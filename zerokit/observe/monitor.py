@@ -131,7 +131,8 @@ class EngineMonitor:
         events: list[Event] = []
         samples = step * (self.part.train_batch_size or 0)
         if self.writers:
-            events += [("Train/Samples/train_loss", loss, samples), ("Train/Samples/lr", self.engine.get_lr()[0], samples),
+            events += [("Train/Samples/train_loss", loss, samples),
+                       ("Train/Samples/lr", self.engine.get_lr()[0], samples),
                        ("Train/Samples/grad_norm", _finite_or_nan(result.grad_norm), samples)]
             if self.part.is_fp16:
                 events.append(("Train/Samples/loss_scale", result.loss_scale, samples))

@@ -12,8 +12,8 @@ embedding's and other parameter-sized gradients are made). Each is fitted, by le
 parameter-sized temporaries (c0), per-token terms (c1), attention matrices that an eager or math
 kernel materialises (c2), and tensors the batch shares (a causal mask: c3). The peak of a step is the
 largest phase peak: at a small shape the embedding's gradient temporaries (c0) dominate, at a large
-one the logits' gradients (c1); both are measured, so neither has to be guessed. The saved bytes of one block are linear in tokens because
-every op saves a fixed number of per-token tensors; what the formulas in memory.py price from first
+one the logits' gradients (c1); both are measured, so neither has to be guessed. The saved bytes of one block are linear
+in tokens because every op saves a fixed number of per-token tensors; what the formulas in memory.py price from first
 principles (Korthikanti et al. 2022) the calibration reads from the model's own code, fp32 upcasts,
 unfused activations and the attention kernel the CPU really picks included. A block count from the
 model spec scales the per-block term, so a 2-block copy calibrates a 40-block model. Pure numbers
@@ -69,7 +69,8 @@ def _least_squares(samples: list[tuple[int, int, float]], terms: tuple[int, ...]
 
 def _residual(coefficients: tuple[float, ...], samples: list[tuple[int, int, float]]) -> float:
     """The worst relative miss of a fit over the samples."""
-    return max(abs(sum(c * x for c, x in zip(coefficients, _basis(b, s))) - v) / max(abs(v), 1.0) for b, s, v in samples)
+    return max(abs(sum(c * x for c, x in zip(coefficients, _basis(b, s))) - v) / max(abs(v), 1.0)
+               for b, s, v in samples)
 
 
 def _fit(samples: list[tuple[int, int, float]]) -> tuple[float, ...]:

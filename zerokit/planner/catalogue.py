@@ -283,7 +283,8 @@ def make_cluster(gpu_key: str, *, gpus_per_node: int = 8, nodes: int = 1, intra_
         flops = {name: peak_tflops * 1e12 for name in chosen.peak_flops}
         chosen = replace(chosen, peak_flops=flops, source=f"user override (peak {peak_tflops:g} TFLOPS); "
                                                           f"otherwise {chosen.source}")
-    base_intra = measured_link if measured_link is not None and intra_link is None else link(intra_link or chosen.intra_link)
+    base_intra = (measured_link if measured_link is not None and intra_link is None
+                  else link(intra_link or chosen.intra_link))
     intra = _override(base_intra, bandwidth=intra_bandwidth, latency=intra_latency)
     inter = _override(link(inter_link or chosen.inter_link), bandwidth=inter_bandwidth, latency=inter_latency)
     node = _override(host(host_key or chosen.host), ram=host_ram, nvme_capacity=nvme_capacity,

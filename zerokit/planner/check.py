@@ -161,12 +161,14 @@ def predicted_seconds(record: dict, setup: EngineSetup, inventory: ParamInventor
         owned = sum(b.shard_numel for b in engine_buckets(inventory, setup))
         touched = owned * (BYTES_PER_ELEMENT[setup.reduce_dtype] + BYTES_PER_ELEMENT[setup.precision])
         after = seconds.get("all_gather", 0.0) if setup.stage in (1, 2) else 0.0
-        norm = seconds.get("all_reduce", 0.0) / max(1, comm.get("all_reduce", {}).get("calls", 1)) if setup.stage else 0.0
+        norm = (seconds.get("all_reduce", 0.0) / max(1, comm.get("all_reduce", {}).get("calls", 1)) if setup.stage
+                else 0.0)
         out["step"] = owned * per_element + touched / device.memory_bandwidth + after + norm
     if out["forward"] is not None and setup.backend == "gloo":
         # gloo runs collectives on the CPU cores that compute, so on a CPU nothing overlaps: the gradient
         # reductions lengthen backward, stage 3's gathers forward and backward (about half each)
-        reduce = sum(v for k, v in seconds.items() if k in ("reduce_scatter", "all_reduce")) - (norm if setup.stage else 0)
+        reduce = sum(v for k, v in seconds.items()
+                     if k in ("reduce_scatter", "all_reduce")) - (norm if setup.stage else 0)
         gathers = seconds.get("all_gather", 0.0) if setup.stage == 3 else 0.0
         out["forward"] += gathers / 2
         out["backward"] += reduce + gathers / 2
@@ -275,7 +277,8 @@ def format_rows(rows: list[Row]) -> list[str]:
     def show(value: float | None, unit: str) -> str:
         if value is None:
             return "-"
-        return f"{value / 2**20:,.2f} MiB" if unit == "bytes" else f"{value:.4f} s" if unit == "seconds" else f"{value:,.0f}"
+        return (f"{value / 2**20:,.2f} MiB" if unit == "bytes" else f"{value:.4f} s" if unit == "seconds"
+                else f"{value:,.0f}")
 
     table = [("category", "predicted", "measured", "error", "how")]
     for row in rows:

@@ -86,7 +86,8 @@ def gpu_optimizer_seconds(rank: RankParams, training: Training, stage: int, clus
     elements = math.ceil(rank.trainable / rank.shard) if stage >= 1 else rank.trainable
     if per_element is not None:
         return elements * per_element
-    touched = 2 * optimizer_state_bytes(training) + training.grad_bytes + (training.param_bytes if training.mixed else 8)
+    touched = (2 * optimizer_state_bytes(training) + training.grad_bytes
+               + (training.param_bytes if training.mixed else 8))
     return elements * touched / (cluster.gpu.hbm_bandwidth * efficiency)
 
 

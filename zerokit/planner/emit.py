@@ -47,7 +47,8 @@ def _notes(result: Estimate, target: str) -> tuple[str, ...]:
         gathering = (f', stage3_gathering="{result.training.stage3_gathering}"' if result.stage == 3 and target ==
                      "zerokit" else "")
         notes.append(f"pipeline of {pp} stages, gradient_accumulation_steps = micro-batches per step: "
-                     f"zerokit.pipeline.initialize(stage_module, optimizer, config, Layout.resolve(world, pipeline={pp})"
+                     "zerokit.pipeline.initialize(stage_module, optimizer, config, "
+                     f"Layout.resolve(world, pipeline={pp})"
                      f"{gathering}) or deepspeed.pipe.PipelineModule(layers, num_stages={pp}) with zerokit.deepspeed")
     tp = result.scenario.layout.tp
     if tp > 1 and target != "fsdp":
@@ -246,6 +247,7 @@ def emit(result: Estimate, target: str, clipping: float = DEFAULT_CLIPPING) -> E
     if target not in TARGETS:
         raise ValueError(f"emit target {target!r} is not accepted; use one of {', '.join(TARGETS)}")
     if isinstance(clipping, bool) or not isinstance(clipping, (int, float)) or not clipping >= 0:
-        raise ValueError(f"gradient clipping={clipping!r} must be >= 0 (0 disables clipping, as in zerokit/config/typed.py)")
+        raise ValueError(f"gradient clipping={clipping!r} must be >= 0 "
+                         "(0 disables clipping, as in zerokit/config/typed.py)")
     writer = {"zerokit": emit_zerokit, "deepspeed": emit_deepspeed, "fsdp": emit_fsdp}[target]
     return Emitted(target, writer(result, clipping), _notes(result, target))

@@ -183,7 +183,8 @@ def _stage3_events(inventory: ParamInventory, setup: EngineSetup, buckets: tuple
     return _StepEvents(start, step)
 
 
-def _shard_numels(inventory: ParamInventory, setup: EngineSetup, buckets: tuple[BucketPlan, ...]) -> dict[RecordKey, int]:
+def _shard_numels(inventory: ParamInventory, setup: EngineSetup,
+                  buckets: tuple[BucketPlan, ...]) -> dict[RecordKey, int]:
     """Each shard's elements, in the order the engine allocates them: trainable buckets, then the frozen
     buffers in the frozen layout's order (by each unit's last frozen parameter in registration order)."""
     numels: dict[RecordKey, int] = {("trainable", b.index): b.shard_numel for b in buckets}

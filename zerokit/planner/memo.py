@@ -146,7 +146,8 @@ def _pick_sections(p: Plan) -> list[str]:
     c = pick.compute
     out += ["", f"`engine.comm_stats()` should grow by this much per optimizer step: `{stats}`.", "",
             f"Compute: {c.flops_per_token / 1e9:.1f} GFLOP per token, {c.flops / 1e12:.1f} TFLOP per GPU per step at "
-            f"{p.scenario.assumptions.mfu:.0%} of {pick.scenario.cluster.peak_flops(pick.training.precision) / 1e12:.0f} "
+            f"{p.scenario.assumptions.mfu:.0%} of "
+            f"{pick.scenario.cluster.peak_flops(pick.training.precision) / 1e12:.0f} "
             f"TFLOPS = {c.seconds:.3f} s; optimizer step on the GPU {c.optimizer_seconds:.3f} s. Communication "
             f"{pick.comm.seconds:.3f} s, of which {pick.exposed_comm_seconds:.3f} s cannot hide behind compute."]
     if pick.offload.any:
@@ -157,7 +158,8 @@ def _pick_sections(p: Plan) -> list[str]:
                 f"- NVMe per node: {gb(h.nvme)} of {gb(h.nvme_capacity)}",
                 f"- PCIe per GPU per step: {gb(o.pcie_down)} down, {gb(o.pcie_up)} up, {o.pcie_seconds:.3f} s",
                 f"- NVMe per node per step: {gb(o.nvme_read)} read, {gb(o.nvme_write)} written, {o.nvme_seconds:.3f} s",
-                f"- CPU optimizer step: {o.cpu_optimizer_seconds:.3f} s; offload adds {o.exposed_seconds:.3f} s per step"]
+                f"- CPU optimizer step: {o.cpu_optimizer_seconds:.3f} s; offload adds {o.exposed_seconds:.3f} s "
+                "per step"]
     return out
 
 
@@ -205,7 +207,8 @@ def _peer_rows(p: Plan) -> list[list[str]]:
     for peer in peer_estimates(s.counts.total, largest, s.cluster.gpus_per_node, s.cluster.nodes, s.training.precision):
         stage = 2 if "zero2" in peer.tool else 3 if "zero3" in peer.tool else None
         mine = ours.get(stage) if peer.options in ("offload_optimizer=none", "no offload") else None
-        rows.append([peer.tool, peer.options, _g(peer.gpu_bytes), "-" if peer.host_bytes is None else _g(peer.host_bytes),
+        rows.append([peer.tool, peer.options, _g(peer.gpu_bytes),
+                     "-" if peer.host_bytes is None else _g(peer.host_bytes),
                      peer.formula, _g(mine.memory.model_states) if mine else "-"])
     return rows
 

@@ -209,7 +209,8 @@ def block_activation_bytes(arch: Architecture, training: Training) -> int:
     """One block, one micro-batch, nothing recomputed. See [Note: activation accounting]."""
     e, h, f, a = training.act_bytes, arch.hidden, arch.ffn, arch.n_heads
     tokens, s = training.tokens_per_micro_batch, training.seq_len
-    per_token = e * (2 * h + h + (arch.q_dim + 2 * arch.kv_dim) + arch.q_dim + h)  # norms, QKV in, Q K V, proj in, MLP in
+    # norms, QKV in, Q K V, proj in, MLP in
+    per_token = e * (2 * h + h + (arch.q_dim + 2 * arch.kv_dim) + arch.q_dim + h)
     per_token += e * (4 * f if arch.gated_mlp else 2 * f)
     per_token += 2 * h if arch.dropout else 0  # attention-output and MLP-output dropout masks
     lora = training.trainable
@@ -228,7 +229,8 @@ def output_activation_bytes(arch: Architecture, training: Training) -> int:
     return tokens * (2 * training.act_bytes * arch.hidden + 4 * arch.vocab)
 
 
-def activation_bytes(model: ModelSpec, training: Training, layout: Layout, calibration: Calibration | None = None) -> int:
+def activation_bytes(model: ModelSpec, training: Training, layout: Layout,
+                     calibration: Calibration | None = None) -> int:
     """Peak activation bytes on the busiest rank; 0 when only a parameter count is known. A calibration
     replaces the per-block and outside counts by what the model measurably saves (calibration.py)."""
     arch = model.architecture
@@ -276,7 +278,8 @@ def buffer_bytes(rank: RankParams, training: Training, stage: int, held: bool = 
 
 
 def memory_breakdown(model: ModelSpec, rank: RankParams, training: Training, layout: Layout, stage: int,
-                     offload: Offload, assumptions: Assumptions, calibration: Calibration | None = None) -> MemoryBreakdown:
+                     offload: Offload, assumptions: Assumptions,
+                     calibration: Calibration | None = None) -> MemoryBreakdown:
     """With a calibration, overhead also holds the backward's measured transient peak above the saved
     activations (activation gradients, the logits' gradients: See [Note: extrapolating a calibration])."""
     parameters, gradients, optimizer = model_states(rank, training, stage, offload)

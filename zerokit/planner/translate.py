@@ -185,7 +185,8 @@ class FsdpTerms:
 
     def __post_init__(self) -> None:
         if self.sharding not in FSDP1_STRATEGIES:
-            raise ValueError(f"sharding {self.sharding!r} is not an FSDP strategy; use one of {', '.join(FSDP1_STRATEGIES)}")
+            raise ValueError(f"sharding {self.sharding!r} is not an FSDP strategy; "
+                             f"use one of {', '.join(FSDP1_STRATEGIES)}")
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in ("bf16", "fp16", "fp32"):

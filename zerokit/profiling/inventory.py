@@ -50,7 +50,8 @@ def param_inventory(model: nn.Module, param_groups: Any = None, stage3: Any = No
         floating = param.is_floating_point()
         if not trainable and not floating:
             fixed += param.numel() * param.element_size()
-        entries.append(ParamEntry(name=name, numel=param.numel(), group=group_of.get(id(param), -1) if trainable else -1,
+        entries.append(ParamEntry(name=name, numel=param.numel(),
+                                  group=group_of.get(id(param), -1) if trainable else -1,
                                   unit=unit_of.get(id(param), 0), trainable=trainable, floating=floating))
     return ParamInventory(tuple(entries), fixed, source or type(model).__name__, _buffers(model))
 

@@ -244,7 +244,8 @@ def slowest(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(values, _max_over_ranks(list(values.values()))))
 
 
-def replay_collectives(comm: dict, dtype_of: Callable[[str], torch.dtype], device: torch.device, repeats: int = 5) -> float:
+def replay_collectives(comm: dict, dtype_of: Callable[[str], torch.dtype], device: torch.device,
+                       repeats: int = 5) -> float:
     """Seconds the step's collectives take alone: each kind's calls at its average size, in its dtype; the fastest
     of `repeats` replays, as timeit takes (on a shared machine a replay is only ever slowed by other work: the
     same run's mean of three moved by 30-50% from process to process)."""
@@ -270,7 +271,8 @@ def _replay_one(kind: str, tensor: torch.Tensor, world: int) -> None:
     if kind == "all_reduce":
         dist.all_reduce(tensor)
     elif kind == "reduce_scatter":
-        dist.reduce_scatter_tensor(torch.empty(tensor.numel() // world, dtype=tensor.dtype, device=tensor.device), tensor)
+        dist.reduce_scatter_tensor(torch.empty(tensor.numel() // world, dtype=tensor.dtype, device=tensor.device),
+                                   tensor)
     elif kind == "all_gather":  # as the engine does on gloo: each rank's slice broadcast from its owner
         for rank, chunk in enumerate(tensor.chunk(world)):
             dist.broadcast(chunk, src=rank)
@@ -285,7 +287,8 @@ def _max_over_ranks(values: list[float]) -> list[float]:
 
 
 def record_run(engine: Any, batches: Iterable, loss_fn: LossFn, *, optimizer: Any = None, param_groups: Any = None,
-               micro_batch: int, seq_len: int, warmup: int = 2, steps: int = 3, path: str | Path | None = None) -> RunRecord:
+               micro_batch: int, seq_len: int, warmup: int = 2, steps: int = 3,
+               path: str | Path | None = None) -> RunRecord:
     """Train `warmup + 1 + steps` optimizer steps of `engine` on `batches` and measure them (See [Note:
     what a record measures, step by step]). `loss_fn(engine, batch)` runs the forward and returns the
     loss; `optimizer` is the one given to zerokit.initialize (its class and param groups: pass

@@ -108,7 +108,8 @@ class Copies:
 
 
 def measure_copies(model: Any, batch: int, seq: int, layers: int = 2, world: int = 1, config: dict | None = None,
-                   optimizer: str = "adamw", groups: dict[str, int] | None = None, replay: dict | None = None) -> Copies:
+                   optimizer: str = "adamw", groups: dict[str, int] | None = None,
+                   replay: dict | None = None) -> Copies:
     """Train copies of `model` with `layers` and 3 x `layers` blocks on `world` gloo ranks with the target's
     zerokit `config` (default: stage 0, fp32) and `optimizer` (one of OPTIMIZER_KINDS), at its micro-batch and
     sequence length, in fresh processes on this machine; measure their resident memory and time their phases.

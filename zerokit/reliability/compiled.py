@@ -43,13 +43,13 @@ def refuse_fullgraph_around_units(model: nn.Module, stage: int, units: Any) -> N
             inside = next((unit_modules[id(m)] for m in module.modules() if m is not module and id(m) in unit_modules),
                           None)
             if inside is not None:
-                raise ValueError(FULLGRAPH_AT_STAGE_3.format(what=f"module {name!r} is compiled" if name else "the model is compiled",
-                                                             unit=inside))
+                raise ValueError(FULLGRAPH_AT_STAGE_3.format(
+                    what=f"module {name!r} is compiled" if name else "the model is compiled", unit=inside))
 
 
 class Compilable(Protocol):
-    """What compile_model reads of an engine (zerokit/engine/engine.py's Engine, or the drop-in's). Named by its shape, not
-    imported: the engine imports the reliability checks, and a type is named only downward."""
+    """What compile_model reads of an engine (zerokit/engine/engine.py's Engine, or the drop-in's). Named by its shape,
+    not imported: the engine imports the reliability checks, and a type is named only downward."""
 
     parts: RunSettings  # the run's settings (config/settings.py): its stage
     stage: Any  # stages/base.py's ZeroStage; at stage 3 its `units`, the model's root unit first

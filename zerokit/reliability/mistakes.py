@@ -50,7 +50,8 @@ def _wrapper(module: nn.Module) -> tuple[str, str, str] | None:
         return "FSDP (FullyShardedDataParallel)", "it shards the parameters zerokit shards", "build it without FSDP"
     if isinstance(module, FSDPModule):
         return "FSDP2 (fully_shard)", "it shards the parameters zerokit shards", "build it without fully_shard"
-    if any(cls.__name__ == "DeepSpeedEngine" and cls.__module__.startswith("deepspeed") for cls in type(module).__mro__):
+    if any(cls.__name__ == "DeepSpeedEngine" and cls.__module__.startswith("deepspeed")
+           for cls in type(module).__mro__):
         return "a DeepSpeed engine", "it reduces and shards what zerokit does", "deepspeed_engine.module"
     return None
 
@@ -95,9 +96,9 @@ def refuse_misnumbered_node(ranks_per_node: int, node: int | None, rank: int) ->
     if node is None:
         return
     if node != rank // ranks_per_node:
-        raise ValueError(f"rank {rank} runs on node {node} (torchrun's GROUP_RANK) but consecutive numbering puts it on "
-                         f"node {rank // ranks_per_node} of {ranks_per_node} ranks; give each node's ranks consecutive "
-                         "numbers (torchrun --node_rank), or set ranks_per_node in the config")
+        raise ValueError(f"rank {rank} runs on node {node} (torchrun's GROUP_RANK) but consecutive numbering "
+                         f"puts it on node {rank // ranks_per_node} of {ranks_per_node} ranks; give each node's ranks "
+                         "consecutive numbers (torchrun --node_rank), or set ranks_per_node in the config")
 
 
 def check_backward_order(backward_since_step: bool, window_ended: bool, accumulation: int) -> None:

@@ -259,7 +259,8 @@ class UnitAgreement:
     def _first(self, rows: list[Row]) -> int:
         """The unit every rank gathers this round ("gather"): in forward order in forward, reverse in backward."""
         if len({row.phase for row in rows}) > 1:
-            raise SkippedUnitError(_message(self.rounds - 1, rows, self.units, self.order) + " (the ranks are in different phases)")
+            raise SkippedUnitError(_message(self.rounds - 1, rows, self.units, self.order)
+                                   + " (the ranks are in different phases)")
         backward = rows[0].phase == PHASES.index("backward")
         return min((row.unit for row in rows), key=lambda u: (u == self.nothing, -u if backward else u))
 

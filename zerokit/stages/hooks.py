@@ -93,7 +93,8 @@ class UnitHooks:
     def install(self) -> list[RemovableHandle]:
         handles = []
         for unit in self.units:
-            # eager even inside torch.compile'd code: See [Note: torch.compile and zerokit's hooks] in reliability/compiled.py
+            # eager even inside torch.compile'd code: See [Note: torch.compile and zerokit's hooks] in
+            # reliability/compiled.py
             pre, post = partial(self._pre_forward, unit), partial(self._post_forward, unit)
             handles.append(unit.module.register_forward_pre_hook(torch.compiler.disable(pre), with_kwargs=True))
             handles.append(unit.module.register_forward_hook(torch.compiler.disable(post)))

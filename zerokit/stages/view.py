@@ -98,7 +98,8 @@ class ParameterView:
         """Each trainable parameter this rank steps some of, with its pieces, in layout order."""
         slots = {slot.param_index: slot for bucket in self.stage.layout.buckets for slot in bucket.slots}
         position = {id(o): i for i, o in enumerate(self.optimizers)}
-        group_of = {id(p): g for o in self.optimizers for g, group in enumerate(o.param_groups) for p in group["params"]}
+        group_of = {id(p): g for o in self.optimizers for g, group in enumerate(o.param_groups)
+                    for p in group["params"]}
         pieces: dict[int, list[PieceView]] = {}
         for ref in self.stage.masters.piece_refs():
             pieces.setdefault(ref.param_index, []).append(PieceView(

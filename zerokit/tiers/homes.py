@@ -18,9 +18,10 @@ reduced and waited for only at the optimizer step.
 The global norm needs every gradient element's square. A master in host memory would have them summed there, at
 the step: a pass over its whole fp32 gradient in host memory, 18 GB for a 4.5B-parameter model, on the CPU, after
 the last copy. So the host tier sums its shard's squares (float64, See [Note: the float64 sum of squares in chunks]
-in zerokit/precision/arithmetic.py) as it accepts the shard, on the device, while backward goes on, as DeepSpeed's offload
-takes its partitions' norms on the GPU before moving them; the step adds those sums (unscaled by the loss scale's
-square) and reads no host gradient for the norm. Without CUDA the same sum is taken on the CPU at the same moment.
+in zerokit/precision/arithmetic.py) as it accepts the shard, on the device, while backward goes on, as DeepSpeed's
+offload takes its partitions' norms on the GPU before moving them; the step adds those sums (unscaled by the loss
+scale's square) and reads no host gradient for the norm. Without CUDA the same sum is taken on the CPU at the same
+moment.
 """
 
 from __future__ import annotations

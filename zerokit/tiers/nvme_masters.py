@@ -12,9 +12,9 @@ boundary, the whole padded to 4096 bytes for direct I/O. A record's layout is le
 written back after a step (optimizer state is created at the first step); it grows then. At the step,
 sub-groups are paged in one at a time into buffers from a pool of `buffer_count`: while one is stepped the
 next buffer_count - 2 (at least one) are read and the one before is written (ShardMasters.step), so host
-memory holds at most buffer_count buffers of one sub-group each (See [Note: a bounded pool of swap buffers] in zerokit/tiers/swap.py),
-whatever the size of the model or of its buckets. Paged in, the pieces' data and the optimizer's state
-entries are views of the buffer; paged out, the pieces point at a zero-stride placeholder and the state
+memory holds at most buffer_count buffers of one sub-group each (See [Note: a bounded pool of swap buffers] in
+zerokit/tiers/swap.py), whatever the size of the model or of its buckets. Paged in, the pieces' data and the optimizer's
+state entries are views of the buffer; paged out, the pieces point at a zero-stride placeholder and the state
 entries are gone, so nothing but the pool holds host memory. A buffer also has room for the sub-group's
 fp32 gradient, copied in from its part of the device's reduced (already unscaled and clipped) gradient shard
 just before the step; the updated values are published to their part of the compute shard right after it,

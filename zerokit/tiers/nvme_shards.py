@@ -89,7 +89,8 @@ class _Allocation:
         begin = self.begins[bisect.bisect_right(self.begins, offset) - 1]
         lo = offset - begin
         if lo + shard.numel() > self.numels[begin]:
-            raise RuntimeError(f"a view of {shard.numel()} elements at {offset} crosses a bucket's shard (an internal bug)")
+            raise RuntimeError(f"a view of {shard.numel()} elements at {offset} crosses a bucket's shard "
+                               "(an internal bug)")
         return begin, lo, lo + shard.numel()
 
     def record_bytes(self, chunk: Chunk) -> int:
@@ -125,7 +126,8 @@ class NvmeShards:
         records = len(local.ranges) + local.numel // self.chunk_numel  # each rounded up to a block at most
         check_nvme(key, str(self.swap.root.parent), round_up((local.numel - cached) * element) + records * 4096,
                    self.ranks_per_node)
-        allocation = _Allocation(f"shards{len(self.allocations)}", local, dtype, self.budget, self.chunk_numel, self.pin)
+        allocation = _Allocation(f"shards{len(self.allocations)}", local, dtype, self.budget, self.chunk_numel,
+                                 self.pin)
         self.budget -= allocation.cache.numel()
         if allocation.cache.numel() and self.swap.rank == 0:
             logger.info("%s.max_in_cpu: %s of %s shard elements stay in host memory, not on NVMe (DeepSpeed's meaning; "

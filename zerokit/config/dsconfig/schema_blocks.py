@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from zerokit.config.dsconfig.keys import zerokit_key, Key, KeyClass, Kind, always, block, honoured, refused, refused_block
+from zerokit.config.dsconfig.keys import (zerokit_key, Key, KeyClass, Kind, always, block, honoured, refused,
+                                          refused_block)
 
 SHARED_FILES = ("zerokit's checkpoints are read by any rank on any world size, so every rank must see every "
                 "rank's files (a shared filesystem)")

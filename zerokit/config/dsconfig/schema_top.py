@@ -19,12 +19,14 @@ BATCH = (
 )
 
 TRAINING = (
-    block("optimizer", "builds the optimizer when initialize() is given none (zerokit.engine.schedules.build_optimizer)"),
+    block("optimizer", "builds the optimizer when initialize() is given none "
+          "(zerokit.engine.schedules.build_optimizer)"),
     honoured("optimizer.type", Kind.STR, None, "Adam, AdamW, SGD, Adagrad or Muon", auto=False),
     block("optimizer.params", "the optimizer's hyperparameters; DeepSpeed's defaults for those not given"),
     always("optimizer.legacy_fusion", "DeepSpeed's legacy fused-LAMB code path; zerokit builds torch optimizers",
            Kind.BOOL, False),
-    block("scheduler", "builds the LR schedule, stepped at each optimizer step (zerokit.engine.schedules.build_scheduler)"),
+    block("scheduler", "builds the LR schedule, stepped at each optimizer step "
+          "(zerokit.engine.schedules.build_scheduler)"),
     honoured("scheduler.type", Kind.STR, None, "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest",
              auto=False),
     block("scheduler.params", "the schedule's parameters, with DeepSpeed's formulas and defaults"),

@@ -8,8 +8,8 @@ bias). The model's norm adds the pieces of every tensor rank and one copy of the
 replicated parameters unless it is tensor rank 0 (`uncounted`), and the data group's sums are added across the tensor
 group too. The replicated parameters left out still decide overflow: their squares enter as 0 x sum, which is nan
 where the sum is inf or nan, so an fp16 overflow on any rank, in any parameter, is nan on every rank after the sum
-(See [Note: one scalar decides overflow and norm] in precision/norm.py). Their gradients are the same on every tensor rank
-without a reduction of their own: every tensor rank reads the same batch, the split layers' all-reduces give every
+(See [Note: one scalar decides overflow and norm] in precision/norm.py). Their gradients are the same on every tensor
+rank without a reduction of their own: every tensor rank reads the same batch, the split layers' all-reduces give every
 tensor rank the same activations and the same input gradients, so what reaches a replicated parameter is the same.
 """
 

@@ -2,8 +2,8 @@
 need another's internals), counting every import Python may run: at module level, inside a function, only for type
 checking, and a package's face (its __init__) importing its own submodules (issue 43: three circles passed through
 those last two). No function over 60 lines and no class over 200 (counted from the `class` line to its last,
-docstrings included). The package shows its floors (issue 43): at most 4 modules loose at zerokit/'s root, and each room
-imports only rooms on its own floor or below. No room below the engine names the whole ZeroConfig or reads a DeepSpeed
+docstrings included); no line over 120 characters. The package shows its floors (issue 43): at most 4 modules loose
+at zerokit/'s root, and each room imports only rooms on its own floor or below. No room below the engine names the whole ZeroConfig or reads a DeepSpeed
 key (issue 43). Read from the source with ast; nothing is imported but the DeepSpeed reader's schema, for its keys."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "zerokit"
 MAX_FUNCTION_LINES = 60
 MAX_CLASS_LINES = 200
+MAX_LINE_CHARACTERS = 120
 MAX_LOOSE_MODULES = 4
 FLOORS = [  # from the bottom; zerokit's face imports only _support/ (its public names are strings, imported on use)
     {"zerokit", "_support"},
@@ -161,6 +162,12 @@ def test_no_function_over_60_lines(path: Path) -> None:
     long = [f"{node.name}: {node.end_lineno - node.lineno + 1} lines" for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert long == []
+
+
+def test_no_line_over_120_characters() -> None:
+    long = [f"{path.relative_to(PACKAGE)}:{number}" for path in sorted(PACKAGE.rglob("*.py"))
+            for number, line in enumerate(path.read_text().splitlines(), 1) if len(line) > MAX_LINE_CHARACTERS]
     assert long == []
 
 

@@ -81,15 +81,15 @@ class Communicator:
         wait's deadline (None: wait as long as the group does). `name` labels this group in reports. `owns_group`:
         zerokit made `group` for this Communicator, and `close` destroys it. `siblings`: the global ranks of every
         group of this one's layout dimension, this one's included (See [Note: groups made beside the siblings'])."""
-        self.group = group
+        self.group, self.owns_group = group, owns_group
         self.siblings = siblings or [dist.get_process_group_ranks(group or dist.group.WORLD)]
-        self.owns_group = owns_group
         self.closed = False  # See `close`
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.backend = dist.get_backend(group)  # "nccl", "gloo", ...
         # where this group's tensors must be: NCCL reduces device tensors only
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl"
+                       else torch.device("cpu"))
         self.stats = stats or CommStats(self.world_size)
         self.count = GroupCount(self.stats, name, self.rank, self.world_size)
         self.name, self.timeout_seconds = name, timeout_seconds

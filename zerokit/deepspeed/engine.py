@@ -259,9 +259,9 @@ class DeepSpeedEngine(ConfigQueries, ModuleView, Engine):
         """This rank's share of `dataset` at the micro-batch size, in DeepSpeed's order (eval routes unshuffled); the
         first training loader's position is saved and restored by checkpoints (See zerokit/deepspeed/data.py)."""
         return training_loader(dataset, batch_size or self.train_micro_batch_size_per_gpu(), self.rank,
-                               self.world_size, drop_last=self.config.dataloader_drop_last,
-                               collate_fn=collate_fn or self.collate_fn, sampler=data_sampler, shuffle=route == "train",
-                               workers=num_local_io_workers or 0, position=self.data_position if route == "train" else None)
+                               self.world_size, drop_last=self.config.dataloader_drop_last, sampler=data_sampler,
+                               collate_fn=collate_fn or self.collate_fn, workers=num_local_io_workers or 0,
+                               shuffle=route == "train", position=self.data_position if route == "train" else None)
 
     @property
     def is_compiled(self) -> bool:
@@ -281,7 +281,7 @@ class DeepSpeedEngine(ConfigQueries, ModuleView, Engine):
                              "hooks drive its reductions and need eager autograd")
         if self._is_compiled:
             return
-        compile_model(self, backend, **{key: value for key, value in (compile_kwargs or {}).items() if key != "backend"})
+        compile_model(self, backend, **{k: v for k, v in (compile_kwargs or {}).items() if k != "backend"})
         self._is_compiled = True
 
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict[str, Any] | None = None,
@@ -324,7 +324,7 @@ class DeepSpeedEngine(ConfigQueries, ModuleView, Engine):
                                   "zero_optimization.offload_optimizer/offload_param put them for the whole run")
 
     def reload_states(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("engine.reload_states() is out of scope for zerokit: nothing is offloaded to bring back")
+        raise NotImplementedError("engine.reload_states() is out of scope for zerokit: nothing was offloaded")
 
     def destroy(self) -> None:
         """DeepSpeed's name for close()."""

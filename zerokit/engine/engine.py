@@ -61,8 +61,8 @@ class Engine(ExternalBackward, Checkpoints):
         `optimizer`: one torch optimizer, or a list of them, each over its own parameters (Muon for the
         hidden matrices beside AdamW for the rest, say); None: the config's `optimizer` block's, built over
         `model_parameters` (default: the model's trainable parameters). `layout`: the job's pipeline x data x tensor
-        mesh (See [Note: one layout, resolved once] in zerokit/parallel/mesh.py); the engine shards over this rank's data
-        group. None: over every rank."""
+        mesh (See [Note: one layout, resolved once] in zerokit/parallel/mesh.py); the engine shards over this rank's
+        data group. None: over every rank."""
         ensure_process_group()
         launcher_per_node, node_rank = launcher_ranks_per_node(), launcher_node_rank()  # torchrun's, read once
         # The mesh first: the tensor degree decides this rank's data group, whose size the facts below are

@@ -278,7 +278,7 @@ def run_engine(rank: int, world_size: int, case: Case) -> dict:
         comm_per_step.append({kind: {k: after[kind][k] - before[kind][k] for k in after[kind]} for kind in after})
     out = {
         "case": asdict(case), "losses": losses, "results": results, "comm_per_step": comm_per_step,
-        "params": {name: value for name, value in engine.full_state_dict().items() if name in dict(model.named_parameters())},
+        "params": {n: v for n, v in engine.full_state_dict().items() if n in dict(model.named_parameters())},
         "memory": engine.memory_stats(),
         "memory_at_boundary": at_boundary, "memory_by_tier_at_boundary": tiers_at_boundary,
         "memory_by_tier": engine.memory_by_tier(),

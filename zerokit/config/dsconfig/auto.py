@@ -264,8 +264,8 @@ def _without_hidden_size(reduce_dtype: str) -> dict[str, tuple[int, str]]:
     """zerokit's defaults for the hidden-size keys, for a model with no config.hidden_size (See [Note: resolving
     "auto"]). The bucket is DEFAULT_BUCKET_BYTES counted in elements of the dtype gradients are reduced in."""
     missing = "the model has no config.hidden_size"
-    return {HIDDEN_KEYS[0]: (DEFAULT_BUCKET_BYTES // ELEMENT_BYTES[reduce_dtype],
-                             f"zerokit's default bucket, {DEFAULT_BUCKET_BYTES >> 20} MiB of {reduce_dtype}: {missing}"),
+    bucket = f"zerokit's default bucket, {DEFAULT_BUCKET_BYTES >> 20} MiB of {reduce_dtype}: {missing}"
+    return {HIDDEN_KEYS[0]: (DEFAULT_BUCKET_BYTES // ELEMENT_BYTES[reduce_dtype], bucket),
             HIDDEN_KEYS[1]: (SCHEMA[HIDDEN_KEYS[1]].default, f"zerokit's and DeepSpeed's default: {missing}"),
             HIDDEN_KEYS[2]: (SCHEMA[HIDDEN_KEYS[2]].default, f"zerokit's and DeepSpeed's default: {missing}")}
 

@@ -15,11 +15,16 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
-
-from torch.utils.flop_counter import FlopCounterMode
+from typing import Any, Iterator
 
 from zerokit.config.dsconfig.blocks import FlopsProfiler
+
+
+def _counter() -> Any:
+    """torch's FlopCounterMode, imported when a step is profiled: torch.utils.flop_counter brings sympy, which every
+    rank would otherwise import at start-up and tear down at exit (See dtensor_types in parallel/tensor/torch_tp.py)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    return FlopCounterMode(display=False, depth=None)
 
 
 class FlopsProfile:
@@ -42,7 +47,7 @@ class FlopsProfile:
             return
         if self.started is None:
             self.started = time.perf_counter()
-        mode = FlopCounterMode(display=False, depth=None)
+        mode = _counter()
         with mode:
             yield
         for name, counts in mode.get_flop_counts().items():
@@ -54,7 +59,7 @@ class FlopsProfile:
         if not self.active(completed_steps):
             yield
             return
-        mode = FlopCounterMode(display=False, depth=None)
+        mode = _counter()
         with mode:
             yield
         self.backward += mode.get_total_flops()

@@ -25,22 +25,36 @@ t times a vocabulary split's share of it per rank (t: the tensor degree). The st
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import sys
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from zerokit.comm import Communicator
 from zerokit.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 WHAT_IS_ACCEPTED = ("zerokit trains ColwiseParallel/RowwiseParallel linears whose activations are whole between "
                     "them (their default layouts; a column split may gather its output with output_layouts="
                     "Replicate()), and embeddings, which it holds whole")
 
 
+def dtensor_types() -> tuple[type, type, type]:
+    """torch's DTensor, Replicate and Shard, imported on first use: torch.distributed.tensor brings sympy, 0.46 s to
+    import on every rank and about as long again to tear down when the process ends (measured: docs/reliability.md,
+    "What it costs"); only a model parallelized with DTensors needs it, and its script imported it already."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    return DTensor, Replicate, Shard
+
+
 def has_dtensors(model: nn.Module) -> bool:
-    return any(isinstance(param, DTensor) for param in model.parameters())
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor exists before its module is imported
+        return False
+    dtensor = dtensor_types()[0]
+    return any(isinstance(param, dtensor) for param in model.parameters())
 
 
 class Adoption(NamedTuple):
@@ -56,7 +70,7 @@ def planned_adoptions(model: nn.Module, tensor_group: list[int]) -> list[Adoptio
     """Every DTensor linear and embedding of `model`, checked to be one zerokit computes over `tensor_group` (this
     rank's tensor ranks), before any group is made (See [Note: the plan is checked before any group is made] in
     autotp.py); a refusal leaves the model as it was."""
-    plans = []
+    plans, DTensor = [], dtensor_types()[0]
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if isinstance(module, nn.Linear) and isinstance(weight, DTensor):
@@ -110,7 +124,7 @@ def adopt_dtensor_linears(model: nn.Module, plans: list[Adoption], comm: Communi
 def _made_whole(module: nn.Module) -> dict[int, nn.Parameter]:
     """The module's DTensor parameters gathered into whole ones (a collective over their mesh: every tensor rank
     calls it, in the model's order), and the tensor-parallel forward its style installed taken off."""
-    replaced = {}
+    replaced, DTensor = {}, dtensor_types()[0]
     for attr, param in list(module.named_parameters(recurse=False)):
         if isinstance(param, DTensor):
             whole = nn.Parameter(param.full_tensor().detach(), requires_grad=param.requires_grad)
@@ -134,7 +148,7 @@ def _style(name: str, module: nn.Linear, tensor_group: list[int]) -> tuple[str, 
     """("column" or "row", whether the output is gathered) of a DTensor linear, read from its weight's placement and
     the layouts its style was given (torch's hooks, or transformers' forward); refused where they are not the ones
     split linears compute, or where the split dimension does not divide evenly."""
-    weight = module.weight
+    weight, (_, Replicate, Shard) = module.weight, dtensor_types()
     _check_mesh(name, weight, tensor_group)
     layouts = _style_layouts(module)
     placement = weight.placements[0]
@@ -189,10 +203,11 @@ def _local_linear(module: nn.Linear) -> nn.Linear:
     local = nn.Linear(weight.shape[1], weight.shape[0], bias=module.bias is not None, device="meta")
     local.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
     if module.bias is not None:
-        bias = module.bias.to_local() if isinstance(module.bias, DTensor) else module.bias
+        bias = module.bias.to_local() if isinstance(module.bias, dtensor_types()[0]) else module.bias
         local.bias = nn.Parameter(bias.detach(), requires_grad=module.bias.requires_grad)
     return local
 
 
 def _placements(tensor: torch.Tensor) -> str:
-    return "placements " + ", ".join(repr(p) for p in tensor.placements) if isinstance(tensor, DTensor) else "a tensor"
+    is_dtensor = isinstance(tensor, dtensor_types()[0])
+    return "placements " + ", ".join(repr(p) for p in tensor.placements) if is_dtensor else "a tensor"

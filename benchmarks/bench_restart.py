@@ -5,9 +5,14 @@ launch it, timed.
     python benchmarks/bench_restart.py --rounds 3
 
 Per round:
-  - preemption: SIGUSR1 to rank 1 inside step 5; seconds from the signal to the last rank's exit (the step finished,
-    the checkpoint saved), the preemption save alone (rank 0's log line), and from the signal to the end of the
-    first step of the job torchrun restarts;
+  - preemption: SIGUSR1 to rank 1 inside step 5, with --max-restarts 0; seconds from the signal, all watched from
+    outside the ranks (psutil, polling every 2 ms): to `latest` naming the saved step, to each rank's process ending,
+    to torchrun's; the preemption save alone (rank 0's log line), the rank exit codes torchrun reports, and, for
+    comparison, the same job left to finish: seconds from its last step (rank 0's result written) to each rank's
+    process ending. Then the same preemption with --max-restarts 1: seconds from the signal to the end of the first
+    step of the job torchrun restarts; and, for what the interpreter's end costs with torch loaded, one process (a
+    gloo group of one) that trains a step of a Linear with AdamW under torch DDP, and under zerokit: seconds from its
+    last line to the process's end, watched from outside;
   - killed save: every rank SIGKILLed half-way through its rank file in the save after step 8, then rank 0 inside
     the commit of the next try; seconds from the last kill to the end of the first resumed step;
   - full disk: the save after step 8 finds a full tmpfs (root) or a file-size limit (else); seconds it took to fail
@@ -37,7 +42,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
+import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -55,23 +62,106 @@ def torchrun(out: Path, *args: str, restarts: int = 1) -> list[str]:
             "--max-restarts", str(restarts), str(SCRIPT), "--out", str(out), *args]
 
 
-def preemption_round(out: Path) -> dict:
-    job = subprocess.Popen(torchrun(out, "--preempt-at", "5"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+def _ended(process: psutil.Process) -> bool:
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _watch(job: subprocess.Popen, since: float, marks: dict[str, Callable[[], bool]]) -> dict[str, float]:
+    """Seconds from `since` to each mark's first truth and to each rank's process ending, polled from outside until
+    torchrun ends (`torchrun`)."""
+    ranks = psutil.Process(job.pid).children()
+    seen: dict[str, float] = {}
+    while job.poll() is None:
+        now = time.time()
+        for name, reached in marks.items():
+            if name not in seen and reached():
+                seen[name] = now - since
+        for index, rank in enumerate(ranks):
+            if f"process_{index}" not in seen and _ended(rank):
+                seen[f"process_{index}"] = now - since
+        time.sleep(0.002)
+    seen["torchrun"] = time.time() - since
+    return {name: round(value, 3) for name, value in seen.items()}
+
+
+def _launch(out: Path, *args: str, restarts: int) -> subprocess.Popen:
+    """torchrun in the background, its output in OUT/torchrun.log (a pipe nobody reads while polling could fill)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "torchrun.log", "w") as log:
+        return subprocess.Popen(torchrun(out, *args, restarts=restarts), stdout=log, stderr=subprocess.STDOUT)
+
+
+def _signal_rank_1_inside_step_5(out: Path, restarts: int) -> tuple[subprocess.Popen, float]:
+    job = _launch(out, "--preempt-at", "5", restarts=restarts)
     while not (out / "in_step").exists() and job.poll() is None:
         time.sleep(0.01)
     time.sleep(0.05)
     sent = time.time()
     (out / "killed_at").write_text(repr(sent))
     os.kill(int((out / "in_step").read_text()), signal.SIGUSR1)
-    _, stderr = job.communicate(timeout=300)
-    exits = [json.loads((out / f"exit_rank{rank}_attempt0.json").read_text()) for rank in (0, 1)]
+    return job, sent
+
+
+def preemption_round(out: Path) -> dict:
+    latest = out / "checkpoints" / "latest"
+    job, sent = _signal_rank_1_inside_step_5(out, restarts=0)
+    seen = _watch(job, sent, {"saved": lambda: latest.exists() and latest.read_text() == "global_step6"})
+    stderr = (out / "torchrun.log").read_text()
     saved = re.search(r"saved optimizer step \d+ in \S+ in ([\d.]+) s", stderr)
-    result = json.loads((out / "result.json").read_text())
-    return {"signal_to_exit_s": round(max(e["time"] for e in exits) - sent, 3),
-            "preemption_save_s": float(saved.group(1)) if saved else None, "exit_codes": [e["code"] for e in exits],
-            "signal_to_first_resumed_step_s": round(result["seconds_from_kill_to_first_resumed_step"], 3),
-            "resumed_from": result["resumed_from"]}
+    codes = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", stderr)
+    figures = {"signal_to_saved_s": seen.get("saved"),
+               "signal_to_process_exit_s": sorted(seen[name] for name in seen if name.startswith("process_")),
+               "signal_to_torchrun_exit_s": seen["torchrun"],
+               "preemption_save_s": float(saved.group(1)) if saved else None,
+               "torchrun_exit_codes": {int(rank): int(code) for rank, code in codes}}
+    finished = out / "finished"
+    job = _launch(finished, restarts=0)
+    while not (finished / "result.json").exists() and job.poll() is None:
+        time.sleep(0.002)
+    seen = _watch(job, time.time(), {})
+    figures["normal_end_to_process_exit_s"] = sorted(seen[name] for name in seen if name.startswith("process_"))
+    restarted = out / "restarted"
+    job, _ = _signal_rank_1_inside_step_5(restarted, restarts=1)
+    job.wait(timeout=300)
+    result = json.loads((restarted / "result.json").read_text())
+    figures["signal_to_first_resumed_step_s"] = round(result["seconds_from_kill_to_first_resumed_step"], 3)
+    figures["resumed_from"] = result["resumed_from"]
+    figures["teardown_s"] = {peer: teardown_round(peer) for peer in ("ddp", "zerokit")}
+    return figures
+
+
+TEARDOWN_JOB = """
+import os, sys, time, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1")
+dist.init_process_group("gloo")
+model = torch.nn.Linear(64, 64)
+if sys.argv[1] == "ddp":
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(ddp.parameters())
+    ddp(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+else:
+    import zerokit
+    engine = zerokit.initialize(model, torch.optim.AdamW(model.parameters()), {"zero_optimization": {"stage": 2}})
+    engine.backward(engine(torch.randn(2, 64)).sum())
+    engine.step()
+print(repr(time.time()), flush=True)
+"""
+
+
+def teardown_round(peer: str) -> float:
+    """Seconds from TEARDOWN_JOB's last line to its process's end (the interpreter's end with torch loaded)."""
+    job = subprocess.Popen([sys.executable, "-c", TEARDOWN_JOB, peer, str(29400 + random.randrange(500))],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    last_line = float(job.stdout.readline())
+    while not _ended(psutil.Process(job.pid)):
+        time.sleep(0.002)
+    ended = time.time()
+    job.wait()
+    return round(ended - last_line, 3)
 
 
 def killed_save_round(out: Path) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,9 +33,9 @@ from zerokit.comm import rendezvous
 SCRIPT = Path(__file__).parent / "scripts" / "restart_job.py"
 
 
-def command(out: Path, *args: str, restarts: int = 1) -> list[str]:
+def command(out: Path, *args: str, restarts: int = 1, script: Path = SCRIPT) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            "--max-restarts", str(restarts), str(SCRIPT), "--out", str(out), *args]
+            "--max-restarts", str(restarts), str(script), "--out", str(out), *args]
 
 
 def run(out: Path, *args: str, restarts: int = 1) -> subprocess.CompletedProcess:
@@ -140,13 +141,15 @@ def test_a_save_that_finds_the_disk_full_fails_on_every_rank_and_training_goes_o
 
 # --- preemption (item 4) ----------------------------------------------------------------------------------------
 
-def preempted(out: Path, at: int, target: Callable[[subprocess.Popen], int], number: signal.Signals
-              ) -> subprocess.Popen:
+def preempted(out: Path, at: int, target: Callable[[subprocess.Popen], int], number: signal.Signals, *args: str,
+              restarts: int = 1, script: Path = SCRIPT) -> subprocess.Popen:
     """Launch the job with preemption on; when rank 1 is inside step `at` (0-based, before its backward), send
-    `number` to the process `target` names, and note when (DIR/killed_at). Returns the finished launch."""
+    `number` to the process `target` names, and note when (DIR/killed_at). Returns the finished launch. `script`:
+    another job with the same protocol (DIR/in_step; FRAMEWORKS signals at its own step)."""
     (out / "in_step").unlink(missing_ok=True)
-    job = subprocess.Popen(command(out, "--preempt-at", str(at)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+    launch_args = ("--preempt-at", str(at), *args) if script == SCRIPT else args
+    job = subprocess.Popen(command(out, *launch_args, restarts=restarts, script=script), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (out / "in_step").exists() and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -180,3 +183,52 @@ def test_a_preempted_job_saves_the_step_in_flight_exits_to_be_requeued_and_resum
     assert (tmp_path / "starts").read_text() == "0 0\n0 6\n1 7\n"  # launch, attempt: the step it started from
     resumed = json.loads((tmp_path / "result.json").read_text())
     assert resumed["losses"] == uninterrupted["losses"][7:] and resumed["weights"] == uninterrupted["weights"]
+
+
+def torchrun_exit_codes(stderr: str) -> dict[int, int]:
+    """Each failed rank's exit code as torchrun reports it (its ChildFailedError summary)."""
+    found = re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", stderr)
+    return {int(rank): int(code) for rank, code in found}
+
+
+def signal_rank_1(out: Path) -> Callable[[subprocess.Popen], int]:
+    return lambda _: int((out / "in_step").read_text())
+
+
+def test_every_rank_leaves_with_the_requeue_code_torchrun_reports(tmp_path) -> None:
+    """torchrun stops the other ranks with SIGTERM as soon as one has exited. Rank 0, saved and on its way out (its
+    exit here takes 3 s longer, as a large model's teardown does), was reported by torchrun as -15, not 75 (2 of 3
+    launches in issue 44, 3 of 16 here): a preempted rank now ignores the block's signals until it has exited."""
+    job = preempted(tmp_path, 5, signal_rank_1(tmp_path), signal.SIGUSR1, "--slow-exit", "3", restarts=0)
+    assert torchrun_exit_codes(job.stderr_text) == {0: 75, 1: 75}, job.stderr_text[-3000:]
+    assert_saved_the_step_in_flight(tmp_path, 5)
+
+
+FRAMEWORKS = Path(__file__).parent / "scripts" / "preempt_frameworks.py"
+
+
+def assert_framework_saved_step_3(out: Path) -> None:
+    exits = [json.loads((out / f"exit_rank{rank}.json").read_text())["code"] for rank in (0, 1)]
+    assert exits == [75, 75]
+    assert read_manifest(out / "checkpoints" / "global_step4").progress["optimizer_step"] == 4
+    assert (out / "checkpoints" / "latest").read_text() == "global_step4"
+
+
+def test_the_deepspeed_drop_in_is_preempted_as_zerokit_is(tmp_path) -> None:
+    """deepspeed.initialize with the config's preemption block, engine.backward and engine.step, SIGUSR1 to rank 1
+    inside step 3: both ranks save step 3 and leave with 75, as torchrun reports."""
+    job = preempted(tmp_path, 3, signal_rank_1(tmp_path), signal.SIGUSR1, "--via", "deepspeed", restarts=0,
+                    script=FRAMEWORKS)
+    assert torchrun_exit_codes(job.stderr_text) == {0: 75, 1: 75}, job.stderr_text[-3000:]
+    assert_framework_saved_step_3(tmp_path)
+
+
+def test_lightning_is_preempted_by_the_schedulers_sigterm(tmp_path) -> None:
+    """Lightning's ZerokitStrategy with the preemption block, SIGTERM to torchrun (a scheduler's), which passes it on:
+    Lightning's own SIGTERM handler, installed over zerokit's after the strategy's setup, broadcast from inside the
+    handler and crashed the job; the strategy takes the signal back at on_train_start, and both ranks save step 3 and
+    leave with 75 (torchrun, itself signalled, reports no codes: each rank's own record)."""
+    job = preempted(tmp_path, 3, lambda launched: launched.pid, signal.SIGTERM, "--via", "lightning", restarts=0,
+                    script=FRAMEWORKS)
+    assert job.returncode != 0 and "Received SIGTERM" not in job.stderr_text, job.stderr_text[-3000:]
+    assert_framework_saved_step_3(tmp_path)

@@ -20,7 +20,10 @@ a save killed on purpose] in zerokit/checkpoint/faults.py); --tag saves every ch
 records the error it raised in DIR/save_error_rank<r>.txt (and the seconds the save took to fail), trains on, and
 saves its last step in DIR/room.
 --preempt-at K: preemption on (save_dir: the checkpoint directory); in the first attempt rank 1 writes DIR/in_step
-(its pid) during step K and waits for the signal the test sends, before its backward.
+(its pid) during step K and waits for the signal the test sends, before its backward. --slow-exit S: rank 0's process
+takes S seconds more to end, after zerokit has closed its engine (an atexit handler registered before initialize, as a
+large model's teardown takes long): torchrun, which stops the other ranks as soon as one has exited, sends it SIGTERM
+then.
 Rank 0 writes DIR/result.json: the losses of the steps each attempt trained, the attempt and the step it resumed
 from, the final weights (fp32, by name), and the seconds from the kill to the end of the restarted attempt's first
 step (DIR/killed_at: when; the test writes it when it sends a signal) and, in DIR/starts, the step each attempt
@@ -30,6 +33,7 @@ started from; every rank that exits with a code writes it, and the time, in DIR/
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import resource
@@ -72,6 +76,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--starve", choices=("fill", "fsize"), default="fill")
     parser.add_argument("--room", type=int, default=64 << 10)
     parser.add_argument("--preempt-at", type=int, default=-1)
+    parser.add_argument("--slow-exit", type=float, default=0.0)
     return parser.parse_args()
 
 
@@ -167,6 +172,8 @@ def main(args: argparse.Namespace, attempt: int, rank: int) -> None:
     if attempt > 0 and rank == 1:
         time.sleep(args.late)
     start_group(args)
+    if args.slow_exit and rank == 0:  # runs after zerokit's own exit handler, which initialize registers
+        atexit.register(time.sleep, args.slow_exit)
     checkpoints = Path(args.checkpoints or Path(args.out) / "checkpoints")
     engine = build(args, checkpoints)
     start = 0

@@ -366,6 +366,13 @@ class ZerokitStrategy(DDPStrategy):
         with Init(config_dict_or_path=self.config):
             yield
 
+    def on_train_start(self) -> None:
+        """The preemption block's signals back to the engine: Lightning installs its own SIGTERM handler after the
+        strategy's setup, which runs a collective inside the handler (See PreemptionWatcher.take_signals_back)."""
+        super().on_train_start()
+        if self.engine is not None:
+            self.engine.preemption.take_signals_back()
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.engine is not None and batch_idx % self.lightning_module.trainer.accumulate_grad_batches == 0:
             self.engine.begin_window()  # See [Note: Lightning ends the accumulation windows]

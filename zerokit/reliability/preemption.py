@@ -28,6 +28,11 @@ stalled for good is not saved by this (the collectives' deadline names it instea
 Handlers are installed at initialize (the main thread: Python runs handlers there only) and the previous ones put
 back at engine.close(); one open engine of a process may have them (a second is refused: a signal would reach one of
 the two only).
+Once saved, a rank is leaving: the block's signals are ignored from then until the process ends (close() leaves them
+so). torchrun stops the other ranks with SIGTERM as soon as one has exited; a rank that had saved too and was on
+its way out (the interpreter's end takes 0.6-0.9 s with torch's optimizer modules loaded) died of it, and torchrun
+reported -15 for it instead of the exit code (issue 44; docs/reliability.md, "What torchrun reports"). If a rank's
+exit hangs, torchrun's SIGKILL after --shutdown-timeout still ends it.
 Where the code goes: to whoever started the ranks. torchrun reads it as a failure and restarts the ranks within
 --max-restarts (a signal to some ranks only); torchrun itself sent SIGTERM exits with 1 whatever its workers did
 (torch 2.13), so a scheduler around torchrun requeues on its own signal (docs/reliability.md gives a batch script);
@@ -61,6 +66,7 @@ class PreemptionWatcher:
     def __init__(self, policy: Preemption, comm: Communicator, save: Callable[[str], Any]) -> None:
         self.policy, self.comm, self.save = policy, comm, save
         self.received = 0  # the number of the last signal this rank got; 0: none
+        self.leaving = False  # saved and raising Preempted: the block's signals are ignored from now on
         self.previous: dict[signal.Signals, Any] = {}
         if policy.enabled:
             self._install()
@@ -84,6 +90,14 @@ class PreemptionWatcher:
     def _record(self, number: int, frame: Any) -> None:
         self.received = number  # only this: See [Note: preemption]
 
+    def take_signals_back(self) -> None:
+        """The block's signals to this engine's handler again, alone, where a framework installed its own over it
+        after initialize (Lightning's SIGTERM handler broadcasts from inside the handler, while the other ranks are
+        in other collectives: it crashed the job). close() still puts back the handlers found at initialize."""
+        if self.policy.enabled and not self.leaving and threading.current_thread() is threading.main_thread():
+            for number in self.previous:
+                signal.signal(number, self._record)
+
     def after_step(self, result: StepResult) -> None:
         """Every rank, after each engine.step(): at the end of an accumulation window, save and exit if any rank got
         a signal."""
@@ -102,11 +116,20 @@ class PreemptionWatcher:
             logger.warning(f"preempted ({received.name}): saved optimizer step {optimizer_step} in "
                            f"{self.policy.save_dir} in {time.monotonic() - began:.2f} s; exiting with code "
                            f"{self.policy.exit_code} (requeue)")
+        self._ignore_while_leaving()
         raise Preempted(self.policy.exit_code)
 
+    def _ignore_while_leaving(self) -> None:
+        """See [Note: preemption]: a launcher's SIGTERM to a rank already leaving would replace its exit code."""
+        self.leaving = True
+        if threading.current_thread() is threading.main_thread():
+            for number in self.previous:
+                signal.signal(number, signal.SIG_IGN)
+
     def close(self) -> None:
-        """Put back the handlers found at install (from the main thread; elsewhere they stay, harmless)."""
-        if threading.current_thread() is not threading.main_thread():
+        """Put back the handlers found at install (from the main thread; elsewhere they stay, harmless); a preempted
+        engine leaves its signals ignored (See [Note: preemption])."""
+        if threading.current_thread() is not threading.main_thread() or self.leaving:
             return
         for number, handler in self.previous.items():
             if signal.getsignal(number) == self._record:

@@ -28,11 +28,13 @@ stalled for good is not saved by this (the collectives' deadline names it instea
 Handlers are installed at initialize (the main thread: Python runs handlers there only) and the previous ones put
 back at engine.close(); one open engine of a process may have them (a second is refused: a signal would reach one of
 the two only).
-Once saved, a rank is leaving: the block's signals are ignored from then until the process ends (close() leaves them
-so). torchrun stops the other ranks with SIGTERM as soon as one has exited; a rank that had saved too and was on
-its way out (the interpreter's end takes 0.6-0.9 s with torch's optimizer modules loaded) died of it, and torchrun
-reported -15 for it instead of the exit code (issue 44; docs/reliability.md, "What torchrun reports"). If a rank's
-exit hangs, torchrun's SIGKILL after --shutdown-timeout still ends it.
+Once saved, a rank is leaving: the block's signals are ignored from then on, and again at the interpreter's exit (an
+atexit hook, which runs before zerokit's own, so that closing the engine there leaves them ignored): torchrun stops
+the other ranks with SIGTERM as soon as one has exited, and a rank that had saved too and was on its way out (the
+interpreter's end takes 0.6-0.9 s with torch's optimizer modules loaded) died of it; torchrun reported -15 for it
+instead of the exit code (issue 44; docs/reliability.md, "What torchrun reports"). A program that catches Preempted
+and goes on gets the handlers found at initialize back when it closes the engine, as without a preemption. If a
+rank's exit hangs, torchrun's SIGKILL after --shutdown-timeout still ends it.
 Where the code goes: to whoever started the ranks. torchrun reads it as a failure and restarts the ranks within
 --max-restarts (a signal to some ranks only); torchrun itself sent SIGTERM exits with 1 whatever its workers did
 (torch 2.13), so a scheduler around torchrun requeues on its own signal (docs/reliability.md gives a batch script);
@@ -41,6 +43,7 @@ SIGUSR1 sent to torchrun kills it and its ranks at once.
 
 from __future__ import annotations
 
+import atexit
 import signal
 import threading
 import time
@@ -67,6 +70,8 @@ class PreemptionWatcher:
         self.policy, self.comm, self.save = policy, comm, save
         self.received = 0  # the number of the last signal this rank got; 0: none
         self.leaving = False  # saved and raising Preempted: the block's signals are ignored from now on
+        self.exiting = False  # a preempted process at its exit: they stay ignored (See [Note: preemption])
+        self.numbers = [signal.Signals[name] for name in policy.signals]
         self.previous: dict[signal.Signals, Any] = {}
         if policy.enabled:
             self._install()
@@ -122,17 +127,26 @@ class PreemptionWatcher:
     def _ignore_while_leaving(self) -> None:
         """See [Note: preemption]: a launcher's SIGTERM to a rank already leaving would replace its exit code."""
         self.leaving = True
+        self._ignore()
+        atexit.register(self._ignore_at_exit)
+
+    def _ignore(self) -> None:
         if threading.current_thread() is threading.main_thread():
-            for number in self.previous:
+            for number in self.numbers:
                 signal.signal(number, signal.SIG_IGN)
 
+    def _ignore_at_exit(self) -> None:
+        self.exiting = True
+        self._ignore()
+
     def close(self) -> None:
-        """Put back the handlers found at install (from the main thread; elsewhere they stay, harmless); a preempted
-        engine leaves its signals ignored (See [Note: preemption])."""
-        if threading.current_thread() is not threading.main_thread() or self.leaving:
+        """Put back the handlers found at install (from the main thread; elsewhere they stay, harmless); at the exit
+        of a preempted process, leave the signals ignored (See [Note: preemption])."""
+        if threading.current_thread() is not threading.main_thread() or self.exiting:
             return
+        ours = (self._record, signal.SIG_IGN) if self.leaving else (self._record,)
         for number, handler in self.previous.items():
-            if signal.getsignal(number) == self._record:
+            if signal.getsignal(number) in ours:
                 signal.signal(number, handler if handler is not None else signal.SIG_DFL)
         self.previous = {}
 

@@ -307,9 +307,9 @@ def test_tensorboard_needs_its_package(monkeypatch):
 
 
 def test_resolve_keeps_fields_replaced_after_reading():
-    """resolve() builds the typed fields from the dict resolved again, by the same projection as from_dict; a field
-    changed with replace() since reading stays, and what the dict derives from it agrees (before one projection, an
-    accumulation the dict did not name went back to 1 and the batch size was derived from that)."""
+    """resolve() fills in what the dict left to the world size and the model from the config's own fields (the dict
+    is not read again); a field changed with replace() since reading stays, and what is derived from it agrees (before
+    one projection, an accumulation the dict did not name went back to 1 and the batch size was derived from that)."""
     config = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
                           "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto"}})
     edited = replace(config, gradient_accumulation_steps=4, stage3=replace(config.stage3, min_unit_params=7))

@@ -29,7 +29,7 @@ import torch
 from zerokit.config.defaults import DEFAULT_BUCKET_BYTES
 from zerokit.config.dsconfig import AUTO, DeepSpeedConfig, read
 from zerokit.config.dsconfig.auto import (GAS, HIDDEN_KEYS, MICRO, TBS, Choice, Unknowns, default_differences,
-                                          derive_batch, fill, hidden_size_of, pending, unknowns,
+                                          derive_batch, fill, hidden_size_of, unknowns,
                                           unset_differing_defaults)
 from zerokit.config.dsconfig.auto import resolve as resolve_auto
 from zerokit.config.dsconfig.blocks import (ActivationCheckpointing, CommsLogger, FlopsProfiler, Monitor, Offload,
@@ -541,9 +541,10 @@ def _read_auto_value(name: str) -> Any:
 
 def typed_fields(config: DeepSpeedConfig) -> dict[str, Any]:
     """ZeroConfig's fields from a DeepSpeed config at the dict level, every "auto" in it resolved that can be (See
-    [Note: resolving "auto"] in config/dsconfig/auto.py): from_dict builds the typed config with them, and resolve()
-    again from the same dict resolved with the world size and the model."""
+    [Note: resolving "auto"] in config/dsconfig/auto.py), and what is left to the world size and the model as values
+    (`unknowns`, which resolve() fills in): from_dict builds the typed config with them, the one reading of the dict."""
     _check_tp_size(config)
+    unknown = unknowns(config)
     given = {name: config.get(path) for path, name in FIELDS.items()
              if config.given(path) and config.get(path) is not AUTO}
     stage3 = {name.removeprefix("stage3."): given.pop(name) for name in list(given) if name.startswith("stage3.")}
@@ -552,7 +553,7 @@ def typed_fields(config: DeepSpeedConfig) -> dict[str, Any]:
     return dict(**given, precision=precision, loss_scaling=scaling, stage3=Stage3Policy(**stage3),
                 reduce_bucket_bytes=_bucket_bytes(config, precision.reduce_dtype),
                 grad_accum_dtype=None if data_types is None else DTYPES_BY_NAME[data_types], **block_fields(config),
-                pending_auto=pending(config), unknowns=unknowns(config),
+                pending_auto=unknown.pending, unknowns=unknown,
                 unset_defaults=unset_differing_defaults(config), source=config)
 
 

@@ -76,15 +76,19 @@ class Unknowns:
     elastic: ElasticPolicy | None = None
     """An enabled elasticity block, which chooses every batch size for the world size."""
 
+    @property
+    def pending(self) -> tuple[str, ...]:
+        """Paths whose value needs the world size or the model's hidden size before training can start."""
+        batch = dict(self.batch)
+        if self.elastic is not None:  # the block chooses them for the world size
+            return self.hidden_keys + tuple(path for path in (TBS, MICRO, GAS) if batch[path] is None)
+        derived = batch[GAS] is None and batch[TBS] is not None and batch[MICRO] is not None
+        return self.hidden_keys + ((GAS,) if derived else ())  # GAS: train_batch_size / (micro-batch x world size)
+
 
 def pending(config: DeepSpeedConfig) -> tuple[str, ...]:
     """Paths whose value needs the world size or the model's hidden size before training can start."""
-    out = [path for path in HIDDEN_KEYS if config.get(path, None) is AUTO]
-    if config.get(ELASTIC_SWITCH, False):  # the block chooses them for the world size
-        return tuple(out + [path for path in (TBS, MICRO, GAS) if _known(config, path) is None])
-    if _known(config, GAS) is None and _known(config, TBS) is not None and _known(config, MICRO) is not None:
-        out.append(GAS)  # train_batch_size / (micro-batch x world size)
-    return tuple(out)
+    return unknowns(config).pending
 
 
 def unknowns(config: DeepSpeedConfig) -> Unknowns:

@@ -7,12 +7,15 @@ then offline consolidation, zerokit's beside DeepSpeed's zero_to_fp32.
 Contenders, each on fresh ranks, after two training steps (so optimizer state exists):
 - zerokit-sync: engine.save_checkpoint(dir); zerokit-async: save_checkpoint(dir, async_save=True), whose
   stall is the time until it returns (a copy into host buffers; the second save's, once the buffers
-  exist) and whose save time is until zerokit.checkpoint.wait() returns (written and committed).
+  exist) and whose save time is until zerokit.checkpoint.wait() returns (written and committed);
+  zerokit-dcp: save_checkpoint(dir, format="dcp"), torch.distributed.checkpoint's files, loaded back by zerokit.
 - deepspeed: DeepSpeedEngine.save_checkpoint / load_checkpoint at the same ZeRO stage (synchronous: its
   asynchronous writers need CUDA or external engines).
 - dcp-fsdp2 / dcp-fsdp2-async: torch.distributed.checkpoint.save / async_save of FSDP2's model and
   optimizer state dicts (get_state_dict), load with dcp.load and set_state_dict.
-Times are the slowest rank's, each after a barrier, the median over rounds. The load is into freshly
+Times are the slowest rank's, each after a barrier, the median over rounds; a save's peak memory is the largest
+rank's peak RSS growth from the save's start to its end (VmHWM reset before it; for an asynchronous save, until the
+background write is done). The load is into freshly
 built ranks of the same world size. Consolidation runs in a fresh process on the saved checkpoints,
 measuring time and peak RSS growth (VmHWM, reset after the imports), beside the largest tensor.
 
@@ -55,7 +58,7 @@ from benchmarks.workload import BenchSettings, make_batch, make_model, make_opti
 from zerokit.testing.models import lm_loss  # noqa: E402
 from zerokit.testing.spawn import spawn  # noqa: E402
 
-CONTENDERS = ("zerokit-sync", "zerokit-async", "deepspeed", "dcp-fsdp2", "dcp-fsdp2-async")
+CONTENDERS = ("zerokit-sync", "zerokit-async", "zerokit-dcp", "deepspeed", "dcp-fsdp2", "dcp-fsdp2-async")
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -68,6 +71,20 @@ def _timed(fn: Callable[[], Any]) -> float:
     return elapsed.item()
 
 
+def _peak_growth_from_here() -> Callable[[], float]:
+    """Reset this rank's VmHWM to its RSS now; the returned call gives the largest rank's peak growth since."""
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
+    baseline = _rss("VmRSS")
+
+    def growth() -> float:
+        grown = torch.tensor([_rss("VmHWM") - baseline], dtype=torch.float64)
+        dist.all_reduce(grown, op=dist.ReduceOp.MAX)
+        return grown.item()
+
+    return growth
+
+
 def _train(step_fn: Callable[[torch.Tensor], None], settings: BenchSettings, rank: int, steps: int = 2) -> None:
     for step in range(steps):
         step_fn(make_batch(settings, rank, step))
@@ -75,7 +92,8 @@ def _train(step_fn: Callable[[torch.Tensor], None], settings: BenchSettings, ran
 
 # --- the contenders: (save, stall, load) ---------------------------------------------------------------
 
-def _zerokit(settings: BenchSettings, stage: int, directory: Path, rank: int, asynchronous: bool) -> dict:
+def _zerokit(settings: BenchSettings, stage: int, directory: Path, rank: int, asynchronous: bool,
+             format: str = "zerokit") -> dict:
     import zerokit
 
     def build():
@@ -93,10 +111,13 @@ def _zerokit(settings: BenchSettings, stage: int, directory: Path, rank: int, as
     if asynchronous:
         engine.save_checkpoint(directory, tag="warm", async_save=True)  # allocates the host buffers
         zerokit.checkpoint.wait(engine)
+        peak = _peak_growth_from_here()
         out["stall_s"] = _timed(lambda: engine.save_checkpoint(directory, tag="t", async_save=True))
         out["save_s"] = out["stall_s"] + _timed(lambda: zerokit.checkpoint.wait(engine))
     else:
-        out["save_s"] = out["stall_s"] = _timed(lambda: engine.save_checkpoint(directory, tag="t"))
+        peak = _peak_growth_from_here()
+        out["save_s"] = out["stall_s"] = _timed(lambda: engine.save_checkpoint(directory, tag="t", format=format))
+    out["save_peak"] = peak()
     fresh = build()
     out["load_s"] = _timed(lambda: fresh.load_checkpoint(directory, tag="t"))
     return out
@@ -124,10 +145,12 @@ def _deepspeed(settings: BenchSettings, stage: int, directory: Path, rank: int) 
 
     _train(step, settings, rank)
     with contextlib.redirect_stdout(io.StringIO()):
+        peak = _peak_growth_from_here()
         save = _timed(lambda: engine.save_checkpoint(str(directory), tag="t"))
+        save_peak = peak()
         fresh = build()
         load = _timed(lambda: fresh.load_checkpoint(str(directory), tag="t"))
-    return {"save_s": save, "stall_s": save, "load_s": load}
+    return {"save_s": save, "stall_s": save, "load_s": load, "save_peak": save_peak}
 
 
 def _dcp_fsdp2(settings: BenchSettings, directory: Path, rank: int, asynchronous: bool) -> dict:
@@ -162,11 +185,15 @@ def _dcp_fsdp2(settings: BenchSettings, directory: Path, rank: int, asynchronous
     if asynchronous:
         dcp.async_save(state(model, optimizer), checkpoint_id=str(directory / "warm")).result()
         future = []
+        peak = _peak_growth_from_here()
         out["stall_s"] = _timed(lambda: future.append(dcp.async_save(state(model, optimizer),
                                                                     checkpoint_id=str(directory / "t"))))
         out["save_s"] = out["stall_s"] + _timed(lambda: future[0].result())
     else:
-        out["save_s"] = out["stall_s"] = _timed(lambda: dcp.save(state(model, optimizer), checkpoint_id=str(directory / "t")))
+        peak = _peak_growth_from_here()
+        out["save_s"] = out["stall_s"] = _timed(lambda: dcp.save(state(model, optimizer),
+                                                                 checkpoint_id=str(directory / "t")))
+    out["save_peak"] = peak()
     fresh_model, fresh_optimizer = build()
 
     def load():
@@ -182,7 +209,8 @@ def _dcp_fsdp2(settings: BenchSettings, directory: Path, rank: int, asynchronous
 def run_contender(rank: int, world_size: int, name: str, settings: BenchSettings, stage: int, root: str) -> dict:
     directory = Path(root) / name
     if name.startswith("zerokit"):
-        return _zerokit(settings, stage, directory, rank, name.endswith("async"))
+        return _zerokit(settings, stage, directory, rank, name.endswith("async"), "dcp" if name.endswith("dcp") else
+                        "zerokit")
     if name == "deepspeed":
         return _deepspeed(settings, stage, directory, rank)
     return _dcp_fsdp2(settings, directory, rank, name.endswith("async"))
@@ -196,13 +224,9 @@ def _rss(key: str) -> int:
 
 def _measured_load(load: Callable[[], Any]) -> dict:
     """Seconds (slowest rank) and peak RSS growth (largest rank) of `load`."""
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
-    baseline = _rss("VmRSS")
+    peak = _peak_growth_from_here()
     seconds = _timed(load)
-    growth = torch.tensor([_rss("VmHWM") - baseline], dtype=torch.float64)
-    dist.all_reduce(growth, op=dist.ReduceOp.MAX)
-    return {"load_s": seconds, "peak_growth": growth.item()}
+    return {"load_s": seconds, "peak_growth": peak()}
 
 
 def _deepspeed_config(settings: BenchSettings, stage: int, universal: bool = False) -> dict:
@@ -371,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         consolidated = consolidation(Path(root), Path(root) / "consolidated")
     model = make_model(settings)
     largest = max(p.numel() * 4 for p in model.parameters())
-    summary = {name: {key: statistics.median(r[key] for r in runs) for key in ("save_s", "stall_s", "load_s")}
+    summary = {name: {key: statistics.median(r[key] for r in runs)
+                      for key in ("save_s", "stall_s", "load_s", "save_peak")}
                for name, runs in rows.items()}
     report(summary, consolidated, largest, settings, args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -386,9 +411,10 @@ def report(summary: dict, consolidated: dict, largest: int, settings: BenchSetti
     print(f"{params / 1e6:.1f}M parameters (fp32, AdamW), {args.world_size} gloo ranks, ZeRO stage {args.stage}, "
           f"median of {args.rounds} rounds; slowest rank")
     peers = [n for n in summary if not n.startswith("zerokit")]
-    print(f"{'contender':18} {'save s':>8} {'stall s':>8} {'load s':>8}")
+    print(f"{'contender':18} {'save s':>8} {'stall s':>8} {'load s':>8} {'save peak MiB':>14}")
     for name, row in summary.items():
-        print(f"{name:18} {row['save_s']:8.3f} {row['stall_s']:8.3f} {row['load_s']:8.3f}")
+        print(f"{name:18} {row['save_s']:8.3f} {row['stall_s']:8.3f} {row['load_s']:8.3f} "
+              f"{row['save_peak'] / 2**20:14.1f}")
     if peers:
         for name in (n for n in summary if n.startswith("zerokit")):
             best_stall = min(summary[p]["stall_s"] for p in peers)

@@ -103,6 +103,20 @@ def test_async_save_keeps_the_values_of_the_moment_it_was_called(one_process, tm
     checkpoint.wait(engine)
 
 
+def test_the_config_makes_saves_asynchronous_and_the_call_overrides_it(one_process, tmp_path) -> None:
+    """zerokit's checkpoint.async_save saves as async_save=True does (into host buffers, written in the background);
+    save_checkpoint(asynchronous=False) saves synchronously all the same, asynchronous=True without the config."""
+    def saved_through_host_buffers(engine: zerokit.Engine, **how) -> bool:
+        engine.save_checkpoint(tmp_path / str(len(list(tmp_path.iterdir()))), **how)
+        checkpoint.wait(engine)
+        return bool(checkpoint.save.session_of(engine).host.buffers)
+
+    assert saved_through_host_buffers(make_engine(checkpoint={"async_save": True}))
+    assert not saved_through_host_buffers(make_engine(checkpoint={"async_save": True}), asynchronous=False)
+    assert saved_through_host_buffers(make_engine(), asynchronous=True)
+    assert not saved_through_host_buffers(make_engine())
+
+
 def test_optimizer_hyperparameters_scheduler_and_counters_come_back(one_process, tmp_path) -> None:
     engine = make_engine(accumulation=2)
     scheduler = torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=1, gamma=0.5)

@@ -97,7 +97,13 @@ def _commit(reports: list[RankReport], staging: Path, save_dir: Path, tag: str, 
             save_latest: bool, fault: SaveFault) -> None:
     manifest = Manifest(**description, params=merge_parts(reports), files={r.file.name: r.file for r in reports},
                         rng={r.rank: r.rng for r in reports})
-    _write_text(staging / MANIFEST, manifest.to_json())
+    write_text(staging / MANIFEST, manifest.to_json())
+    move_into_place(staging, save_dir, tag, save_latest, fault)
+
+
+def move_into_place(staging: Path, save_dir: Path, tag: str, save_latest: bool, fault: SaveFault = NO_FAULT) -> None:
+    """The staging directory, whole, becomes `save_dir/tag` (an earlier one of that tag swapped out), then `latest`
+    names it; undone if a step fails (See [Note: an atomic save] in save.py)."""
     fsync_dir(staging)
     final = save_dir / tag
     replaced = save_dir / f".{tag}.replaced-{staging.name.rsplit('-', 1)[-1]}"
@@ -108,7 +114,7 @@ def _commit(reports: list[RankReport], staging: Path, save_dir: Path, tag: str, 
         os.replace(staging, final)
         fsync_dir(save_dir)
         if save_latest and _latest_tag(save_dir) != tag:
-            _write_text(save_dir / LATEST, tag)
+            write_text(save_dir / LATEST, tag)
             fsync_dir(save_dir)
     except OSError:
         _undo(final, replaced, staging)
@@ -132,7 +138,8 @@ def _undo(final: Path, replaced: Path, staging: Path) -> None:
         os.replace(replaced, final)
 
 
-def _write_text(path: Path, text: str) -> None:
+def write_text(path: Path, text: str) -> None:
+    """`text` in `path`, written under a temporary name, flushed, fsynced and renamed."""
     temporary = path.with_name(path.name + ".tmp")
     try:
         with open(temporary, "w") as file:

@@ -22,6 +22,11 @@ from typing import Any
 import torch
 
 from zerokit._support.log import logger
+from torch.distributed.checkpoint import FileSystemReader
+
+from zerokit.checkpoint.dcp.load import (DcpKeys, check_optimizer, dcp_directory, find_keys, install_groups,
+                                         install_state, load_runs, plan_reads, read_description, restore_dcp_rng)
+from zerokit.checkpoint.dcp.save import DESCRIPTION
 from zerokit.checkpoint.deepspeed_import import deepspeed_directory, is_deepspeed_checkpoint
 from zerokit.checkpoint.deepspeed_resume import DeepSpeedReaders, open_deepspeed, restore_schedule
 from zerokit.checkpoint.files import Readers
@@ -49,6 +54,10 @@ def load_checkpoint(engine: Checkpointed, load_dir: str | os.PathLike, tag: str 
     goes into the schedules the engine steps (its `scheduler` block's, or a scheduler passed to the drop-in)."""
     session = session_of(engine)
     session.writer.wait()
+    dcp = dcp_directory(load_dir, tag)
+    if dcp is not None:
+        return _load_dcp(engine, session, dcp, load_optimizer_states, load_module_only, weights_only,
+                         load_lr_scheduler_states)
     deepspeed = _deepspeed_checkpoint(load_dir, tag)
     own = layout_directory(load_dir, engine.layout)
     parts = None if deepspeed is not None else _parts_of_another_layout(engine, Path(load_dir), own, tag)
@@ -84,6 +93,61 @@ def load_checkpoint(engine: Checkpointed, load_dir: str | os.PathLike, tag: str 
     if deepspeed is not None:
         return str(directory), source.client_state
     return str(directory), client_state_of(directory, manifest, weights_only)
+
+
+def _load_dcp(engine: Checkpointed, session: Any, directory: Path, load_optimizer_states: bool, load_module_only: bool,
+              weights_only: bool, load_lr_scheduler_states: bool) -> tuple[str, dict[str, Any] | None]:
+    """A torch.distributed.checkpoint directory, zerokit's or another tool's (See [Note: a DCP checkpoint read by
+    runs] in dcp/load.py). Every check is made before DCP's collectives, and any rank's error raised on all."""
+    error, description, reads, states, keys = None, None, None, [], None
+    with_state = load_optimizer_states and not load_module_only
+    try:
+        metadata = FileSystemReader(directory).read_metadata()
+        keys = find_keys(directory, metadata, model_shapes(engine.module))
+        description = read_description(directory)
+        with_state = with_state and _has_optimizer(engine, keys, directory)
+        if with_state:
+            check_optimizer(engine, keys, description, directory)
+        reads, states = plan_reads(engine, keys, with_state, directory)
+    except ValueError as failure:
+        error = _ranked(engine, failure)
+    _raise_first(session, error)
+    with engine.view.resident(publish=True):
+        load_runs(reads, directory, session.group.group, weights_only)
+        install_state(states, reads)
+    if with_state:
+        install_groups(engine, keys, reads)
+    try:
+        if description is not None and with_state:
+            restore_dcp_rng(engine, directory, description)
+        if description is not None and not load_module_only:
+            _restore_counters(engine, description, directory, with_state=False)
+            if load_lr_scheduler_states:
+                _restore_schedules(engine, description, directory, weights_only)
+            _restore_data_position(engine, description, directory)
+    except ValueError as failure:
+        error = _ranked(engine, failure)
+    _raise_first(session, error)
+    engine.view.after_load()
+    return str(directory), client_state_of(directory, description, weights_only)
+
+
+def _has_optimizer(engine: Checkpointed, keys: DcpKeys, directory: Path) -> bool:
+    """Whether the checkpoint holds an optimizer to load (said in one line where it does not, or where zerokit's
+    counters are not in it)."""
+    if engine.rank == 0 and keys.optimizer is None:
+        logger.info(f"{directory}: a DCP checkpoint without an optimizer: the model's weights are loaded, the "
+                    "optimizer starts fresh")
+    elif engine.rank == 0 and not (directory / DESCRIPTION).is_file():
+        logger.info(f"{directory}: a DCP checkpoint of another tool: its model and optimizer are loaded; the step "
+                    "counters, LR schedules and random generators stay as they are")
+    return keys.optimizer is not None
+
+
+def model_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor in the module's state dict, by key (tied names included)."""
+    return {key: tuple(value.shape) for key, value in module.state_dict(keep_vars=True).items()
+            if isinstance(value, torch.Tensor)}
 
 
 def _parts_of_another_layout(engine: Checkpointed, root: Path, own: Path, tag: str | None) -> list[Path] | None:

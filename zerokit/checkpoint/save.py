@@ -42,26 +42,38 @@ from zerokit._support.log import logger
 from zerokit.checkpoint.collect import collect
 from zerokit.checkpoint.commit import cause, write_and_commit
 from zerokit.checkpoint.data_position import DATA_POSITION
+from zerokit.checkpoint.dcp.save import refuse_unsavable, save_dcp
 from zerokit.checkpoint.faults import SaveFault
 from zerokit.checkpoint.manifest import CLIENT_STATE, LR_SCHEDULES, dtype_name, state_dict_keys
 from zerokit.checkpoint.optimizer_state import encode_groups
 from zerokit.checkpoint.relayout import parallel_record
+from zerokit.checkpoint.rng import capture_rng
 from zerokit.checkpoint.session import CheckpointGroup, session_of
 from zerokit.masters.optimizer import optimizer_kind
 from zerokit.checkpoint.checkpointed import Checkpointed, SavedProgress
 
+ZEROKIT, DCP = "zerokit", "dcp"
+FORMATS = (ZEROKIT, DCP)
 
 def save_checkpoint(engine: Checkpointed, save_dir: str | os.PathLike, tag: str | None = None,
                     client_state: dict[str, Any] | None = None, save_latest: bool = True,
-                    async_save: bool = False, within_window: bool = False) -> bool:
+                    async_save: bool = False, within_window: bool = False, format: str = ZEROKIT) -> bool:
     """Save the engine's full training state under `save_dir/tag` (default tag: global_step<N>, N the
     accumulation boundaries so far). Every rank must call it. With async_save, returns once this rank's
     tensors are copied to host memory; `zerokit.checkpoint.wait(engine)`, the next save or load, or the
     end of the script waits for the rest. See [Note: an atomic save]. within_window: save inside an
-    accumulation window too, without its gradients (See [Note: a save inside an accumulation window])."""
+    accumulation window too, without its gradients (See [Note: a save inside an accumulation window]).
+    format: "zerokit" (safetensors files and a manifest), or "dcp" (torch.distributed.checkpoint, as FSDP2 and
+    torchtitan load it: See zerokit/checkpoint/dcp)."""
+    if format not in FORMATS:
+        raise ValueError(f"save_checkpoint: format={format!r} is not known; accepted: {', '.join(FORMATS)}")
     session = session_of(engine)
     session.writer.wait()
     save_dir = Path(save_dir)
+    if format == DCP:
+        refuse_unsavable(engine)
+        if async_save and engine.rank == 0:
+            logger.info("format='dcp' is saved synchronously (async_save applies to zerokit's format)")
     progress = _progress_to_save(engine, save_dir, within_window)
     fault = SaveFault.from_environment()  # See [Note: a save killed on purpose] in faults.py
     tag, nonce = _agree_on_tag(engine, session.group, tag)
@@ -73,7 +85,10 @@ def save_checkpoint(engine: Checkpointed, save_dir: str | os.PathLike, tag: str 
     failed_before = _prepare_staging(engine, staging, description, client_state, positions)
     with engine.view.resident():  # masters paged to NVMe are read from their records
         payload = collect(engine)
-        if async_save:
+        if format == DCP:
+            save_dcp(engine, session.group, payload, capture_rng(), staging, save_dir, tag, description, save_latest,
+                     failed_before)
+        elif async_save:
             payload.entries = session.host.stage(payload.entries)
             session.writer.submit(lambda: write_and_commit(session.group, payload, staging, save_dir, tag,
                                                            description, save_latest, fault, failed_before))

@@ -82,7 +82,8 @@ def _checkpoint_settings(config: ZeroConfig) -> CheckpointSettings:
                               gradient_accumulation_steps=config.gradient_accumulation_steps,
                               optimizer_kinds=config.optimizer_kinds,
                               allow_untested_optimizer=config.allow_untested_optimizer,
-                              tag_validation=config.tag_validation, record=plain_fields(config))
+                              tag_validation=config.tag_validation, async_save=config.checkpoint_async_save,
+                              record=plain_fields(config))
 
 
 def _observe_settings(config: ZeroConfig) -> ObserveSettings:

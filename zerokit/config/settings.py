@@ -341,6 +341,8 @@ class CheckpointSettings:
     allow_untested_optimizer: bool
     tag_validation: str
     """checkpoint.tag_validation: Ignore, Warn or Fail when ranks pass different tags."""
+    async_save: bool
+    """checkpoint.async_save: a save returns once the state is in host memory (save_checkpoint's argument overrides)."""
     record: Mapping[str, Any]
     """The config as the manifest records it (its plain fields, dtypes by name): made once, at resolve."""
 

@@ -256,6 +256,9 @@ class ZeroConfig:
     tag_validation: str = default("checkpoint.tag_validation")
     """When ranks pass different tags to save_checkpoint (rank 0's is saved under): "Ignore", "Warn" or "Fail"
     (DeepSpeed's checkpoint.tag_validation)."""
+    checkpoint_async_save: bool = default("checkpoint.async_save")
+    """save_checkpoint writes in the background once this rank's state is in host memory (zerokit's
+    checkpoint.async_save; save_checkpoint's async_save/asynchronous arguments override it)."""
     notes: tuple[str, ...] = field(default=(), compare=False)
     """Start-up log lines from reading the config: keys accepted because zerokit always does that, aliases."""
     warnings: tuple[str, ...] = field(default=(), compare=False)
@@ -514,6 +517,7 @@ FIELDS: dict[str, str] = {
     "broadcast_buffers": "broadcast_buffers", Z + "mics_shard_size": "mics_shard_size",
     "ranks_per_node": "ranks_per_node", Z + "zero_hpz_partition_size": "hpz_partition_size",
     "tensor_parallel.autotp_size": "autotp_size", "checkpoint.tag_validation": "tag_validation",
+    "checkpoint.async_save": "checkpoint_async_save",
     Z + "stage3_max_live_parameters": "stage3.max_live_parameters",
     Z + "stage3_prefetch_bucket_size": "stage3.prefetch_numel",
     Z + "stage3_param_persistence_threshold": "stage3.persistence_threshold",

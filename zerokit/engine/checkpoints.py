@@ -16,16 +16,21 @@ class Checkpoints:
     tied_names: frozenset[str] = frozenset()  # parameters tied to copies on other pipeline stages (zerokit.pipeline)
 
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict[str, Any] | None = None,
-                        save_latest: bool = True, async_save: bool = False, within_window: bool = False) -> bool:
+                        save_latest: bool = True, async_save: bool = False, within_window: bool = False,
+                        format: str = "zerokit", asynchronous: bool | None = None) -> bool:
         """Save the whole training state under save_dir/tag (default global_step<N>), atomically, every rank its
         own shards; loadable at any world size and stage, and, from a pipeline or tensor-parallel layout (whose
         stages and tensor ranks save under save_dir/stage<s>/tensor<j>-of-<t>), into any other layout.
-        async_save: return once a host copy is taken. within_window: save inside an accumulation window too,
-        without its gradients, as DDP does (refused otherwise). See zerokit/checkpoint and docs/checkpoints.md."""
+        async_save (or asynchronous; default: the config's checkpoint.async_save): return once a host copy is
+        taken. within_window: save inside an accumulation window too, without its gradients, as DDP does (refused
+        otherwise). format: "zerokit", or "dcp" (torch.distributed.checkpoint, which FSDP2 and torchtitan load).
+        See zerokit/checkpoint and docs/checkpoints.md."""
         from zerokit.checkpoint import save_checkpoint
         self._refuse_if_closed("save_checkpoint")
+        background = async_save or (self.parts.checkpoint.async_save if asynchronous is None else asynchronous)
         return save_checkpoint(self, layout_directory(save_dir, self.layout), tag, client_state,
-                               save_latest=save_latest, async_save=async_save, within_window=within_window)
+                               save_latest=save_latest, async_save=background, within_window=within_window,
+                               format=format)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True,
                         load_module_only: bool = False, load_lr_scheduler_states: bool = True

@@ -67,6 +67,9 @@ CHECKPOINT = (
     block("checkpoint", "how save_checkpoint/load_checkpoint behave"),
     honoured(C + "tag_validation", Kind.CHOICE, "Warn", "when ranks pass different tags to save_checkpoint: Ignore or "
              "Warn (saved under rank 0's tag) or Fail", choices=("Ignore", "Warn", "Fail")),
+    zerokit_key(C + "async_save", Kind.BOOL, False, "save_checkpoint returns once this rank's state is copied to host "
+                "memory and writes it in the background (the argument async_save=/asynchronous= overrides it)",
+                auto=False),
     always(C + "load_universal", "every zerokit checkpoint is universal: it loads on any world size and stage",
            Kind.BOOL, False),
     refused(C + "use_node_local_storage", "checkpoints on node-local storage", SHARED_FILES),

@@ -132,11 +132,23 @@ def on_two_ranks(rank: int, world_size: int, root: str) -> dict:
     model, optimizer = _fsdp()
     _fsdp_steps(model, optimizer, 0, BEFORE)
     dcp.save(_fsdp_state(model, optimizer), checkpoint_id=str(root / "fsdp"))
+    dcp.save(_torchtitan_state(model, optimizer), checkpoint_id=str(root / "torchtitan"))
     runs["fsdp"] = _continued(_fsdp_steps(model, optimizer, BEFORE, AFTER), _fsdp_weights(model))
-    engine = _engine(stage=2)
-    engine.load_checkpoint(root / "fsdp")
-    runs["zerokit-from-fsdp"] = _continued(_zerokit_steps(engine, BEFORE, AFTER), engine.full_state_dict())
+    for stage, source in ((2, "fsdp"), (3, "torchtitan")):
+        engine = _engine(stage)
+        engine.load_checkpoint(root / source)
+        runs[f"zerokit-from-{source}"] = _continued(_zerokit_steps(engine, BEFORE, AFTER), engine.full_state_dict())
     return runs
+
+
+def _torchtitan_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """torchtitan's checkpointer's layout: the model's names at the top, the optimizer flattened under `optimizer`
+    (each parameter naming its group's hyperparameters), its own counters beside them."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    return {**get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer, options=flat),
+            "train_state": {"step": BEFORE}}
 
 
 def _error(call) -> str:
@@ -201,6 +213,10 @@ def test_fsdp2_continues_from_zerokits_dcp_checkpoint_as_zerokit_does(runs) -> N
 
 def test_zerokit_continues_from_fsdp2s_checkpoint_as_fsdp2_does(runs) -> None:
     _assert_continues(runs["two"]["zerokit-from-fsdp"], runs["two"]["fsdp"], exact=False)
+
+
+def test_zerokit_continues_from_torchtitans_layout_as_fsdp2_does(runs) -> None:
+    _assert_continues(runs["two"]["zerokit-from-torchtitan"], runs["two"]["fsdp"], exact=False)
 
 
 def test_at_another_world_size_dcp_resumes_as_zerokits_own_format(runs) -> None:

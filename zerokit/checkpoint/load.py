@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from zerokit.checkpoint.dcp.load import (DcpKeys, check_optimizer, dcp_directory, find_keys, install_groups,
                                          install_state, load_runs, plan_reads, read_description, restore_dcp_rng)
-from zerokit.checkpoint.dcp.save import DESCRIPTION
+from zerokit.checkpoint.dcp.save import DESCRIPTION, param_group_of
 from zerokit.checkpoint.deepspeed_import import deepspeed_directory, is_deepspeed_checkpoint
 from zerokit.checkpoint.deepspeed_resume import DeepSpeedReaders, open_deepspeed, restore_schedule
 from zerokit.checkpoint.files import Readers
@@ -101,9 +101,10 @@ def _load_dcp(engine: Checkpointed, session: Any, directory: Path, load_optimize
     runs] in dcp/load.py). Every check is made before DCP's collectives, and any rank's error raised on all."""
     error, description, reads, states, keys = None, None, None, [], None
     with_state = load_optimizer_states and not load_module_only
+    group_of = param_group_of(engine, session.group)  # a collective: before anything one rank alone may raise
     try:
         metadata = FileSystemReader(directory).read_metadata()
-        keys = find_keys(directory, metadata, model_shapes(engine.module))
+        keys = find_keys(directory, metadata, model_shapes(engine.module), group_of)
         description = read_description(directory)
         with_state = with_state and _has_optimizer(engine, keys, directory)
         if with_state:

@@ -108,6 +108,7 @@ class DcpKeys:
     metadata: Metadata
     model: str  # the prefix of the model's keys
     optimizer: str | None  # the prefix of the optimizer's, None: the checkpoint has no optimizer
+    group_of: dict[str, int]  # this engine's param group of each trainable parameter, by name
 
     def tensor(self, key: str) -> TensorStorageMetadata | None:
         found = self.metadata.state_dict_metadata.get(key)
@@ -120,16 +121,25 @@ class DcpKeys:
                 if key.startswith(prefix) and "." not in key[len(prefix):]}
 
     def groups(self) -> dict[int, dict[str, str]]:
-        """Each saved param group's hyperparameters: name -> key."""
+        """Each saved param group's hyperparameters: name -> key. torch's get_state_dict numbers the groups
+        (`param_groups.0.lr`); with flatten_optimizer_state_dict (torchtitan's) each parameter names its own
+        (`param_groups.<fqn>.lr`), read here as the group this engine puts that parameter in."""
         prefix, groups = f"{self.optimizer}param_groups.", {}
         for key in self.metadata.state_dict_metadata:
-            index, _, name = key[len(prefix):].partition(".") if key.startswith(prefix) else ("", "", "")
+            if not key.startswith(prefix):
+                continue
+            index, _, name = key[len(prefix):].partition(".")
             if index.isdigit() and name and "." not in name:
                 groups.setdefault(int(index), {})[name] = key
+                continue
+            owner, _, name = key[len(prefix):].rpartition(".")
+            if owner in self.group_of:
+                groups.setdefault(self.group_of[owner], {}).setdefault(name, key)
         return groups
 
 
-def find_keys(directory: Path, metadata: Metadata, names: dict[str, tuple[int, ...]]) -> DcpKeys:
+def find_keys(directory: Path, metadata: Metadata, names: dict[str, tuple[int, ...]],
+              group_of: dict[str, int]) -> DcpKeys:
     """The prefixes the model's names sit under, checked: every name there with its shape, no other."""
     saved = metadata.state_dict_metadata
     first = next(iter(names))
@@ -138,7 +148,7 @@ def find_keys(directory: Path, metadata: Metadata, names: dict[str, tuple[int, .
         raise ValueError(f"{directory}: a DCP checkpoint without this model's {first!r} (looked for "
                          f"{', '.join(repr(p + first) for p in MODEL_PREFIXES)})")
     optimizer = next((p for p in OPTIMIZER_PREFIXES if any(key.startswith(p + "state.") for key in saved)), None)
-    keys = DcpKeys(metadata, prefix, optimizer)
+    keys = DcpKeys(metadata, prefix, optimizer, group_of)
     missing = [name for name in names if keys.tensor(prefix + name) is None]
     unexpected = [key[len(prefix):] for key in saved if prefix and key.startswith(prefix)
                   and key[len(prefix):] not in names]  # bare names sit beside the run's other keys: not checked

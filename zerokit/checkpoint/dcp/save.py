@@ -142,14 +142,20 @@ def _optimizer_state(part: PartRecord, entries: dict[str, list[torch.Tensor]]) -
 def _param_groups(engine: Checkpointed, group: CheckpointGroup) -> list[dict[str, Any]]:
     """The optimizer's param groups as torch's get_state_dict writes them: hyperparameters and the names of the
     parameters in each (every rank's, gathered: a rank holds pieces of some parameters only)."""
-    held = {param.name: param.pieces[0].group for param in engine.view.trainable()}
-    group_of: dict[str, int] = {}
-    for found in group.all_gather(held):
-        group_of.update(found)
+    group_of = param_group_of(engine, group)
     order = [name for name, _ in engine.module.named_parameters() if name in group_of]
     return [{**{key: value for key, value in hyperparameters.items() if key != "params"},
              "params": [name for name in order if group_of[name] == index]}
             for index, hyperparameters in enumerate(engine.view.optimizers[0].param_groups)]
+
+
+def param_group_of(engine: Checkpointed, group: CheckpointGroup) -> dict[str, int]:
+    """Every trainable parameter's param group, by name (gathered: a rank holds pieces of some parameters only)."""
+    held = {param.name: param.pieces[0].group for param in engine.view.trainable()}
+    group_of: dict[str, int] = {}
+    for found in group.all_gather(held):
+        group_of.update(found)
+    return group_of
 
 
 def _write_and_commit(group: CheckpointGroup, state: dict[str, Any], rng: Any, staging: Path, save_dir: Path,

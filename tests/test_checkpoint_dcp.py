@@ -133,8 +133,9 @@ def on_two_ranks(rank: int, world_size: int, root: str) -> dict:
     _fsdp_steps(model, optimizer, 0, BEFORE)
     dcp.save(_fsdp_state(model, optimizer), checkpoint_id=str(root / "fsdp"))
     dcp.save(_torchtitan_state(model, optimizer), checkpoint_id=str(root / "torchtitan"))
+    dcp.save({"app": _fsdp_state(model, optimizer)}, checkpoint_id=str(root / "app"))  # torch's AppState example
     runs["fsdp"] = _continued(_fsdp_steps(model, optimizer, BEFORE, AFTER), _fsdp_weights(model))
-    for stage, source in ((2, "fsdp"), (3, "torchtitan")):
+    for stage, source in ((2, "fsdp"), (3, "torchtitan"), (1, "app")):
         engine = _engine(stage)
         engine.load_checkpoint(root / source)
         runs[f"zerokit-from-{source}"] = _continued(_zerokit_steps(engine, BEFORE, AFTER), engine.full_state_dict())
@@ -215,8 +216,9 @@ def test_zerokit_continues_from_fsdp2s_checkpoint_as_fsdp2_does(runs) -> None:
     _assert_continues(runs["two"]["zerokit-from-fsdp"], runs["two"]["fsdp"], exact=False)
 
 
-def test_zerokit_continues_from_torchtitans_layout_as_fsdp2_does(runs) -> None:
-    _assert_continues(runs["two"]["zerokit-from-torchtitan"], runs["two"]["fsdp"], exact=False)
+@pytest.mark.parametrize("layout", ["torchtitan", "app"])
+def test_zerokit_continues_from_the_other_layouts_as_fsdp2_does(runs, layout: str) -> None:
+    _assert_continues(runs["two"][f"zerokit-from-{layout}"], runs["two"]["fsdp"], exact=False)
 
 
 def test_at_another_world_size_dcp_resumes_as_zerokits_own_format(runs) -> None:

@@ -104,6 +104,16 @@ def test_every_rank_killed_inside_a_save_resumes_from_the_checkpoint_before(unin
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["last", "latest"]  # no leftovers
 
 
+def test_every_rank_killed_inside_an_asynchronous_save_resumes_from_the_checkpoint_before(uninterrupted,
+                                                                                        tmp_path) -> None:
+    """The save after step 8 writes in the background while training goes on; both ranks SIGKILL themselves half-way
+    through their rank files there. The checkpoint of step 4 stays the latest, and the job resumes from it."""
+    _, restarted = launch(tmp_path, "--async-save", "--kill-in-save", "rank-file")
+    assert (tmp_path / "starts").read_text() == "0 0\n1 4\n"
+    assert restarted["losses"] == uninterrupted["losses"][4:]
+    assert restarted["weights"] == uninterrupted["weights"]
+
+
 @pytest.fixture
 def small_disk(tmp_path: Path):
     """A 4 MiB tmpfs, which the job fills before its second save (a disk that is actually full), where this process

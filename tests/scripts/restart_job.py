@@ -71,6 +71,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--group-by", choices=("zerokit", "deepspeed", "script"), default="zerokit",
                         help="who starts the process group")
     parser.add_argument("--kill-in-save", nargs="*", default=[])
+    parser.add_argument("--async-save", action="store_true", help="save in the background (async_save=True)")
     parser.add_argument("--kill-save-at", type=int, default=8)
     parser.add_argument("--full-disk-at", type=int, default=0)
     parser.add_argument("--starve", choices=("fill", "fsize"), default="fill")
@@ -123,7 +124,7 @@ def save(engine: zerokit.Engine, args: argparse.Namespace, checkpoints: Path, st
         resource.setrlimit(resource.RLIMIT_FSIZE, (args.room, limit[1]))
     began = time.monotonic()
     try:
-        engine.save_checkpoint(checkpoints, tag=args.tag)
+        engine.save_checkpoint(checkpoints, tag=args.tag, async_save=args.async_save)
     except RuntimeError as error:
         (Path(args.out) / f"save_error_rank{rank}.txt").write_text(str(error))
         (Path(args.out) / f"save_error_seconds_rank{rank}.txt").write_text(f"{time.monotonic() - began:.3f}")

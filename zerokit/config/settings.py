@@ -318,10 +318,13 @@ class CommSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class TensorSettings:
-    """parallel/tensor/'s part, made before the others (the mesh comes before the run's facts: See Engine.__init__)."""
+    """parallel/'s part (the tensor and sequence degrees), made before the others (the mesh comes before the run's
+    facts: See Engine.__init__)."""
 
     autotp_size: int
     """tensor_parallel.autotp_size: the degree the model's tp_plan is split over; 0 and 1: none."""
+    sequence_parallel_size: int = 1
+    """sequence_parallel_size: the ranks each replica's sequences are split over (zerokit/parallel/sequence)."""
     ranks_per_node: int | None
     """The config's ranks_per_node (None: the launcher's, See ranks_per_node): a tensor group stays inside a node."""
     launcher_ranks_per_node: int | None

@@ -253,6 +253,9 @@ class ZeroConfig:
     ranks_per_node: int | None = default("ranks_per_node")
     """Ranks on each node, numbered consecutively. None: torchrun's LOCAL_WORLD_SIZE, else one node (the start-up
     fingerprint checks that every rank agrees on the outcome)."""
+    sequence_parallel_size: int = default("sequence_parallel_size")
+    """Ulysses sequence parallelism: each replica's sequences split over this many consecutive ranks (DeepSpeed's
+    sequence_parallel_size; zerokit/parallel/sequence); 1: none."""
     tag_validation: str = default("checkpoint.tag_validation")
     """When ranks pass different tags to save_checkpoint (rank 0's is saved under): "Ignore", "Warn" or "Fail"
     (DeepSpeed's checkpoint.tag_validation)."""
@@ -424,6 +427,10 @@ def _check_sizes(config: ZeroConfig) -> None:
     per_node = config.ranks_per_node
     if per_node is not None and (isinstance(per_node, bool) or per_node < 1):
         raise ValueError(f"ranks_per_node={per_node!r} must be a positive rank count")
+    sequence = config.sequence_parallel_size
+    if isinstance(sequence, bool) or not isinstance(sequence, int) or sequence < 1:
+        raise ValueError(f"sequence_parallel_size={sequence!r} must be a positive rank count (1: no sequence "
+                         "parallelism)")
     if config.tag_validation not in ("Ignore", "Warn", "Fail"):
         raise ValueError(f"checkpoint.tag_validation={config.tag_validation!r} is not accepted; use Ignore, Warn or "
                          "Fail")
@@ -517,6 +524,7 @@ FIELDS: dict[str, str] = {
     "broadcast_buffers": "broadcast_buffers", Z + "mics_shard_size": "mics_shard_size",
     "ranks_per_node": "ranks_per_node", Z + "zero_hpz_partition_size": "hpz_partition_size",
     "tensor_parallel.autotp_size": "autotp_size", "checkpoint.tag_validation": "tag_validation",
+    "sequence_parallel_size": "sequence_parallel_size",
     "checkpoint.async_save": "checkpoint_async_save",
     Z + "stage3_max_live_parameters": "stage3.max_live_parameters",
     Z + "stage3_prefetch_bucket_size": "stage3.prefetch_numel",

@@ -42,6 +42,8 @@ from zerokit.stages import STAGES, BucketReducer, ZeroStage, install_hooks
 from zerokit.stages.base import memory_by_tier
 from zerokit.engine.step import Progress, Stepper
 from zerokit.engine.startup import log_startup
+from zerokit.parallel.sequence.share import sequence_layout, sequence_share
+from zerokit.parallel.sequence.share import startup_lines as sequence_startup_lines
 from zerokit.parallel.tensor.setup import batch_ranks, parallelize, tensor_layout
 from zerokit.parallel.tensor.setup import startup_lines as tensor_startup_lines
 from zerokit.stages.construction import ParamInit, place_model
@@ -68,11 +70,13 @@ class Engine(ExternalBackward, Checkpoints):
         # The mesh first: the tensor degree decides this rank's data group, whose size the facts below are
         # (See zerokit/parallel/tensor/setup.py: the tensor degree, the model split by its plan, the tensor group)
         tensor_part, comm_part = parts_before_facts(config, launcher_per_node)
-        self.layout = checked_layout(tensor_layout(layout, tensor_part))
+        self.layout = checked_layout(sequence_layout(tensor_layout(layout, tensor_part), tensor_part))
         hidden_size = hidden_size_of(model)  # a fact for "auto" sizes, from the model's Hugging Face config
         self.tensor, optimizer, model_parameters = parallelize(model, self.layout, tensor_part, optimizer,
                                                                model_parameters)
-        mesh_lines = tensor_startup_lines(self.layout, tensor_part, self.tensor)  # logged with the others, at the end
+        # the sequence groups, and the model's attention split over them (See zerokit/parallel/sequence)
+        self.sequence = sequence_share(self.layout, model)
+        mesh_lines = tensor_startup_lines(self.layout, tensor_part, self.tensor) + sequence_startup_lines(self.layout)
         counted_ranks = batch_ranks(self.layout, tensor_part)  # a fact: the ranks the batch sizes count
         # the engine's group (its waits have the config's deadline) before resolve: its size and back-end are facts
         self.comm = Communicator.create(comm_part.timeout_seconds, stats=collective_stats(comm_part.logger),

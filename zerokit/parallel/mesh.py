@@ -1,4 +1,5 @@
-"""Who is grouped with whom: the job's ranks as a mesh of pipeline stages x data replicas x tensor ranks.
+"""Who is grouped with whom: the job's ranks as a mesh of pipeline stages x data replicas (x sequence ranks) x tensor
+ranks.
 
 [Note: one layout, resolved once]
 Pipeline and tensor parallelism add one question to every part of zerokit: which ranks does this collective go
@@ -16,6 +17,14 @@ so the tensor group is consecutive ranks (one node, the per-layer all-reduces on
 data group stays inside a node where the node holds it, and the pipeline's stages fall across nodes, where only
 activations travel between them. A DeepSpeed pipeline script that shards its data by `grid.data_parallel_id`
 reads the same batches under zerokit.
+
+[Note: the sequence dimension]
+Sequence parallelism (Ulysses: See zerokit/parallel/sequence) splits each replica's sequences over `sequence`
+ranks, which read the same batch and hold the same model; so ZeRO shards the model states over replicas and
+sequence ranks alike (its data group is every rank of a stage's tensor index, as DeepSpeed's sequence-data group
+is), while `data` still counts the replicas that read distinct batches. The sequence ranks of a replica are
+consecutive, as DeepSpeed's mpu numbers them (`initialize_sequence_parallel`), so its all-to-alls stay in a node:
+    rank = ((stage * data + replica) * sequence + sequence_index) * tensor + tensor_index
 """
 
 from __future__ import annotations
@@ -38,52 +47,65 @@ class Layout:
     pipeline: int = 1
     data: int = 1
     tensor: int = 1
+    sequence: int = 1
+    """Ranks each replica's sequences are split over (See [Note: the sequence dimension])."""
 
     @classmethod
-    def resolve(cls, world_size: int, pipeline: int = 1, tensor: int = 1,
-                ranks_per_node: int | None = None) -> "Layout":
-        """The layout of `world_size` ranks with these pipeline and tensor degrees; the data degree is what they
-        leave. One line names the degree that does not fit, and what would."""
-        for name, degree in (("pipeline", pipeline), ("tensor", tensor)):
+    def resolve(cls, world_size: int, pipeline: int = 1, tensor: int = 1, ranks_per_node: int | None = None,
+                sequence: int = 1) -> "Layout":
+        """The layout of `world_size` ranks with these pipeline, tensor and sequence degrees; the data degree is what
+        they leave. One line names the degree that does not fit, and what would."""
+        for name, degree in (("pipeline", pipeline), ("tensor", tensor), ("sequence", sequence)):
             if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
                 raise ValueError(f"the {name} degree must be a positive integer, got {degree!r}")
-        if world_size % (pipeline * tensor):
-            raise ValueError(f"{world_size} ranks do not split into {pipeline} pipeline stage(s) x {tensor} tensor "
-                             f"rank(s): the world size must be a multiple of pipeline x tensor = {pipeline * tensor}")
+        model = pipeline * tensor * sequence
+        if world_size % model:
+            sequence_ranks = f" x {sequence} sequence rank(s)" if sequence > 1 else ""
+            raise ValueError(f"{world_size} ranks do not split into {pipeline} pipeline stage(s){sequence_ranks} x "
+                             f"{tensor} tensor rank(s): the world size must be a multiple of their product, {model}")
         if ranks_per_node is not None and ranks_per_node % tensor:
             raise ValueError(f"a tensor degree of {tensor} does not divide the {ranks_per_node} ranks of a node: "
                              f"a tensor group must sit inside one node (accepted: a divisor of {ranks_per_node})")
-        return cls(pipeline=pipeline, data=world_size // (pipeline * tensor), tensor=tensor)
+        return cls(pipeline=pipeline, data=world_size // model, tensor=tensor, sequence=sequence)
 
     @property
     def world_size(self) -> int:
-        return self.pipeline * self.data * self.tensor
+        return self.pipeline * self.data * self.sequence * self.tensor
 
     def coordinates(self, rank: int) -> Coordinates:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside a layout of {self.world_size} ranks")
-        stage, rest = divmod(rank, self.data * self.tensor)
-        replica, tensor_index = divmod(rest, self.tensor)
-        return Coordinates(stage, replica, tensor_index)
+        stage, rest = divmod(rank, self.data * self.sequence * self.tensor)
+        return Coordinates(stage, rest // (self.sequence * self.tensor), rest % self.tensor)
 
-    def rank_of(self, stage: int, replica: int, tensor_index: int = 0) -> int:
-        return (stage * self.data + replica) * self.tensor + tensor_index
+    def sequence_index(self, rank: int) -> int:
+        """Which part of its replica's sequences `rank` holds."""
+        return rank // self.tensor % self.sequence
+
+    def rank_of(self, stage: int, replica: int, tensor_index: int = 0, sequence_index: int = 0) -> int:
+        return ((stage * self.data + replica) * self.sequence + sequence_index) * self.tensor + tensor_index
 
     def data_groups(self) -> list[list[int]]:
-        """The ranks that differ only in their replica: each holds a shard of one stage's piece of the model states;
-        ZeRO reduces, gathers and shards over them."""
-        return [[self.rank_of(s, r, t) for r in range(self.data)]
+        """The ranks that differ only in their replica (and sequence index): each holds a shard of one stage's piece
+        of the model states; ZeRO reduces, gathers and shards over them (See [Note: the sequence dimension])."""
+        return [[self.rank_of(s, r, t, q) for r in range(self.data) for q in range(self.sequence)]
                 for s in range(self.pipeline) for t in range(self.tensor)]
+
+    def sequence_groups(self) -> list[list[int]]:
+        """The ranks that differ only in their sequence index: the parts of one replica's sequences, which Ulysses'
+        all-to-alls go over."""
+        return [[self.rank_of(s, r, t, q) for q in range(self.sequence)]
+                for s in range(self.pipeline) for r in range(self.data) for t in range(self.tensor)]
 
     def pipeline_groups(self) -> list[list[int]]:
         """The ranks that differ only in their stage, in stage order: one pipeline, which passes activations."""
-        return [[self.rank_of(s, r, t) for s in range(self.pipeline)]
-                for r in range(self.data) for t in range(self.tensor)]
+        return [[self.rank_of(s, r, t, q) for s in range(self.pipeline)]
+                for r in range(self.data) for q in range(self.sequence) for t in range(self.tensor)]
 
     def tensor_groups(self) -> list[list[int]]:
         """The ranks that differ only in their tensor index: the pieces of one stage's split layers."""
-        return [[self.rank_of(s, r, t) for t in range(self.tensor)]
-                for s in range(self.pipeline) for r in range(self.data)]
+        return [[self.rank_of(s, r, t, q) for t in range(self.tensor)]
+                for s in range(self.pipeline) for r in range(self.data) for q in range(self.sequence)]
 
     def group_of(self, groups: list[list[int]], rank: int) -> list[int]:
         """The one of `groups` (a dimension's rank lists) that holds `rank`."""
@@ -93,11 +115,16 @@ class Layout:
         """torch's DeviceMesh of this layout, with the dimensions named "pipeline", "data" and "tensor" (for
         DTensor's tensor parallelism and torch's pipelining); every rank must call it, at the same point."""
         from torch.distributed.device_mesh import init_device_mesh
+        if self.sequence > 1:
+            return init_device_mesh(device_type, (self.pipeline, self.data, self.sequence, self.tensor),
+                                    mesh_dim_names=("pipeline", "data", "sequence", "tensor"))
         return init_device_mesh(device_type, (self.pipeline, self.data, self.tensor),
                                 mesh_dim_names=("pipeline", "data", "tensor"))
 
     def describe(self) -> str:
-        return f"{self.pipeline} pipeline stage(s) x {self.data} data replica(s) x {self.tensor} tensor rank(s)"
+        sequence = f" x {self.sequence} sequence rank(s)" if self.sequence > 1 else ""
+        return (f"{self.pipeline} pipeline stage(s) x {self.data} data replica(s){sequence} x {self.tensor} tensor "
+                "rank(s)")
 
 
 def checked_layout(layout: Layout | None) -> Layout | None:

@@ -126,9 +126,10 @@ PARALLEL = (
     refused_block("pipeline", "pipeline parallelism", PARALLELISM, switch=""),
     *TENSOR_PARALLEL,
     refused_block("expert_parallel", "AutoEP expert parallelism", PARALLELISM),
-    refused("sequence_parallel_size", "Ulysses sequence parallelism", PARALLELISM, Kind.INT, 1),
-    always("seq_parallel_communication_data_type", "used only with sequence_parallel_size > 1, which zerokit "
-           "refuses", Kind.DTYPE, "fp32"),
+    honoured("sequence_parallel_size", Kind.INT, 1, "Ulysses sequence parallelism: each replica's sequences split "
+             "over this many consecutive ranks, ZeRO over all (zerokit/parallel/sequence, docs/sequence_parallel.md)"),
+    always("seq_parallel_communication_data_type", "zerokit's all-to-alls move the activations in their own dtype",
+           Kind.DTYPE, "fp32"),
     always("use_data_before_expert_parallelism", "orders data- and expert-parallel groups; zerokit has no expert "
            "parallelism for it to order", Kind.BOOL, False),
     refused_block("hybrid_engine", "DeepSpeed's RLHF hybrid training/inference engine", "zerokit trains; generate "

@@ -127,6 +127,8 @@ def batch_ranks(layout: Layout | None, part: TensorSettings) -> int | None:
     tensor ranks where the config's tensor degree made the layout; None: the data ranks."""
     if layout is not None and part.autotp_size > 1:
         return layout.data * layout.tensor
+    if layout is not None and layout.sequence > 1:  # the sequence ranks of a replica read one batch
+        return layout.data
     return None
 
 

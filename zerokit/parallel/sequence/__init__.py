@@ -1,0 +1,16 @@
+"""Sequence parallelism (Ulysses) for Hugging Face models, composed with ZeRO 0-3: each replica's sequences split over
+`sequence_parallel_size` consecutive ranks, attention exchanged by head around its core, the loss combined by token
+count. See docs/sequence_parallel.md, [Note: the sequence dimension] in zerokit/parallel/mesh.py, and the notes of
+attention.py and batch.py.
+
+    engine = zerokit.initialize(model, optimizer, {"sequence_parallel_size": 2, ...})
+    shard = engine.sequence.shard(batch)                # this rank's tokens, shifted labels, position ids
+    logits = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+    loss = engine.sequence.loss(logits, shard["shift_labels"])   # the replica's loss, on every sequence rank
+"""
+
+from zerokit.parallel.sequence.attention import ULYSSES, attach
+from zerokit.parallel.sequence.batch import IGNORE_INDEX, sequence_loss, shard_batch
+from zerokit.parallel.sequence.exchange import all_to_all, summed
+
+__all__ = ["IGNORE_INDEX", "ULYSSES", "all_to_all", "attach", "sequence_loss", "shard_batch", "summed"]

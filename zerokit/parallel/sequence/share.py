@@ -1,0 +1,71 @@
+"""The engine's sequence dimension: the layout with the config's sequence degree, this rank's sequence group, and
+the model's attention attached to it (See zerokit/parallel/sequence)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerokit.config.settings import TensorSettings
+from zerokit.parallel.mesh import Layout
+from zerokit.parallel.sequence.attention import attach
+from zerokit.parallel.sequence.batch import sequence_loss, shard_batch
+
+
+@dataclass(frozen=True)
+class SequenceShare:
+    """This rank's place in its replica's sequences: `engine.sequence`."""
+
+    group: Any
+    rank: int
+    ranks: int
+
+    def shard(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """This rank's part of its replica's batch (See shard_batch)."""
+        return shard_batch(batch, self.rank, self.ranks)
+
+    def loss(self, logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
+        """The replica's mean next-token loss, on every sequence rank (See sequence_loss)."""
+        return sequence_loss(logits, shift_labels, self.group)
+
+
+def sequence_layout(layout: Layout | None, part: TensorSettings) -> Layout | None:
+    """The job's layout with the config's sequence degree: `layout` where the config asks for none or the same one;
+    else the layout resolved again with it (sequence ranks inside each replica)."""
+    degree = part.sequence_parallel_size
+    if degree <= 1:
+        return layout
+    if layout is not None and layout.sequence == degree:
+        return layout
+    if layout is not None and layout.sequence > 1:
+        raise ValueError(f"sequence_parallel_size={degree} but the layout has {layout.sequence} sequence rank(s) "
+                         f"({layout.describe()}): give the same degree, or leave one of them out")
+    if layout is not None and (layout.pipeline > 1 or layout.tensor > 1):
+        raise ValueError(f"sequence_parallel_size={degree} with {layout.describe()}: sequence parallelism composes "
+                         "with ZeRO's data parallelism here, not yet with pipeline or tensor parallelism")
+    return Layout.resolve(dist.get_world_size(), sequence=degree)
+
+
+def sequence_share(layout: Layout | None, model: nn.Module) -> SequenceShare | None:
+    """This rank's sequence group (every rank makes every group, in order) and the model's attention attached to it;
+    None where the layout has no sequence dimension."""
+    if layout is None or layout.sequence == 1:
+        return None
+    me, mine = dist.get_rank(), None
+    for ranks in layout.sequence_groups():
+        group = dist.new_group(ranks)
+        if me in ranks:
+            mine = group
+    attach(model, mine, layout.sequence)
+    return SequenceShare(mine, layout.sequence_index(me), layout.sequence)
+
+
+def startup_lines(layout: Layout | None) -> list[str]:
+    if layout is None or layout.sequence == 1:
+        return []
+    return [f"sequence parallel (Ulysses): {layout.describe()}; each replica's sequences split over {layout.sequence} "
+            f"consecutive ranks, ZeRO over all {layout.world_size}; batch sizes count the {layout.data} replica(s)"]

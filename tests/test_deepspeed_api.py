@@ -368,8 +368,10 @@ def test_out_of_scope_calls_are_refused_naming_them(one_process) -> None:
     assert PipelineModule.__module__ == "zerokit.deepspeed.pipe"
     with pytest.raises(ImportError, match="^deepspeed.init_inference is not offered"):
         deepspeed.init_inference(small_model())
-    with pytest.raises(ValueError, match="mpu=/mesh_param="):
+    with pytest.raises(ValueError, match="other model-parallel mpus are not offered by zerokit"):
         deepspeed.initialize(model=small_model(), config=config(**BLOCKS), mpu=object())
+    with pytest.raises(ValueError, match="mesh_param="):
+        deepspeed.initialize(model=small_model(), config=config(**BLOCKS), mesh_param=(2, 1))
     engine, *_ = deepspeed.initialize(model=small_model(), config=config(**BLOCKS))
     for call in (engine.offload_states, engine.reload_states):
         with pytest.raises(NotImplementedError, match=f"^engine.{call.__name__}\\(\\) is out of scope"):

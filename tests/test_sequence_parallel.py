@@ -16,6 +16,7 @@ fp32 ulps; losses rtol 1e-5, the pre-clip gradient norm rtol 1e-4 (the issue's b
 from __future__ import annotations
 
 import functools
+import tempfile
 from dataclasses import dataclass
 
 import pytest
@@ -138,15 +139,43 @@ def errors() -> dict[str, str]:
     }
 
 
-def run_all(rank: int, world_size: int) -> dict:
+def another_degree(directory: str) -> dict:
+    """Saved at sequence degree 2 after two steps, then one more step; loaded by an engine without sequence
+    parallelism (2 replicas, each fed the saving replica's whole batch, so the step is the same), which takes it."""
+    model = llama()
+    config = {"zero_optimization": {"stage": 3}, "gradient_clipping": CLIP, "train_micro_batch_size_per_gpu": ROWS}
+    split = zerokit.initialize(model, optimizer_for(Case(3), model), {**config, "sequence_parallel_size": SEQUENCE})
+    for step in range(STEPS):
+        if step == STEPS - 1:
+            split.save_checkpoint(directory, tag="split")
+        shard = split.sequence.shard(replica_batch(step, 0))
+        logits = split(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        loss = split.sequence.loss(logits, shard["shift_labels"])
+        split.backward(loss)
+        split.step()
+    whole_model = llama(key_value_heads=2)
+    whole = zerokit.initialize(whole_model, optimizer_for(Case(3), whole_model), config)
+    whole.load_checkpoint(directory, tag="split")
+    batch = replica_batch(STEPS - 1, 0)
+    logits = whole(input_ids=batch["input_ids"]).logits
+    shifted = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+    whole.backward(torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), shifted.reshape(-1)))
+    whole.step()
+    return {"split": (loss.item(), split.full_state_dict()), "whole": whole.full_state_dict()}
+
+
+def run_all(rank: int, world_size: int, directory: str) -> dict:
     results = {case.name: train(case) for case in CASES}
     results["errors"] = errors()
+    if world_size == SEQUENCE:
+        results["another degree"] = another_degree(directory)
     return results
 
 
 @functools.lru_cache(maxsize=None)
 def ranks(world_size: int) -> list[dict]:
-    return spawn(run_all, world_size, timeout=600)
+    with tempfile.TemporaryDirectory() as directory:
+        return spawn(run_all, world_size, directory, timeout=600)
 
 
 @functools.lru_cache(maxsize=None)
@@ -176,6 +205,14 @@ def test_the_layout_keeps_a_replicas_sequence_ranks_consecutive_as_deepspeeds_mp
     layout = Layout.resolve(4, sequence=2)
     assert layout.sequence_groups() == [[0, 1], [2, 3]] and layout.data_groups() == [[0, 1, 2, 3]]
     assert [layout.coordinates(rank).replica for rank in range(4)] == [0, 0, 1, 1]
+
+
+def test_a_checkpoint_saved_at_one_sequence_degree_loads_at_another() -> None:
+    """The model states do not depend on the degree (ZeRO shards them over every rank alike)."""
+    for out in ranks(SEQUENCE):
+        saved = out["another degree"]
+        for name, value in saved["split"][1].items():
+            torch.testing.assert_close(saved["whole"][name], value, rtol=0, atol=2e-5, msg=name)
 
 
 @pytest.mark.parametrize("case, message", [

@@ -127,6 +127,19 @@ def _is_pipeline_module(model: nn.Module) -> bool:
     return pipe is not None and isinstance(model, pipe.PipelineModule)
 
 
+def with_sequence_of(typed: ZeroConfig, mpu: Any, model: nn.Module) -> ZeroConfig:
+    """The config with the sequence degree of an ALST mpu (from register_with_transformers), which the config's
+    sequence_parallel_size, where it gives one, must equal."""
+    if mpu is None:
+        return typed
+    from zerokit.deepspeed.runtime.sequence_parallel.ulysses_sp import sequence_degree_of
+    degree = sequence_degree_of(mpu, model)
+    if typed.sequence_parallel_size not in (1, degree):
+        raise ValueError(f"the config's sequence_parallel_size={typed.sequence_parallel_size} but the mpu was "
+                         f"registered with sequence_parallel_size={degree}: give the same")
+    return replace(typed, sequence_parallel_size=degree)
+
+
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
                model_parameters: Iterable[Any] | None = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
@@ -137,12 +150,12 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     `param_init` (zerokit's own): how a model built under zero.Init is initialised (See zerokit.deepspeed.zero)."""
     if model is None:
         raise ValueError("deepspeed.initialize requires a model")
-    if mpu is not None or mesh_param is not None:
-        raise ValueError("deepspeed.initialize(mpu=/mesh_param=) asks for model or sequence parallelism, which "
-                         "zerokit does not offer: it is data parallel over all ranks")
+    if mesh_param is not None:
+        raise ValueError("deepspeed.initialize(mesh_param=) asks for a device mesh zerokit does not take: give the "
+                         "config's sequence_parallel_size or tensor_parallel block")
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     source = deepspeed_defaults(recorded_tensor_parallel(config_source(args, config, config_params)))
-    typed = load_config(source)
+    typed = with_sequence_of(load_config(source), mpu, model)
     check_local_rank(args)
     if optimizer is not None and typed.optimizer is not None:
         raise both_given_error("optimizer")

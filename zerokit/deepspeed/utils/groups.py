@@ -1,12 +1,14 @@
-"""`deepspeed.utils.groups` for zerokit: one data-parallel group over every rank, and no sequence parallelism
-(transformers and accelerate import this module and ask for sequence-parallel groups only when they set one up,
-which zerokit refuses at initialize: mpu=...)."""
+"""`deepspeed.utils.groups` for zerokit: one data-parallel group over every rank; the sequence-parallel groups where an
+ALST script made them (UlyssesSPAttentionHF.register_with_transformers: See
+zerokit/deepspeed/runtime/sequence_parallel), else a sequence degree of 1, as DeepSpeed answers without them."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch.distributed as dist
+
+import zerokit.deepspeed.runtime.sequence_parallel.parallel_state_sp as parallel_state_sp
 
 
 def _get_data_parallel_group() -> Any:
@@ -22,17 +24,24 @@ def _get_data_parallel_rank() -> int:
 
 
 def _get_sequence_parallel_world_size() -> int:
-    return 1
+    return parallel_state_sp.get_sequence_parallel_world_size() if parallel_state_sp.layout() else 1
 
 
 def _get_sequence_parallel_rank() -> int:
-    return 0
+    return parallel_state_sp.get_sequence_parallel_rank() if parallel_state_sp.layout() else 0
 
 
 def _get_sequence_parallel_group() -> Any:
-    raise ValueError("deepspeed.utils.groups has no sequence-parallel group under zerokit: it shards over all ranks "
-                     "and does not offer sequence parallelism")
+    if parallel_state_sp.layout() is None:
+        raise ValueError("deepspeed.utils.groups has no sequence-parallel group: none was made (DeepSpeed's ALST "
+                         "scripts make it with UlyssesSPAttentionHF.register_with_transformers)")
+    return parallel_state_sp.get_sequence_parallel_group()
+
+
+def _get_sequence_data_parallel_group() -> Any:
+    return parallel_state_sp.get_sequence_data_parallel_group() if parallel_state_sp.layout() else dist.group.WORLD
 
 
 __all__ = ["_get_data_parallel_group", "_get_data_parallel_world_size", "_get_data_parallel_rank",
-           "_get_sequence_parallel_world_size", "_get_sequence_parallel_rank", "_get_sequence_parallel_group"]
+           "_get_sequence_parallel_world_size", "_get_sequence_parallel_rank", "_get_sequence_parallel_group",
+           "_get_sequence_data_parallel_group"]

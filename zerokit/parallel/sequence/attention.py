@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zerokit.parallel.sequence.exchange import all_to_all
@@ -67,9 +68,17 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         key, value = (t.repeat_interleave(state.key_repeats, dim=HEADS) for t in (key, value))
     query, key, value = (all_to_all(t, state.group, scatter_dim=HEADS, gather_dim=TOKENS) for t in (query, key, value))
     mask = _causal_mask(query, key) if state.causal_mask else None
+    if kwargs.get("position_ids") is not None:  # the whole sequence's, as the core sees it (flash reads packing)
+        kwargs["position_ids"] = _gathered(kwargs["position_ids"], state)
     local = _LocalHeads(module, query.shape[HEADS] // key.shape[HEADS])
     out, weights = state.core(local, query, key, value, mask, *args, **kwargs)
     return all_to_all(out, state.group, scatter_dim=OUT_TOKENS, gather_dim=OUT_HEADS), weights
+
+
+def _gathered(position_ids: torch.Tensor, state: UlyssesState) -> torch.Tensor:
+    parts = [torch.empty_like(position_ids) for _ in range(state.ranks)]
+    dist.all_gather(parts, position_ids.contiguous(), group=state.group)
+    return torch.cat(parts, dim=-1)
 
 
 def _causal_mask(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:

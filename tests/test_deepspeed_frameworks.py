@@ -26,7 +26,6 @@ FRAMEWORKS = ("transformers", "accelerate", "lightning")
 # Named by the frameworks, and refused in one line by zerokit (what each asks for is out of scope).
 REFUSED = {
     "deepspeed.launcher.runner": "launcher",
-    "deepspeed.runtime.sequence_parallel": "not offered",
     "deepspeed.zero.register_external_parameter": "not offered",
 }
 # Named by the frameworks behind a try (transformers' esmfold), and absent from DeepSpeed 0.19.8 too.

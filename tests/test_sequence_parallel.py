@@ -164,8 +164,21 @@ def another_degree(directory: str) -> dict:
     return {"split": (loss.item(), split.full_state_dict()), "whole": whole.full_state_dict()}
 
 
+def evaluates_whole(directory: str) -> torch.Tensor:
+    """In eval mode with keep_whole_in_eval (DeepSpeed's disable_in_eval), a rank given whole sequences attends over
+    them alone: the logits of one process."""
+    from zerokit.parallel.sequence.attention import keep_whole_in_eval
+    engine = zerokit.initialize(llama(), None, {"sequence_parallel_size": SEQUENCE,
+                                                "train_micro_batch_size_per_gpu": ROWS})
+    keep_whole_in_eval(engine.module)
+    engine.eval()
+    with torch.no_grad():
+        return engine(input_ids=replica_batch(0, dist.get_rank())["input_ids"]).logits
+
+
 def run_all(rank: int, world_size: int, directory: str) -> dict:
     results = {case.name: train(case) for case in CASES}
+    results["eval"] = evaluates_whole(directory)
     results["errors"] = errors()
     if world_size == SEQUENCE:
         results["another degree"] = another_degree(directory)
@@ -205,6 +218,14 @@ def test_the_layout_keeps_a_replicas_sequence_ranks_consecutive_as_deepspeeds_mp
     layout = Layout.resolve(4, sequence=2)
     assert layout.sequence_groups() == [[0, 1], [2, 3]] and layout.data_groups() == [[0, 1, 2, 3]]
     assert [layout.coordinates(rank).replica for rank in range(4)] == [0, 0, 1, 1]
+
+
+def test_in_eval_a_rank_can_attend_over_whole_sequences_alone() -> None:
+    model = llama().eval()
+    for rank, out in enumerate(ranks(SEQUENCE)):
+        with torch.no_grad():
+            expected = model(input_ids=replica_batch(0, rank)["input_ids"]).logits
+        torch.testing.assert_close(out["eval"], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_a_checkpoint_saved_at_one_sequence_degree_loads_at_another() -> None:

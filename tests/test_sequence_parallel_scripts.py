@@ -24,7 +24,7 @@ from test_deepspeed_scripts import SCRIPTS, switch_imports
 from zerokit.testing.jobs import Job, Outcomes, launch
 
 sys.path.insert(0, str(SCRIPTS))
-import ds_alst  # noqa: E402  (its deepspeed imports are not run: only its data and model helpers are used)
+import alst_common  # noqa: E402
 
 RANKS, STAGES = 4, (1, 2, 3)
 
@@ -36,22 +36,25 @@ def launched(tmp_path_factory) -> tuple[Path, Outcomes]:
     switched.write_text(switch_imports((SCRIPTS / "ds_alst.py").read_text()))
     jobs = [Job(f"stage{stage}", [str(switched), "--stage", str(stage), "--out", str(root / f"stage{stage}")],
                 preload=("zerokit.deepspeed", "transformers")) for stage in STAGES]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    jobs += [Job(f"accelerate{stage}", [str(SCRIPTS / "accelerate_sp.py"), "--stage", str(stage), "--out",
+                                        str(root / f"accelerate{stage}")], install=True,
+                 preload=("accelerate", "transformers")) for stage in (2, 3)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
     return root, launch(jobs, root / "jobs", ranks=RANKS, env=env)
 
 
 @functools.lru_cache(maxsize=None)
 def one_process() -> dict[str, list[float]]:
-    torch.manual_seed(0)
-    model = ds_alst.LlamaForCausalLM(ds_alst.model_config())
+    model = alst_common.build_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    sequence, replicas = ds_alst.SEQUENCE_PARALLEL, RANKS // ds_alst.SEQUENCE_PARALLEL
+    sequence, replicas = alst_common.SEQUENCE_PARALLEL, RANKS // alst_common.SEQUENCE_PARALLEL
     losses, norms = [], []
-    for step in range(ds_alst.SAMPLES_PER_RANK * sequence):
+    for step in range(alst_common.SAMPLES_PER_RANK * sequence):
         replica_losses = []
         for replica in range(replicas):
-            row = ds_alst.rank_samples(replica * sequence + step % sequence)[step // sequence]
-            batch = ds_alst.collate([(row,)])
+            row = alst_common.rank_samples(replica * sequence + step % sequence)[step // sequence]
+            batch = alst_common.collate([(row,)])
             logits = model(input_ids=batch["input_ids"]).logits
             targets = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
             replica_losses.append(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
@@ -61,6 +64,40 @@ def one_process() -> dict[str, list[float]]:
         optimizer.step()
         optimizer.zero_grad()
         losses.append([loss.item() for loss in replica_losses])
+    return {"losses": losses, "norms": norms}
+
+
+@pytest.fixture(scope="module")
+def trainer_launched(tmp_path_factory) -> tuple[Path, Outcomes]:
+    """The HF Trainer's sequence parallelism on 2 ranks (its loss's all_gather has a backward gloo runs only over a
+    group that holds rank 0: See trainer_sp.py)."""
+    root = tmp_path_factory.mktemp("trainer_sp")
+    jobs = [Job(f"trainer{stage}", [str(SCRIPTS / "trainer_sp.py"), "--stage", str(stage), "--out",
+                                    str(root / f"trainer{stage}")], install=True,
+                preload=("accelerate", "transformers")) for stage in (1, 3)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
+    return root, launch(jobs, root / "jobs", ranks=alst_common.SEQUENCE_PARALLEL, env=env)
+
+
+@functools.lru_cache(maxsize=None)
+def one_process_on_rows(order: tuple[int, ...]) -> dict[str, list[float]]:
+    """One process stepping on alst_common.accelerate_rows() in this order, one row a step."""
+    model = alst_common.build_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses, norms = [], []
+    rows = alst_common.accelerate_rows()
+    for row in rows[list(order)]:
+        batch = alst_common.collate([(row,)])
+        logits = model(input_ids=batch["input_ids"]).logits
+        targets = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                 ignore_index=-100)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
     return {"losses": losses, "norms": norms}
 
 
@@ -78,7 +115,35 @@ def test_the_alst_script_trains_as_one_process(launched, stage: int) -> None:
     expected = one_process()
     for rank in range(RANKS):
         got = json.loads((root / f"stage{stage}" / f"rank{rank}.json").read_text())
-        replica = rank // ds_alst.SEQUENCE_PARALLEL
+        replica = rank // alst_common.SEQUENCE_PARALLEL
         torch.testing.assert_close(torch.tensor(got["losses"]),
                                    torch.tensor([losses[replica] for losses in expected["losses"]]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(expected["norms"]), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("stage", (2, 3))
+def test_accelerates_sequence_parallelism_trains_on_zerokit_as_one_process(launched, stage: int) -> None:
+    """accelerate's ParallelismConfig(sp_size=2, sp_backend="deepspeed"), unchanged, under zerokit.deepspeed.install."""
+    root, outcomes = launched
+    outcomes.check(f"accelerate{stage}")
+    # accelerate hands every rank the whole loader under DeepSpeed's sequence parallelism (measured: 8 batches of one
+    # row a rank), and the adapter makes each batch 2 micro-steps of the same row: every row twice, in order
+    expected = one_process_on_rows(tuple(row for row in range(8) for _ in range(alst_common.SEQUENCE_PARALLEL)))
+    for rank in range(RANKS):
+        got = json.loads((root / f"accelerate{stage}" / f"rank{rank}.json").read_text())
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("stage", (1, 3))
+def test_the_hf_trainers_sequence_parallelism_trains_on_zerokit_as_one_process(trainer_launched, stage: int) -> None:
+    """TrainingArguments(parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed"), deepspeed=...),
+    unchanged, under zerokit.deepspeed.install; its logged grad_norm is the true one at ZeRO-1 too."""
+    root, outcomes = trainer_launched
+    outcomes.check(f"trainer{stage}")
+    for rank in range(alst_common.SEQUENCE_PARALLEL):
+        got = json.loads((root / f"trainer{stage}" / f"rank{rank}.json").read_text())
+        # the Trainer deals the rows to its 2 ranks in turn, and the adapter takes rank 0's, then rank 1's: in order
+        expected = one_process_on_rows(tuple(range(6)))
+        assert len(got["losses"]) == 6
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(expected["norms"]), rtol=1e-4, atol=0)

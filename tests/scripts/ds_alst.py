@@ -13,34 +13,14 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 from deepspeed.utils import groups
 
-SEQUENCE_PARALLEL, SEQ_LENGTH, VOCAB, SAMPLES_PER_RANK = 2, 16, 97, 2
-
-
-def model_config() -> LlamaConfig:
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       attn_implementation="sdpa")
-
-
-def rank_samples(rank: int) -> torch.Tensor:
-    """The token rows the loader gives `rank` (each rank its own)."""
-    return torch.randint(0, VOCAB, (SAMPLES_PER_RANK, SEQ_LENGTH), generator=torch.Generator().manual_seed(rank))
-
-
-def collate(rows: list) -> dict:
-    input_ids = torch.stack([row[0] for row in rows])
-    labels = input_ids.clone()
-    labels[:, :3] = -100  # a prompt without targets: the first shard counts fewer
-    positions = torch.arange(SEQ_LENGTH).expand_as(input_ids)
-    return {"input_ids": input_ids, "position_ids": positions, "labels": labels}
-
+from alst_common import SEQ_LENGTH, SEQUENCE_PARALLEL, collate, model_config, rank_samples
 
 def main() -> None:
     parser = argparse.ArgumentParser()

@@ -176,6 +176,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         return pipeline, pipeline.optimizer, pipeline.training_dataloader, pipeline.engine.lr_scheduler
     engine = DeepSpeedEngine(model, optimizer, typed, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
                              collate_fn=collate_fn, param_init=param_init, given_config=config_dict(source))
+    if mpu is not None:
+        from zerokit.deepspeed.runtime.sequence_parallel.ulysses_sp import after_initialize
+        after_initialize(engine.module)
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data)
     if typed.resume.load_dir is not None:  # with the loader's position (See zerokit/checkpoint/newest.py)

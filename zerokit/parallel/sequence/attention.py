@@ -23,7 +23,7 @@ module with the number of query heads per key head as this rank sees it.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -45,6 +45,7 @@ class UlyssesState:
     core: Callable[..., tuple[torch.Tensor, Any]]
     causal_mask: bool  # the core is eager: it gets a causal mask over the whole sequence
     key_repeats: int  # each key/value head repeated this many times before the exchange (1: none)
+    in_eval: bool = True  # False: in eval mode each rank attends over its whole sequences alone (keep_whole_in_eval)
 
 
 class _LocalHeads:
@@ -64,6 +65,9 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if state is None:
         raise RuntimeError(f"{type(module).__name__} runs attention {ULYSSES!r} but was not attached to a sequence "
                            "group: build the model's engine with a sequence degree (zerokit/parallel/sequence)")
+    if not module.training and not state.in_eval:
+        return state.core(module, query, key, value, _causal_mask(query, key) if state.causal_mask else None, *args,
+                          **kwargs)
     if state.key_repeats > 1:
         key, value = (t.repeat_interleave(state.key_repeats, dim=HEADS) for t in (key, value))
     query, key, value = (all_to_all(t, state.group, scatter_dim=HEADS, gather_dim=TOKENS) for t in (query, key, value))
@@ -111,9 +115,21 @@ def attach(model: nn.Module, group: Any, ranks: int) -> None:
     model.register_forward_pre_hook(_require_position_ids, with_kwargs=True)
 
 
+def keep_whole_in_eval(model: nn.Module) -> None:
+    """In eval mode, each rank attends over the whole sequences it holds, with no exchange: for evaluation loops
+    that give every rank whole sequences (DeepSpeed's disable_in_eval, which accelerate sets)."""
+    for module in model.modules():
+        state = getattr(module, STATE, None)
+        if state is not None:
+            setattr(module, STATE, replace(state, in_eval=False))
+
+
 def _require_position_ids(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     """A shard's tokens sit at their places in the whole sequence: without its position ids, the model would number
     them from 0 on every rank and train on wrong positions without a word."""
+    states = (getattr(m, STATE) for m in module.modules() if hasattr(m, STATE))
+    if not module.training and not next(states).in_eval:
+        return
     if kwargs.get("position_ids") is None:
         raise ValueError(f"{type(module).__name__} is split over sequence ranks: pass each shard's position_ids (its "
                          "tokens' positions in the whole sequence), as engine.sequence.shard(batch) makes them")

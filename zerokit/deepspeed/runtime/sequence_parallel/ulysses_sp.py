@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import zerokit.deepspeed.runtime.sequence_parallel.parallel_state_sp as parallel_state_sp
+from zerokit.parallel.sequence.attention import keep_whole_in_eval
 from zerokit.parallel.sequence.batch import shard_batch
 
 _REQUEST: dict[str, Any] = {}
@@ -44,7 +45,7 @@ class UlyssesSPAttentionHF:
             raise ValueError(f"core_attn_implementation='{core_attn_implementation}' does not match the model's "
                              f"attn_implementation='{saved}': set both to the same value")
         parallel_state_sp.initialize_sequence_parallel(sequence_parallel_size)
-        _REQUEST.update(core=core_attn_implementation, size=sequence_parallel_size)
+        _REQUEST.update(core=core_attn_implementation, size=sequence_parallel_size, whole_in_eval=disable_in_eval)
         return parallel_state_sp
 
 
@@ -59,6 +60,13 @@ def sequence_degree_of(mpu: Any, model: torch.nn.Module) -> int:
         raise ValueError(f"the model runs attention {core!r} but register_with_transformers was given "
                          f"core_attn_implementation={_REQUEST['core']!r}: load it with the same")
     return _REQUEST["size"]
+
+
+def after_initialize(model: torch.nn.Module) -> None:
+    """What the registration asked of the attached model beyond its degree: disable_in_eval (See
+    keep_whole_in_eval)."""
+    if _REQUEST.get("whole_in_eval"):
+        keep_whole_in_eval(model)
 
 
 class UlyssesSPDataLoaderAdapter:

@@ -69,8 +69,8 @@ def load_checkpoint(engine: Checkpointed, load_dir: str | os.PathLike, tag: str 
             source = open_deepspeed(deepspeed, engine) if deepspeed is not None else _open_relayout(engine, parts, tag)
             directory = source.directory
         except ValueError as failure:
-            error = _ranked(engine, failure)
-        _raise_first(session, error)
+            error = ranked(engine, failure)
+        raise_first(session, error)
     try:
         if source is not None:
             manifest, readers = source.manifest, source.readers
@@ -87,8 +87,8 @@ def load_checkpoint(engine: Checkpointed, load_dir: str | os.PathLike, tag: str 
                 _restore_schedules(engine, manifest, directory, weights_only)
             _restore_data_position(engine, manifest, directory)
     except ValueError as failure:
-        error = _ranked(engine, failure)
-    _raise_first(session, error)
+        error = ranked(engine, failure)
+    raise_first(session, error)
     engine.view.after_load()  # loaded masters -> compute parameters on every rank
     if deepspeed is not None:
         return str(directory), source.client_state
@@ -111,8 +111,8 @@ def _load_dcp(engine: Checkpointed, session: Any, directory: Path, load_optimize
             check_optimizer(engine, keys, description, directory)
         reads, states = plan_reads(engine, keys, with_state, directory)
     except ValueError as failure:
-        error = _ranked(engine, failure)
-    _raise_first(session, error)
+        error = ranked(engine, failure)
+    raise_first(session, error)
     with engine.view.resident(publish=True):
         load_runs(reads, directory, session.group.group, weights_only)
         install_state(states, reads)
@@ -127,8 +127,8 @@ def _load_dcp(engine: Checkpointed, session: Any, directory: Path, load_optimize
                 _restore_schedules(engine, description, directory, weights_only)
             _restore_data_position(engine, description, directory)
     except ValueError as failure:
-        error = _ranked(engine, failure)
-    _raise_first(session, error)
+        error = ranked(engine, failure)
+    raise_first(session, error)
     engine.view.after_load()
     return str(directory), client_state_of(directory, description, weights_only)
 
@@ -187,11 +187,11 @@ def _open_relayout(engine: Checkpointed, parts: list[Path], tag: str | None) -> 
     return source
 
 
-def _ranked(engine: Checkpointed, failure: Exception) -> str:
+def ranked(engine: Checkpointed, failure: Exception) -> str:
     return f"rank {engine.rank}: {failure}" if engine.world_size > 1 else str(failure)
 
 
-def _raise_first(session: Any, error: str | None) -> None:
+def raise_first(session: Any, error: str | None) -> None:
     """Every rank raises the first rank's error if any rank has one (See [Note: a load fails on every rank or on
     none])."""
     errors = [e for e in session.group.all_gather(error) if e]

@@ -1,10 +1,28 @@
 """The model as DeepSpeed's engine shows it, an nn.Module holding it as `module`: its parameters and modules
 (the Trainer counts parameters through the engine; accelerate's unwrap_model walks `_modules`), its full
 weights for saving (what accelerate's get_state_dict and the Trainer's save_model read), and at stage 3 what
-DeepSpeed's callers read off its parameters and optimizer (See zerokit/deepspeed/zero3_params.py)."""
+DeepSpeed's callers read off its parameters and optimizer (See zerokit/deepspeed/zero3_params.py).
+
+[Note: the Trainer's save_model holds the model on rank 0]
+Under a ZeRO-3 config, transformers' Trainer.save_model calls accelerator.get_state_dict(engine), which calls
+engine._zero3_consolidated_16bit_state_dict() on every rank, then Trainer._save, where only the saving rank
+(args.should_save) goes on to model.save_pretrained(output_dir, state_dict=...): the other ranks return before it.
+The gathers need every rank, so they are over when get_state_dict returns, and rank 0 holds the whole dict by then;
+and save_pretrained needs every tensor in memory (remove_tied_weights_from_state_dict reads their storage,
+split_torch_state_dict_into_shards their sizes, safetensors' save_file copies each whole shard, up to 50GB by
+default in transformers 5). A streamed write could only happen inside that save_pretrained call, which rank 0 alone
+reaches with the values already gathered: it would take replacing the Trainer's save_model or the model's
+save_pretrained, that is, patching transformers. What the drop-in does instead: the dict is gathered one unit at a
+time straight into the compute dtype, with no fp32 copy of the model beside it, a tie's names sharing one tensor as
+DeepSpeed's do, so rank 0's peak is the model once at the compute precision, as under DeepSpeed (which fills it on
+rank 0 only; zerokit's callers have read it on every rank). A script that wants the streamed files calls
+engine.save_pretrained(output_dir) on every rank: a Trainer subclass's save_model can.
+"""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -20,6 +38,10 @@ class ModuleView:
     config: Any
     full_state_dict: Any  # the engine's (zerokit/engine/engine.py): the whole model's state dict, gathered
     optimizer: Any
+    view: Any  # the engine's ParameterView (See zerokit/stages/view.py)
+    tensor: Any  # the engine's tensor-parallel share (None without tensor parallelism)
+    rank: int
+    _refuse_if_closed: Any
     _answering_ds_status: list[nn.Parameter] = []  # parameters given the class ZeroParameter, until close()
 
     def show_zero3_names(self) -> None:
@@ -63,14 +85,43 @@ class ModuleView:
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """The whole model's state dict at the compute precision, on every rank (DeepSpeed fills it on rank 0;
-        callers save it there). What accelerate's get_state_dict and the Trainer's save_model read."""
-        dtype = self.config.precision.param_dtype
+        callers save it there), a tie's names sharing one tensor as in DeepSpeed's (transformers' save_pretrained
+        then writes it once). Gathered one unit at a time straight into the compute dtype: no fp32 copy of the
+        model. What accelerate's get_state_dict and the Trainer's save_model read (See [Note: the Trainer's
+        save_model holds the model on rank 0])."""
+        from zerokit.checkpoint.pretrained import gathered_state_dict  # safetensors, imported on first save
+
+        if self.tensor is None:
+            return gathered_state_dict(self.view, self.module, None, exclude_frozen_parameters, keep=True)
+        dtype = self.config.precision.param_dtype  # tensor-parallel: whole tensors come from full_state_dict()
         state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
                  for name, tensor in self.full_state_dict().items()}
         if exclude_frozen_parameters:
             frozen = {name for name, param in self.module.named_parameters() if not param.requires_grad}
             state = {name: tensor for name, tensor in state.items() if name not in frozen}
         return state
+
+    def save_16bit_model(self, save_dir: str | Path, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's: rank 0 writes one file of the model's weights at the compute precision (every rank calls
+        it: at stage 3 the weights are gathered). A name ending in .safetensors is written as safetensors, streamed
+        one unit at a time as engine.save_pretrained writes (tied weights once); any other with torch.save, as
+        DeepSpeed writes it (a tie's names sharing one tensor), of a state dict gathered one unit at a time in the
+        compute dtype and held on rank 0 only: torch.save needs the whole dict. Returns True (saved)."""
+        from zerokit.checkpoint.pretrained import gathered_state_dict, save_weights_file
+
+        self._refuse_if_closed("save_16bit_model")
+        path = Path(save_dir) / save_filename
+        if path.suffix == ".safetensors":
+            save_weights_file(self, path, None, exclude_frozen_parameters)
+            return True
+        state = gathered_state_dict(self.view, self.module, None, exclude_frozen_parameters, keep=self.rank == 0)
+        if self.rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_name(path.name + ".tmp")
+            torch.save(state, temporary)
+            os.replace(temporary, path)
+        return True
 
 
 __all__ = ["ModuleView"]

@@ -41,3 +41,28 @@ class Checkpoints:
         self._refuse_if_closed("load_checkpoint")
         return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                load_module_only=load_module_only, load_lr_scheduler_states=load_lr_scheduler_states)
+
+    def save_pretrained(self, save_directory: str | Path, max_shard_size: int | str = "5GB",
+                        safe_serialization: bool = True, dtype: Any = None) -> list[Path]:
+        """Write what transformers' from_pretrained loads (every rank calls it; rank 0 writes): config.json when the
+        model has a Hugging Face config, model.safetensors or shards of at most max_shard_size with their index,
+        tied weights once, floating tensors as the engine computes with them (or in `dtype`). Streamed: at stage 3
+        each unit is gathered in turn and its tensors written at once, so rank 0 never holds the model. Returns
+        the files written (on rank 0). See [Note: save_pretrained streams] in zerokit/checkpoint/pretrained.py."""
+        from zerokit.checkpoint.hf_layout import parse_size
+        from zerokit.checkpoint.pretrained import output_dtype, save_pretrained
+        self._refuse_if_closed("save_pretrained")
+        if not safe_serialization:
+            raise ValueError("save_pretrained(safe_serialization=False) is not offered: zerokit writes safetensors "
+                             "files, which transformers loads by default (and 5.x writes only)")
+        return save_pretrained(self, save_directory, parse_size(max_shard_size, "max_shard_size"),
+                               output_dtype(dtype))
+
+    def load_pretrained(self, directory: str | Path) -> None:
+        """Load a Hugging Face model directory (model.safetensors, or shards with their index) into the engine's
+        parameters at any stage and world size (every rank calls it): each rank reads only the element ranges it
+        holds, file by file; the optimizer state is left as it is. Keys missing or unexpected: a ValueError naming
+        the first of each, and nothing loaded. See zerokit/checkpoint/pretrained.py."""
+        from zerokit.checkpoint.pretrained import load_pretrained
+        self._refuse_if_closed("load_pretrained")
+        load_pretrained(self, directory)

@@ -15,7 +15,7 @@ is computed when asked for: it holds references into the stage, never copies.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, closing, contextmanager
 from typing import Any, Iterator, NamedTuple, Protocol
 
 import torch
@@ -136,6 +136,18 @@ class ParameterView:
         """What was written into the pieces and frozen parts becomes the model's parameters on every rank."""
         self.stage.after_load()
 
+    def gather_groups(self) -> list[list[nn.Parameter]]:
+        """The model's parameters in the groups that saving gathers together, in order: one unit's own at a time
+        at stage 3, all at once below it (they are whole there)."""
+        return [params for _, params in self.stage.saving_plan(self.module)]
+
+    def gathered_in_turn(self) -> Iterator[list[nn.Parameter]]:
+        """Each group of gather_groups(), in order, holding its full values until the next is asked for (every
+        rank must go through all of them: at stage 3 each is a collective)."""
+        for units, params in self.stage.saving_plan(self.module):
+            with self.stage.gathered(units):
+                yield params
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict on CPU in fp32 (parameters at their compute precision), gathered
         one unit at a time at stage 3 so the extra peak is the largest unit, not the model."""
@@ -143,8 +155,8 @@ class ParameterView:
         for name, param in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(id(param), []).append(name)
         state: dict[str, torch.Tensor] = {}
-        for units, params in self.stage.saving_plan(self.module):
-            with self.stage.gathered(units):
+        with closing(self.gathered_in_turn()) as groups:  # an error inside releases the group it holds, now
+            for params in groups:
                 for param in params:
                     for name in names[id(param)]:
                         state[name] = param.detach().float().cpu().clone()

@@ -29,7 +29,7 @@ def test_on_a100_80gb_no_tensor_degree_beats_flat_zero3() -> None:
 def test_on_a100_40gb_a_tensor_degree_avoids_recomputation_and_changes_the_pick() -> None:
     """The flat tree (Policy(tensor="none")) recomputes; the memo sets tp=4 beside it, faster without recomputation;
     and the tree with tensor degrees (the default) picks it: See [Note: a tensor degree in the tree]."""
-    p = plan(make_scenario("llama2-13b", seq_len=4096, gpu="a100-40gb"), Policy(tensor="none"))
+    p = plan(make_scenario("llama2-13b", seq_len=4096, gpu="a100-40gb"), Policy(tensor="none", sequence="none"))
     assert p.pick.label == "ZeRO-3, no offload, full checkpointing"
     by_degree = {o.scenario.layout.tp: o for o in tensor_options(p)}
     tp4 = by_degree[4]
@@ -41,7 +41,7 @@ def test_on_a100_40gb_a_tensor_degree_avoids_recomputation_and_changes_the_pick(
     assert tp4.scenario.layout == Layout(tp=4)
     memo = render_memo(p)
     assert "## Inside the node: a tensor degree" in memo and "tp=4 with ZeRO-3 at micro-batch 1 would change the pick" in memo
-    tree = plan(model="llama2-13b", seq_len=4096, gpu="a100-40gb")
+    tree = plan(model="llama2-13b", seq_len=4096, gpu="a100-40gb", policy=Policy(sequence="none"))
     assert tree.pick.label == "ZeRO-3 + tp=4, no offload, no checkpointing"
     assert tree.pick.tokens_per_second == pytest.approx(tp4.tokens_per_second)
     tried = [a.label for a in tree.attempts]  # flat stages, then t = 2 and 4, each at stages 0-3, before offload

@@ -132,6 +132,8 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
     train.add_argument("--checkpointing", default="auto", choices=("auto", "none", "full"),
                        help="auto: only if nothing fits without it")
     train.add_argument("--attention", default="flash", choices=ATTENTION)
+    train.add_argument("--tiles", type=int, default=1,
+                       help="tiled MLP and loss: slices of the sequence each is computed over (ALST's tiling)")
     train.add_argument("--reduce-dtype", default="fp32", choices=PRECISIONS, help="gradient communication dtype")
     train.add_argument("--bucket-mib", type=finite_float, default=25.0, help="gradient bucket size")
     train.add_argument("--no-overlap", action="store_true", help="reduce after backward, not during it")
@@ -140,6 +142,7 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
     lay = p.add_argument_group("layout (default: flat data parallel over all GPUs)")
     lay.add_argument("--tp", type=int, default=1, help="tensor parallel degree (inside a node)")
     lay.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    lay.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallel degree (sequence_parallel_size)")
     lay.add_argument("--replicas", type=int, default=1, help="HSDP/MiCS: copies of the shard group")
     lay.add_argument("--hpz", type=int, default=1, metavar="K",
                      help="ZeRO++ hpZ at stage 3: a secondary parameter copy over K ranks (zero_hpz_partition_size); "
@@ -150,6 +153,9 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
     pol.add_argument("--tensor", default="auto", choices=("auto", "none"),
                      help="auto: where no stage fits on the GPU alone, try a tensor degree inside the node before "
                           "offloading; none: flat layouts only")
+    pol.add_argument("--sequence", default="auto", choices=("auto", "none"),
+                     help="auto: where no stage fits on the GPU alone, try a sequence degree inside the node (Ulysses) "
+                          "before a tensor degree and offloading; none: never")
     pol.add_argument("--max-micro-batch", type=int, default=1024)
     pol.add_argument("--mfu", type=finite_float, default=0.40, help="achieved / peak FLOPS")
     pol.add_argument("--bandwidth-efficiency", type=finite_float, default=0.80)
@@ -248,7 +254,7 @@ def scenario_from_args(args: argparse.Namespace):
         reduce_every_micro_step=not (args.reduce_once_per_step or args.pp > 1),
         trainable_fraction=args.trainable_fraction,
         lora_rank=args.lora_rank, lora_targets=targets, tp=args.tp, pp=args.pp, replicas=args.replicas,
-        secondary=args.hpz,
+        secondary=args.hpz, sp=args.sp, tiles=args.tiles,
         mfu=args.mfu, bandwidth_efficiency=args.bandwidth_efficiency, overhead_bytes=int(args.overhead_gb * GB),
         intra_link=args.intra_link, inter_link=args.inter_link, host_key=args.host, nics_per_node=args.nics_per_node,
         gpu_memory=None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GiB),
@@ -331,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give the model: --model, --params or --arch (or --check RUN, or --measure-device)")
     scenario = scenario_from_args(args)
     policy = Policy(headroom=args.headroom, checkpointing=args.checkpointing, offload=args.offload,
-                    tensor=args.tensor, max_micro_batch=args.max_micro_batch)
+                    tensor=args.tensor, sequence=args.sequence, max_micro_batch=args.max_micro_batch)
     result = plan(scenario, policy)
     emitted = None
     if args.emit:

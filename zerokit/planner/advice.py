@@ -3,7 +3,8 @@
 [Note: decision tree]
     for checkpointing in (none, full)            # full only if none fails (or as the user fixed it)
         1. lowest ZeRO stage 0..3 that fits on the GPU with headroom, nothing offloaded
-        1b. else a tensor degree t inside the node, smallest first, each at stages 0..3
+        1b. else a degree d inside the node, smallest first: a sequence degree (Ulysses) and a tensor degree d,
+            each at stages 0..3, the fastest that fits
         2. else offload tiers, each from the lowest stage it allows, with room on the host:
            optimizer -> CPU (stage >= 1); + parameters -> CPU (stage 3);
            optimizer -> NVMe (stage >= 1); + parameters -> NVMe (stage 3)
@@ -26,6 +27,20 @@ memo's "Inside the node" section still sets every degree beside the pick where a
 zerokit trains the pick as `tensor_parallel.autotp_size` (docs/tensor_parallel.md); Policy(tensor="none") keeps the
 tree flat.
 
+[Note: a sequence degree in the tree]
+Where activations overflow the GPU (long sequences), a sequence degree sp splits them as a tensor degree of the same
+value would (each rank keeps s / sp tokens, and attention's share of the heads), and moves less activation: four
+all-to-alls of the rank's tokens per block each way ((sp - 1) / sp of q, k, v and the output), where a tensor group
+all-reduces whole activations four times. But it splits no weight: ZeRO still shards and gathers the whole model
+over every rank, for the tokens of world / sp sequences a step, where a tensor group gathers 1 / t of it. Which wins
+depends on the model, the length and the stage (a tensor degree may fit at ZeRO-0, splitting the states itself, where
+a sequence degree needs ZeRO-3 and trains faster there), so a degree's rung holds both forms at every stage (where
+the heads allow each), the fastest that fits winning, as the hybrid forms of a stage do; both come before any offload
+tier, which would move the model
+states over PCIe and leave the activations where they were. A long sequence whose states fit but whose activations
+do not is where a sequence degree is picked. zerokit trains it as `sequence_parallel_size` (docs/sequence_parallel.md);
+Policy(sequence="none") leaves it out.
+
 [Note: hybrid sharding in the tree]
 On more than one node (and a flat layout as asked), step 1 tries beside each flat stage its hybrid
 forms: MiCS/HSDP (shard inside a node, replicas = nodes; stages 1-3) and hpZ (stage 3, a secondary copy
@@ -44,7 +59,7 @@ from dataclasses import dataclass, replace
 
 from zerokit.planner.catalogue import link
 from zerokit.planner.estimate import STAGES, Estimate, Scenario, estimate, make_scenario
-from zerokit.planner.spec import GB, Layout, Offload, Policy
+from zerokit.planner.spec import GB, Layout, Offload, Policy, splits_heads
 
 OFFLOAD_TIERS = (Offload(optimizer="cpu"), Offload(optimizer="cpu", params="cpu"),
                  Offload(optimizer="nvme"), Offload(optimizer="nvme", params="nvme"))
@@ -105,6 +120,17 @@ def tensor_degrees(scenario: Scenario) -> list[int]:
             if cluster.gpus_per_node % t == 0 and all(h % t == 0 for h in heads)]
 
 
+def sequence_degrees(scenario: Scenario) -> list[int]:
+    """The degrees sp > 1 a sequence group inside one node can take for this model and length: divisors of the node's
+    GPUs that split the heads (See splits_heads) and the sequence (none for a layout asked for, or without shapes)."""
+    arch, cluster = scenario.model.architecture, scenario.cluster
+    if arch is None or scenario.layout != Layout():
+        return []
+    return [sp for sp in range(2, cluster.gpus_per_node + 1)
+            if cluster.gpus_per_node % sp == 0 and splits_heads(arch, sp) and scenario.training.seq_len % sp == 0
+            and scenario.shard % sp == 0]
+
+
 def other_gathering(scenario: Scenario, stage: int) -> tuple[Scenario, ...]:
     """Stage 3 under a pipeline: the scenario with zerokit.pipeline's other stage3_gathering, the fastest that fits
     winning the rung (units held through the step: one gather of the stage per step, the stage's parameters live;
@@ -123,10 +149,12 @@ def _rungs(scenario: Scenario, policy: Policy) -> Iterator[tuple[tuple[Scenario,
         forms = (scenario, *(replace(scenario, layout=layout) for layout in hybrid_layouts(scenario, stage)),
                  *other_gathering(scenario, stage))
         yield tuple((form, stage, Offload()) for form in forms)
-    if policy.tensor == "auto":
-        for t in tensor_degrees(scenario):
-            for stage in stages:
-                yield ((replace(scenario, layout=Layout(tp=t)), stage, Offload()),)
+    sequence = sequence_degrees(scenario) if policy.sequence == "auto" else []
+    tensor = tensor_degrees(scenario) if policy.tensor == "auto" else []
+    for degree in sorted(set(sequence) | set(tensor)):  # See [Note: a sequence degree in the tree]
+        layouts = [Layout(sp=degree)] if degree in sequence else []
+        layouts += [Layout(tp=degree)] if degree in tensor else []
+        yield tuple((replace(scenario, layout=layout), stage, Offload()) for layout in layouts for stage in stages)
     if policy.offload == "auto":
         for tier in OFFLOAD_TIERS:
             for stage in stages:
@@ -341,6 +369,8 @@ def reasons(p: Plan) -> list[str]:
             out.append(f"cheaper offload tiers do not fit either: {_failure(skipped[-1], p.policy)}")
     if pick.scenario.layout.tp > 1 and p.scenario.layout == Layout():
         out.append(_tensor_reason(p))
+    if pick.scenario.layout.sp > 1 and p.scenario.layout == Layout():
+        out.append(_sequence_reason(p))
     out.append(f"{pick.label} fits: {gb(pick.memory.total)} of {_usable(pick, p.policy)}, "
                f"{gb(pick.usable - pick.memory.total)} to spare; largest parts {_biggest(pick)}")
     out.append(_comm_reason(pick))
@@ -374,6 +404,21 @@ def _tensor_reason(p: Plan) -> str:
             f"offloading: tp={t} splits every block's matrices over {t} GPUs ({split}) at the cost of four all-"
             f"reduces of a block's activations per micro-batch on {pick.scenario.cluster.intra_link.name}, with "
             f"{pick.scenario.cluster.world // t} replicas reading data (zerokit: tensor_parallel.autotp_size={t})")
+
+
+def _sequence_reason(p: Plan) -> str:
+    """Why a sequence degree: no flat stage fit on the GPU alone (See [Note: a sequence degree in the tree])."""
+    pick = p.pick
+    sp = pick.scenario.layout.sp
+    flat = next((a for a in p.attempts if a.stage == pick.stage and a.scenario.layout == Layout()
+                 and a.offload == pick.offload and a.training == pick.training), None)
+    split = f"activations {gb(flat.memory.activations)} -> {gb(pick.memory.activations)} per GPU" if flat else \
+        f"activations / {sp}"
+    return (f"no stage fits flat on the GPU alone, so the tree tries sequence and tensor degrees inside the node "
+            f"before offloading, the fastest form that fits winning: sp={sp} keeps {pick.training.seq_len // sp} of "
+            f"each sequence's {pick.training.seq_len} tokens on a GPU ({split}) at the cost of four all-to-alls of "
+            f"its tokens per block each way on {pick.scenario.cluster.intra_link.name}, with "
+            f"{pick.scenario.cluster.world // sp} replicas reading data (zerokit: sequence_parallel_size={sp})")
 
 
 def _crossing(result: Estimate) -> str:

@@ -160,7 +160,7 @@ class CommEstimate:
         return stats
 
 
-GROUP_NAMES = ("tp", "dp_shard", "dp_replicate", "dp", "pp", "hpz")
+GROUP_NAMES = ("tp", "dp_shard", "dp_replicate", "dp", "pp", "hpz", "sp")
 
 
 def _coordinates(rank: int, layout: Layout, shard: int) -> tuple[int, int, int, int]:
@@ -174,7 +174,7 @@ def _group_key(name: str, rank: int, layout: Layout, shard: int) -> tuple[int, .
     """What the ranks of one group of `name` share: every coordinate the group does not run over."""
     t, s, q, p = _coordinates(rank, layout, shard)
     return {"tp": (s, q, p), "dp_shard": (t, q, p), "dp_replicate": (t, s, p), "dp": (t, p), "pp": (t, s, q),
-            "hpz": (rank // layout.secondary,)}[name]
+            "hpz": (rank // layout.secondary,), "sp": (t, s // layout.sp, q, p)}[name]
 
 
 @lru_cache(maxsize=256)
@@ -197,7 +197,7 @@ def group_placement(name: str, layout: Layout, shard: int, world: int, per_node:
 def make_groups(cluster: Cluster, layout: Layout, shard: int, efficiency: float) -> dict[str, Group]:
     """Each kind of group, with the link and bandwidth its rings get (See [Note: communication model])."""
     sizes = {"tp": layout.tp, "dp_shard": shard, "dp_replicate": layout.replicas, "dp": shard * layout.replicas,
-             "pp": layout.pp, "hpz": layout.secondary}
+             "pp": layout.pp, "hpz": layout.secondary, "sp": layout.sp}
     groups = {}
     for name in GROUP_NAMES:
         size = sizes[name]
@@ -328,9 +328,10 @@ def data_parallel(rank: RankParams, training: Training, stage: int, groups: dict
 def model_parallel(model: ModelSpec, training: Training, layout: Layout, groups: dict[str, Group]) -> list[Collective]:
     """Megatron tensor parallelism: two all-reduces of the (s, b, h) activations per block in
     forward and two in backward (Shoeybi et al. 2019, Section 3), two more when the forward is
-    recomputed; pipeline parallelism: one activation forward and one gradient back per micro-batch."""
+    recomputed; Ulysses sequence parallelism: four all-to-alls of a rank's tokens per block each way (Jacobs et al.
+    2023); pipeline parallelism: one activation forward and one gradient back per micro-batch."""
     arch, out = model.architecture, []
-    if arch is None or (layout.tp == 1 and layout.pp == 1):
+    if arch is None or (layout.tp == 1 and layout.pp == 1 and layout.sp == 1):
         return out
     m, e = training.grad_accum, training.act_bytes
     activation = training.tokens_per_micro_batch * arch.hidden
@@ -338,6 +339,14 @@ def model_parallel(model: ModelSpec, training: Training, layout: Layout, groups:
         per_block = 4 + (2 if training.checkpointing == "full" else 0)
         calls = m * per_block * math.ceil(arch.n_layers / layout.pp)
         out.append(_collective("all_reduce", groups["tp"], "critical", calls, calls * activation, e))
+    if layout.sp > 1:
+        # Ulysses: per block, the query, key, value and attention output each cross the sequence group once forward
+        # and once back (again where the forward is recomputed), an all-to-all of the rank's s / sp tokens
+        passes = 2 + (1 if training.checkpointing == "full" else 0)
+        per_block = training.tokens_per_micro_batch // layout.sp * (2 * arch.q_dim + 2 * arch.kv_dim)
+        calls = m * passes * 4 * arch.n_layers
+        out.append(_collective("all_to_all", groups["sp"], "critical", calls, m * passes * arch.n_layers * per_block,
+                               e))
     if layout.pp > 1:
         # each micro-batch's activation goes forward and its gradient back across each of the p - 1 boundaries: a GPU
         # sends 2m(p-1)/p of them on average (the first stage m forward, the last m back, the others 2m)

@@ -91,12 +91,23 @@ def gpu_optimizer_seconds(rank: RankParams, training: Training, stage: int, clus
     return elements * touched / (cluster.gpu.hbm_bandwidth * efficiency)
 
 
+def recomputed_by_tiles(model: ModelSpec, counts: ParamCounts, training: Training) -> float:
+    """The share of the forward a tiled MLP and loss compute again in backward (their weights' share of the matrix
+    FLOPs: each slice is recomputed once); 0 untiled."""
+    arch = model.architecture
+    if training.tiles == 1 or arch is None:
+        return 0.0
+    mlp = (3 if arch.gated_mlp else 2) * arch.hidden * arch.ffn * arch.n_layers
+    return min(1.0, (mlp + arch.vocab * arch.hidden) / counts.total)
+
+
 def compute_estimate(model: ModelSpec, counts: ParamCounts, rank: RankParams, training: Training, layout: Layout,
                      stage: int, offload: Offload, cluster: Cluster, mfu: float, efficiency: float,
                      optimizer_per_element: float | None = None) -> ComputeEstimate:
     forward, backward = flops_per_token(model, counts, training)
+    backward += forward * recomputed_by_tiles(model, counts, training)
     achievable = cluster.peak_flops(training.precision) * mfu
-    split = layout.tp * layout.pp
+    split = layout.tp * layout.pp * layout.sp  # a sequence rank computes 1 / sp of each sequence's tokens and heads
     tokens = training.tokens_per_micro_batch
     forward_s = forward * tokens / split / achievable
     backward_s = backward * tokens / split / achievable

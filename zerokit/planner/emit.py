@@ -27,7 +27,7 @@ def _data_parallel_only(result: Estimate, target: str) -> None:
     count is the model code's); a tensor degree is the `tensor_parallel` block zerokit (ZeRO 0-3) and DeepSpeed's
     AutoTP training (ZeRO 0-2) read; FSDP with either stays in model code."""
     layout = result.scenario.layout
-    if (layout.tp > 1 or layout.pp > 1) and target == "fsdp":
+    if (layout.tp > 1 or layout.pp > 1 or layout.sp > 1) and target == "fsdp":
         raise ValueError(f"--emit fsdp writes data-parallel code; the layout {layout.name} is set up in model code "
                          "(torch's parallelize_module and pipelining): use --emit zerokit")
     if layout.tp > 1 and target == "deepspeed" and result.stage == 3:
@@ -36,8 +36,10 @@ def _data_parallel_only(result: Estimate, target: str) -> None:
 
 
 def _tensor_block(result: Estimate) -> dict:
-    t = result.scenario.layout.tp
-    return {"tensor_parallel": {"autotp_size": t}} if t > 1 else {}
+    """The mesh's keys: the tensor degree's block, the sequence degree's key."""
+    t, sp = result.scenario.layout.tp, result.scenario.layout.sp
+    return {**({"tensor_parallel": {"autotp_size": t}} if t > 1 else {}),
+            **({"sequence_parallel_size": sp} if sp > 1 else {})}
 
 
 def _notes(result: Estimate, target: str) -> tuple[str, ...]:
@@ -55,6 +57,14 @@ def _notes(result: Estimate, target: str) -> tuple[str, ...]:
         notes.append(f"tensor_parallel.autotp_size={tp} splits the model by its Hugging Face tp_plan over {tp} "
                      "consecutive ranks of a node; the batch sizes count every rank, tensor ranks included, as "
                      "DeepSpeed's AutoTP does (docs/tensor_parallel.md)")
+    sp = result.scenario.layout.sp
+    if sp > 1 and target != "fsdp":
+        notes.append(f"sequence_parallel_size={sp} splits each sequence over {sp} consecutive ranks (Ulysses): feed "
+                     "each rank engine.sequence.shard(batch) and combine with engine.sequence.loss, or run DeepSpeed's "
+                     "ALST script on zerokit.deepspeed (docs/sequence_parallel.md)")
+    if result.training.tiles > 1:
+        notes.append(f"tiled MLP and loss over {result.training.tiles} slices are set in code, not the config "
+                     "(zerokit.parallel.sequence.tiling)")
     if result.training.checkpointing == "full":
         notes.append("activation checkpointing is not a config key: wrap each transformer block, e.g. "
                      "model.gradient_checkpointing_enable() (Hugging Face) or torch.utils.checkpoint "

@@ -14,7 +14,7 @@ from zerokit.planner.comms import CommEstimate, communication, exposed_seconds
 from zerokit.planner.compute import ComputeEstimate, OffloadEstimate, compute_estimate, offload_estimate
 from zerokit.planner.memory import HostUsage, MemoryBreakdown, RankParams, host_usage, memory_breakdown, rank_params
 from zerokit.planner.models import ModelSpec, ParamCounts, param_counts, resolve_model
-from zerokit.planner.spec import Assumptions, Layout, Offload, Policy, Trainable, Training
+from zerokit.planner.spec import Assumptions, Layout, Offload, Policy, Trainable, Training, splits_heads
 
 STAGES = (0, 1, 2, 3)
 
@@ -40,6 +40,12 @@ class Scenario:
                              f"{arch.max_positions} learned positions; use at most {arch.max_positions}")
         if self.layout.tp > 1 and arch is not None and arch.n_heads % self.layout.tp:
             raise ValueError(f"tp={self.layout.tp} does not divide {arch.n_heads} attention heads")
+        if self.layout.sp > 1 and arch is not None and not splits_heads(arch, self.layout.sp):
+            raise ValueError(f"sp={self.layout.sp} does not split {arch.n_heads} attention heads and "
+                             f"{arch.n_kv_heads} key/value heads (it must divide the first, and divide or be a "
+                             "multiple of the second)")
+        if self.training.seq_len % self.layout.sp:
+            raise ValueError(f"sp={self.layout.sp} does not divide the sequence length {self.training.seq_len}")
         if self.layout.pp > 1 and arch is not None and self.layout.pp > arch.n_layers:
             raise ValueError(f"pp={self.layout.pp} exceeds the model's {arch.n_layers} layers")
         param_counts(self.model, self.training.trainable)  # raises for LoRA without shapes
@@ -98,7 +104,7 @@ class Estimate:
     def tokens_per_second(self) -> float:
         """Whole job: every data-parallel replica's tokens per step / step time."""
         layout, world = self.scenario.layout, self.scenario.cluster.world
-        replicas = world // (layout.tp * layout.pp)
+        replicas = world // (layout.tp * layout.pp * layout.sp)  # the sequences read per micro-step
         return self.training.tokens_per_micro_batch * self.training.grad_accum * replicas / self.step_seconds
 
     @property
@@ -114,8 +120,9 @@ class Estimate:
         layout, shard = self.scenario.layout, self.scenario.shard
         hybrid = {"mics": f" + MiCS s={shard}", "hpz": f" + hpZ k={layout.secondary}", "": ""}[self.hybrid]
         tensor = f" + tp={layout.tp}" if layout.tp > 1 else ""
+        sequence = f" + sp={layout.sp}" if layout.sp > 1 else ""
         held = " (gathered once per step)" if self.training.gathers_once_per_step(self.stage, layout) else ""
-        return f"ZeRO-{self.stage}{hybrid}{tensor}{held}"
+        return f"ZeRO-{self.stage}{hybrid}{tensor}{sequence}{held}"
 
     @property
     def label(self) -> str:
@@ -166,7 +173,7 @@ def make_scenario(model: ModelSpec | str | int | float = "llama2-13b", *, gpu: s
                   bucket_bytes: int | None = None, overlap_comm: bool = True, reduce_every_micro_step: bool = True,
                   trainable_fraction: float = 1.0, lora_rank: int | None = None,
                   lora_targets: tuple[str, ...] | None = None, tp: int = 1, pp: int = 1, replicas: int = 1,
-                  secondary: int = 1,
+                  secondary: int = 1, sp: int = 1, tiles: int = 1,
                   mfu: float | None = None, bandwidth_efficiency: float | None = None,
                   overhead_bytes: int | None = None, backend: str = "nccl", reduce_scatter: bool | None = None,
                   calibration: Calibration | None = None, optimizer_seconds_per_element: float | None = None,
@@ -184,7 +191,7 @@ def make_scenario(model: ModelSpec | str | int | float = "llama2-13b", *, gpu: s
                         attention=attention, reduce_dtype=reduce_dtype,
                         **({"bucket_bytes": bucket_bytes} if bucket_bytes is not None else {}),
                         overlap_comm=overlap_comm, reduce_every_micro_step=reduce_every_micro_step,
-                        backend=backend, reduce_scatter=reduce_scatter, trainable=trainable)
+                        backend=backend, reduce_scatter=reduce_scatter, trainable=trainable, tiles=tiles)
     defaults = Assumptions()
     assumptions = Assumptions(mfu=defaults.mfu if mfu is None else mfu,
                               bandwidth_efficiency=(defaults.bandwidth_efficiency if bandwidth_efficiency is None
@@ -192,6 +199,6 @@ def make_scenario(model: ModelSpec | str | int | float = "llama2-13b", *, gpu: s
                               overhead_bytes=defaults.overhead_bytes if overhead_bytes is None else overhead_bytes,
                               optimizer_seconds_per_element=optimizer_seconds_per_element)
     cluster = make_cluster(gpu, gpus_per_node=gpus_per_node, nodes=nodes, **cluster_overrides)
-    layout = Layout(tp=tp, pp=pp, replicas=replicas, secondary=secondary)
+    layout = Layout(tp=tp, pp=pp, replicas=replicas, secondary=secondary, sp=sp)
     return Scenario(model=spec, cluster=cluster, training=training, layout=layout,
                     assumptions=assumptions, calibration=calibration)

@@ -211,7 +211,7 @@ def block_activation_bytes(arch: Architecture, training: Training) -> int:
     tokens, s = training.tokens_per_micro_batch, training.seq_len
     # norms, QKV in, Q K V, proj in, MLP in
     per_token = e * (2 * h + h + (arch.q_dim + 2 * arch.kv_dim) + arch.q_dim + h)
-    per_token += e * (4 * f if arch.gated_mlp else 2 * f)
+    per_token += 0 if training.tiles > 1 else mlp_intermediate_per_token(arch, training)  # tiled: recomputed
     per_token += 2 * h if arch.dropout else 0  # attention-output and MLP-output dropout masks
     lora = training.trainable
     if lora.lora_rank is not None:  # each adapter keeps its rank-r intermediate for B's gradient
@@ -223,10 +223,23 @@ def block_activation_bytes(arch: Architecture, training: Training) -> int:
     return tokens * per_token + core
 
 
+def mlp_intermediate_per_token(arch: Architecture, training: Training) -> int:
+    """The MLP's intermediates a token keeps for backward (gate, up, their product: 4f in a gated MLP; 2f else)."""
+    return training.act_bytes * (4 * arch.ffn if arch.gated_mlp else 2 * arch.ffn)
+
+
 def output_activation_bytes(arch: Architecture, training: Training) -> int:
-    """Final norm and head inputs plus fp32 logits for the loss (Korthikanti Section 4.3)."""
+    """Final norm and head inputs plus fp32 logits for the loss (Korthikanti Section 4.3); with a tiled loss, one
+    slice's logits at a time."""
     tokens = training.tokens_per_micro_batch
-    return tokens * (2 * training.act_bytes * arch.hidden + 4 * arch.vocab)
+    return tokens * 2 * training.act_bytes * arch.hidden + math.ceil(tokens * 4 * arch.vocab / training.tiles)
+
+
+def tile_working_bytes(arch: Architecture, training: Training) -> int:
+    """A tiled MLP's one slice of intermediates, alive while it is computed or recomputed (0 untiled)."""
+    if training.tiles == 1:
+        return 0
+    return math.ceil(training.tokens_per_micro_batch * mlp_intermediate_per_token(arch, training) / training.tiles)
 
 
 def activation_bytes(model: ModelSpec, training: Training, layout: Layout,
@@ -236,13 +249,16 @@ def activation_bytes(model: ModelSpec, training: Training, layout: Layout,
     arch = model.architecture
     if arch is None:
         return 0
-    t, p = layout.tp, layout.pp
+    # each token's activations split over the tensor ranks, the tokens over the sequence ranks (Ulysses: each rank
+    # also runs attention for 1 / sp of the heads over the whole sequence, the same share of the core's memory)
+    t, p = layout.tp * layout.sp, layout.pp
     b, s = training.micro_batch, training.seq_len
     measured = calibration.block(b, s) if calibration else block_activation_bytes(arch, training)
     block = math.ceil(measured / t)
     tokens = training.tokens_per_micro_batch
     stored = block if training.checkpointing == "none" else math.ceil(training.act_bytes * tokens * arch.hidden / t)
     working = 0 if training.checkpointing == "none" else block  # the block being recomputed
+    working += math.ceil(tile_working_bytes(arch, training) / t)
     layers = math.ceil(arch.n_layers / p)
     in_flight = min(p, training.grad_accum)
     embedding_mask = math.ceil(tokens * arch.hidden / t) if arch.dropout and calibration is None else 0
@@ -290,7 +306,7 @@ def memory_breakdown(model: ModelSpec, rank: RankParams, training: Training, lay
         b, s = training.micro_batch, training.seq_len
         peaks = calibration.phase_peaks(b, s, model.architecture.n_layers)
         transient = max(0, math.ceil((max(peaks.values()) - calibration.activations(b, s, model.architecture.n_layers))
-                                     / layout.tp))
+                                     / (layout.tp * layout.sp)))
     return MemoryBreakdown(parameters=parameters, gradients=gradients, optimizer_state=optimizer,
                            activations=activations,
                            buffers=buffer_bytes(rank, training, stage, training.gathers_once_per_step(stage, layout)),

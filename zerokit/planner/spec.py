@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from zerokit.config.defaults import DEFAULT_BUCKET_BYTES, STAGE3_PARAM_PERSISTENCE_THRESHOLD
 from zerokit.config.settings import ELEMENT_BYTES, reduces_by_scatter, reduces_every_micro_step
@@ -108,6 +109,9 @@ class Training:
     """zero_optimization.reduce_scatter: True or False forces the choice; None leaves it to the backend."""
     persistence_threshold: int = STAGE3_PARAM_PERSISTENCE_THRESHOLD
     """Stage 3: parameters with fewer elements join the root unit (gathered once per step)."""
+    tiles: int = 1
+    """Tiled MLP and loss (zerokit/parallel/sequence/tiling.py): each MLP and the logits computed over this many slices
+    of the sequence, each recomputed in backward, so one slice's intermediates are alive at a time; 1: none."""
     stage3_gathering: str = "micro_batch"
     """Stage 3 under a pipeline (zerokit.pipeline's stage3_gathering): "micro_batch" gathers every unit for each
     micro-batch's forward and backward; "step" gathers the stage's units once, before the schedule, and holds them
@@ -122,7 +126,7 @@ class Training:
         _choice("reduce dtype", self.reduce_dtype, PRECISIONS)
         _choice("backend", self.backend, BACKENDS)
         _choice("stage-3 gathering", self.stage3_gathering, STAGE3_GATHERINGS)
-        for name in ("seq_len", "micro_batch", "grad_accum", "bucket_bytes"):
+        for name in ("seq_len", "micro_batch", "grad_accum", "bucket_bytes", "tiles"):
             _positive_int(name.replace("_", " "), getattr(self, name))
 
     @property
@@ -168,6 +172,12 @@ class Training:
         return self.seq_len * self.micro_batch
 
 
+def splits_heads(arch: Any, sp: int) -> bool:
+    """Ulysses splits these heads over sp ranks (zerokit/parallel/sequence/attention.py's rule): sp divides the query
+    heads, and divides the key/value heads or is a multiple of them (each then repeated onto the ranks)."""
+    return arch.n_heads % sp == 0 and (arch.n_kv_heads % sp == 0 or sp % arch.n_kv_heads == 0)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     """How the world is cut: tensor parallel (innermost), ZeRO shard group, replicas, pipeline.
@@ -184,10 +194,17 @@ class Layout:
     secondary: int = 1
     """hpZ (`zero_hpz_partition_size`, stage 3): k consecutive ranks that also hold a secondary copy of the
     parameters, 1/k each; every gather after a step's first forward reads it inside the group."""
+    sp: int = 1
+    """Ulysses sequence parallelism (`sequence_parallel_size`): sp consecutive ranks share each sequence, s / sp
+    tokens each, exchanging heads around attention; ZeRO still shards over every rank, and the sequences read per
+    step are the world's / sp (See [Note: the sequence dimension] in zerokit/parallel/mesh.py)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "replicas", "secondary"):
+        for name in ("tp", "pp", "replicas", "secondary", "sp"):
             _positive_int(name, getattr(self, name))
+        if self.sp > 1 and (self.tp, self.pp, self.secondary) != (1, 1, 1):
+            raise ValueError(f"sequence parallelism (sp={self.sp}) composes with ZeRO's data parallelism (flat or "
+                             f"replicas), not with tp={self.tp}, pp={self.pp} or hpZ k={self.secondary}")
         if self.secondary > 1 and (self.tp, self.pp, self.replicas) != (1, 1, 1):
             raise ValueError(f"hpZ (secondary={self.secondary}) shards over every rank of a flat data-parallel job; "
                              f"it does not combine with tp={self.tp}, pp={self.pp}, replicas={self.replicas}: "
@@ -204,6 +221,8 @@ class Layout:
         if world % cut:
             raise ValueError(f"world size {world} does not fit the layout tp={self.tp} x pp={self.pp} x "
                              f"replicas={self.replicas}: {world} is not divisible by {cut}")
+        if (world // cut) % self.sp:
+            raise ValueError(f"sp={self.sp} sequence ranks do not divide ZeRO's shard group of {world // cut} ranks")
         if world % self.secondary:
             raise ValueError(f"hpZ secondary group of {self.secondary} ranks does not divide the world size {world}; "
                              "use a divisor of it (usually the GPUs per node)")
@@ -215,6 +234,7 @@ class Layout:
         parts += [f"pp={self.pp}"] if self.pp > 1 else []
         parts += [f"replicas={self.replicas} (HSDP)"] if self.replicas > 1 else []
         parts += [f"hpZ k={self.secondary}"] if self.secondary > 1 else []
+        parts += [f"sp={self.sp} (Ulysses)"] if self.sp > 1 else []
         return ", ".join(parts) or "flat data parallel"
 
 
@@ -289,6 +309,9 @@ class Policy:
     """auto: try CPU then NVMe offload if no stage fits on the GPU alone; none: never offload."""
     tensor: str = "auto"
     """auto: try a tensor degree inside the node before offloading (advice.py); none: flat layouts only."""
+    sequence: str = "auto"
+    """auto: try a sequence degree inside the node (Ulysses) before a tensor degree and offloading (advice.py);
+    none: never."""
     max_micro_batch: int = 1024
     """Upper bound of the largest-micro-batch search."""
 
@@ -297,4 +320,5 @@ class Policy:
         _choice("checkpointing policy", self.checkpointing, ("auto",) + CHECKPOINTING)
         _choice("offload policy", self.offload, ("auto", "none"))
         _choice("tensor policy", self.tensor, ("auto", "none"))
+        _choice("sequence policy", self.sequence, ("auto", "none"))
         _positive_int("max micro batch", self.max_micro_batch)

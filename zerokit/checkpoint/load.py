@@ -80,12 +80,10 @@ def load_checkpoint(engine: Checkpointed, load_dir: str | os.PathLike, tag: str 
             readers = Readers(directory, manifest.files)
         _restore_tensors(engine, manifest, readers, with_state)
         if not load_module_only:
-            _restore_counters(engine, manifest, directory, load_optimizer_states)
+            _restore_run(engine, manifest, directory, load_optimizer_states,
+                         load_lr_scheduler_states and deepspeed is None, weights_only)
             if deepspeed is not None and load_lr_scheduler_states:
                 restore_schedule(engine, source.lr_scheduler, directory)
-            elif load_lr_scheduler_states:
-                _restore_schedules(engine, manifest, directory, weights_only)
-            _restore_data_position(engine, manifest, directory)
     except ValueError as failure:
         error = ranked(engine, failure)
     raise_first(session, error)
@@ -121,11 +119,8 @@ def _load_dcp(engine: Checkpointed, session: Any, directory: Path, load_optimize
     try:
         if description is not None and with_state:
             restore_dcp_rng(engine, directory, description)
-        if description is not None and not load_module_only:
-            _restore_counters(engine, description, directory, with_state=False)
-            if load_lr_scheduler_states:
-                _restore_schedules(engine, description, directory, weights_only)
-            _restore_data_position(engine, description, directory)
+        if description is not None and not load_module_only:  # the hyperparameters came with DCP's param groups
+            _restore_run(engine, description, directory, False, load_lr_scheduler_states, weights_only)
     except ValueError as failure:
         error = ranked(engine, failure)
     raise_first(session, error)
@@ -221,6 +216,16 @@ def _restore_tensors(engine: Checkpointed, manifest: Manifest, readers: "Readers
             _restore_rng(engine, manifest, readers)
     finally:
         readers.close()
+
+
+def _restore_run(engine: Checkpointed, manifest: Manifest, directory: Path, hyperparameters: bool, schedules: bool,
+                 weights_only: bool) -> None:
+    """Where training stands: the counters and loss scale (and the optimizer's hyperparameters), the LR schedules the
+    engine steps, and where each rank's loader stood."""
+    _restore_counters(engine, manifest, directory, hyperparameters)
+    if schedules:
+        _restore_schedules(engine, manifest, directory, weights_only)
+    _restore_data_position(engine, manifest, directory)
 
 
 def _restore_counters(engine: Checkpointed, manifest: Manifest, directory: Path, with_state: bool) -> None:

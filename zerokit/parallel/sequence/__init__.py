@@ -7,10 +7,18 @@ attention.py and batch.py.
     shard = engine.sequence.shard(batch)                # this rank's tokens, shifted labels, position ids
     logits = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
     loss = engine.sequence.loss(logits, shard["shift_labels"])   # the replica's loss, on every sequence rank
+
+At long sequences, tiling.py's tile_mlp(model, tiles) and the tiled loss keep one slice of the MLP's intermediates
+and of the logits alive at a time:
+
+    hidden = engine.sequence.hidden_states(engine, input_ids=shard["input_ids"], position_ids=shard["position_ids"])
+    loss = engine.sequence.tiled_loss(hidden, engine.module.lm_head, shard["shift_labels"], tiles=4)
 """
 
 from zerokit.parallel.sequence.attention import ULYSSES, attach
 from zerokit.parallel.sequence.batch import IGNORE_INDEX, sequence_loss, shard_batch
 from zerokit.parallel.sequence.exchange import all_to_all, summed
+from zerokit.parallel.sequence.tiling import final_hidden_states, tile_mlp, tiled_loss
 
-__all__ = ["IGNORE_INDEX", "ULYSSES", "all_to_all", "attach", "sequence_loss", "shard_batch", "summed"]
+__all__ = ["IGNORE_INDEX", "ULYSSES", "all_to_all", "attach", "final_hidden_states", "sequence_loss", "shard_batch",
+           "summed", "tile_mlp", "tiled_loss"]

@@ -14,6 +14,7 @@ from zerokit.config.settings import TensorSettings
 from zerokit.parallel.mesh import Layout
 from zerokit.parallel.sequence.attention import attach
 from zerokit.parallel.sequence.batch import sequence_loss, shard_batch
+from zerokit.parallel.sequence.tiling import ModelRunner, final_hidden_states, tiled_loss
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,17 @@ class SequenceShare:
     def loss(self, logits: torch.Tensor, shift_labels: torch.Tensor) -> torch.Tensor:
         """The replica's mean next-token loss, on every sequence rank (See sequence_loss)."""
         return sequence_loss(logits, shift_labels, self.group)
+
+    def hidden_states(self, engine: ModelRunner, **inputs: Any) -> torch.Tensor:
+        """This rank's last hidden states from the engine's forward on its shard's `inputs`, with no logits
+        computed: for tiled_loss (See final_hidden_states)."""
+        return final_hidden_states(engine, **inputs)
+
+    def tiled_loss(self, hidden: torch.Tensor, lm_head: nn.Module, shift_labels: torch.Tensor,
+                   tiles: int) -> torch.Tensor:
+        """loss(lm_head(hidden), shift_labels) with one of `tiles` slices of the logits alive at a time (See
+        tiled_loss in tiling.py)."""
+        return tiled_loss(hidden, lm_head, shift_labels, tiles, self.group)
 
 
 def sequence_layout(layout: Layout | None, part: TensorSettings) -> Layout | None:

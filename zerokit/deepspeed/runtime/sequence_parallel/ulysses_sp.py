@@ -13,7 +13,7 @@ is accepted (zerokit gives it a causal mask over the whole sequence).
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ import torch.distributed as dist
 import zerokit.deepspeed.runtime.sequence_parallel.parallel_state_sp as parallel_state_sp
 from zerokit.parallel.sequence.attention import keep_whole_in_eval
 from zerokit.parallel.sequence.batch import shard_batch
+from zerokit.parallel.sequence.tiling import TOKENS, check_tiles, checkpointed, token_slices
 
 _REQUEST: dict[str, Any] = {}
 
@@ -121,4 +122,101 @@ class UlyssesSPDataLoaderAdapter:
         return batches
 
 
-__all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
+# [Note: DeepSpeed's tiled compute over zerokit's tiling]
+# DeepSpeed writes TiledMLP, TiledFusedLogitsLoss and SequenceTiledCompute as autograd functions that run their own
+# backward slice by slice (TiledFusedLogitsLoss inside its forward), and marks the weights they use
+# (`compute_params`, `ds_grad_is_ready`) so that its ZeRO reduces their gradients after the last slice only. Here
+# each is its call form over zerokit's tiling: every slice under non-reentrant checkpointing, parts of one autograd
+# graph (See [Note: tiling along the sequence] in zerokit/parallel/sequence/tiling.py). A weight's gradient hook then
+# fires once, after its last use, and zerokit's reducer needs no marking: compute_params is accepted and not used.
+
+
+class TiledMLP:
+    """DeepSpeed's TiledMLP: `TiledMLP.apply(fn, self, x, shards, compute_params)` is fn(self, x) computed over
+    `shards` slices of x's tokens (dim -2: (batch, tokens, hidden) or an MoE expert's (tokens, hidden)), one slice's
+    intermediates alive at a time (See [Note: DeepSpeed's tiled compute over zerokit's tiling])."""
+
+    @staticmethod
+    def apply(fn: Callable[..., torch.Tensor], self: torch.nn.Module, x: torch.Tensor, shards: int,
+              compute_params: Any = None) -> torch.Tensor:
+        check_tiles(shards)
+        return torch.cat([checkpointed(fn, self, part) for part in token_slices(x, shards)], dim=TOKENS)
+
+
+class TiledFusedLogitsLoss:
+    """DeepSpeed's TiledFusedLogitsLoss: `.apply(fn, self, x, y, mask, shards, compute_params, output_reduction)` is
+    the "mean" or "sum" of fn(self, x_part, y_part[, mask_part]) over the parts torch.chunk cuts from the flattened
+    (batch * tokens) rows, as DeepSpeed cuts them; each part's logits alive only inside its call (See [Note:
+    DeepSpeed's tiled compute over zerokit's tiling]). "mean" is over the parts: where they count different targets,
+    return sums from fn and use "sum", as DeepSpeed advises."""
+
+    @staticmethod
+    def apply(fn: Callable[..., torch.Tensor], self: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+              mask: torch.Tensor | None, shards: int, compute_params: Any = None,
+              output_reduction: str = "mean") -> torch.Tensor:
+        _check_logits_loss_inputs(x, y, mask, output_reduction)
+        check_tiles(shards)
+        flat = [x.reshape(-1, *x.shape[2:]), y.reshape(-1, *y.shape[2:])]  # (batch * tokens, ...) each
+        if mask is not None:
+            flat.append(mask.reshape(-1))
+        parts = zip(*(torch.chunk(tensor, shards, dim=0) for tensor in flat))
+        losses = torch.stack([checkpointed(fn, self, *part) for part in parts])
+        return losses.mean() if output_reduction == "mean" else losses.sum()
+
+
+def _check_logits_loss_inputs(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None, reduction: str) -> None:
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"output_reduction={reduction!r}: TiledFusedLogitsLoss takes \"mean\" or \"sum\"")
+    if x.dim() < 2 or y.dim() < 2 or x.shape[:2] != y.shape[:2]:
+        raise ValueError(f"x {tuple(x.shape)} and y {tuple(y.shape)} must both be (batch, tokens, ...) with the same "
+                         "batch and tokens")
+    if mask is not None and mask.shape != x.shape[:2]:
+        raise ValueError(f"mask {tuple(mask.shape)} must be (batch, tokens) = {tuple(x.shape[:2])}")
+
+
+def sequence_tiled_compute(fn: Callable[..., torch.Tensor], seqlen: int, shards: int,
+                           kwargs_to_shard: dict[str, torch.Tensor], kwargs_to_pass: dict[str, Any],
+                           grad_requiring_tensor_key: str, compute_params: Any = None,
+                           output_unshard_dimension: int = 1, output_reduction: str | None = "mean") -> torch.Tensor:
+    """DeepSpeed's sequence_tiled_compute: fn(**slices, **kwargs_to_pass) over the slices of every
+    kwargs_to_shard value along dim 1 (seqlen / shards tokens each, rounded up, as DeepSpeed cuts them), the
+    outputs joined along output_unshard_dimension (0: stacked, for per-slice losses), then None, "mean" or "sum".
+    Gradients reach every input that requires one, grad_requiring_tensor_key's included (DeepSpeed computes that
+    one's alone); See [Note: DeepSpeed's tiled compute over zerokit's tiling]."""
+    if grad_requiring_tensor_key not in {**kwargs_to_shard, **kwargs_to_pass}:
+        raise ValueError(f"grad_requiring_tensor_key={grad_requiring_tensor_key!r} names none of the arguments "
+                         f"({', '.join([*kwargs_to_shard, *kwargs_to_pass])})")
+    if output_reduction not in (None, "mean", "sum"):
+        raise ValueError(f"output_reduction={output_reduction!r}: give None, \"mean\" or \"sum\"")
+    check_tiles(shards)
+    step = -(-seqlen // shards)
+    keys = list(kwargs_to_shard)
+
+    def on_slice(*values: torch.Tensor) -> torch.Tensor:
+        return fn(**dict(zip(keys, values)), **kwargs_to_pass)
+
+    outputs = [checkpointed(on_slice, *(value[:, start:start + step] for value in kwargs_to_shard.values()))
+               for start in range(0, seqlen, step)]
+    joined = torch.stack(outputs) if output_unshard_dimension == 0 else torch.cat(outputs, output_unshard_dimension)
+    if output_reduction is None:
+        return joined
+    return joined.mean() if output_reduction == "mean" else joined.sum()
+
+
+class SequenceTiledCompute:
+    """DeepSpeed's SequenceTiledCompute by its call form, `.apply(fn, seqlen, shards, keys_to_shard, keys_to_pass,
+    grad_requiring_tensor_key, compute_params, output_unshard_dimension, output_reduction, *args)`, the args the
+    values of keys_to_shard then of keys_to_pass (See sequence_tiled_compute)."""
+
+    @staticmethod
+    def apply(fn: Callable[..., torch.Tensor], seqlen: int, shards: int, keys_to_shard: list[str],
+              keys_to_pass: list[str], grad_requiring_tensor_key: str, compute_params: Any,
+              output_unshard_dimension: int, output_reduction: str | None, *args: Any) -> torch.Tensor:
+        to_shard = dict(zip(keys_to_shard, args))
+        to_pass = dict(zip(keys_to_pass, args[len(keys_to_shard):]))
+        return sequence_tiled_compute(fn, seqlen, shards, to_shard, to_pass, grad_requiring_tensor_key,
+                                      compute_params, output_unshard_dimension, output_reduction)
+
+
+__all__ = ["SequenceTiledCompute", "TiledFusedLogitsLoss", "TiledMLP", "UlyssesSPAttentionHF",
+           "UlyssesSPDataLoaderAdapter", "sequence_tiled_compute"]

@@ -18,15 +18,15 @@ before it.
 
 [Note: a tensor degree in the tree]
 Where no stage fits on the GPU alone, flat or hybrid, the tree tries tensor parallelism inside the node before it
-offloads: for each degree t dividing the node's GPUs and the heads (smallest first), stages 0-3 of ZeRO over the
-N / t replicas, one rung with the sequence degree of the same value (See [Note: a sequence degree in the tree]): the
-fastest that fits wins. A tensor group splits what ZeRO cannot: the activations (/ t), besides the model states
-(/ t before ZeRO shards them); it costs four all-reduces of a block's activations per micro-batch on the node's
-links, and a step trains 1 / t of the tokens at the same micro-batch, while an offload tier's step is bound by PCIe
-and the host. So where activations, not states, overflow the GPU, a tensor degree is the rung that fits without recomputation; the
-memo's "Inside the node" section still sets every degree beside the pick where a tensor degree is not the pick.
-zerokit trains the pick as `tensor_parallel.autotp_size` (docs/tensor_parallel.md); Policy(tensor="none") keeps the
-tree flat.
+offloads: for each degree t dividing the node's GPUs and the heads (smallest first), stages 0-3 of ZeRO over the N /
+t replicas, one rung with the sequence degree of the same value (See [Note: a sequence degree in the tree]): the
+fastest that fits wins. A tensor group splits what ZeRO cannot: the activations (/ t), besides the model states (/ t
+before ZeRO shards them); it costs four all-reduces of a block's activations per micro-batch on the node's links,
+and a step trains 1 / t of the tokens at the same micro-batch, while an offload tier's step is bound by PCIe and the
+host. So where activations, not states, overflow the GPU, a tensor degree is the rung that fits without
+recomputation; the memo's "Inside the node" section still sets every degree beside the pick where a tensor degree is
+not the pick. zerokit trains the pick as `tensor_parallel.autotp_size` (docs/tensor_parallel.md);
+Policy(tensor="none") keeps the tree flat.
 
 [Note: a sequence degree in the tree]
 Where activations overflow the GPU (long sequences), a sequence degree sp splits them as a tensor degree of the same

@@ -187,6 +187,17 @@ def test_save_model_reloads_with_from_pretrained_to_ddps_weights(runs: Runs, sta
     assert worst <= 1e-5  # 8 AdamW steps on weights of size ~0.1: see TOLERANCE
 
 
+def test_save_model_at_stage_3_is_streamed_never_building_the_whole_model(runs: Runs) -> None:
+    """At stage 3 the Trainer's save_model writes through engine.save_pretrained, one unit gathered at a time (See
+    [Note: the Trainer's save_model streams] in zerokit/integrations/hf_trainer.py), with the Trainer's other files.
+    Its weights reload to DDP's (test_save_model_reloads_with_from_pretrained_to_ddps_weights)."""
+    for rank in runs("zero3"):
+        assert rank["run"]["whole_state_dicts"] == 0, rank["run"]
+    saved = runs.root / "zero3" / "saved"
+    assert {"config.json", "model.safetensors", "training_args.bin"} <= {path.name for path in saved.iterdir()}
+    assert not list(saved.glob("*.tmp")) and not (saved / "pytorch_model.bin").exists()
+
+
 # --- Hugging Face's templates with "auto" ------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["hf_zero2_auto", "hf_zero3_auto"])

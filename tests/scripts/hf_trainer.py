@@ -117,8 +117,21 @@ def train(args: argparse.Namespace, output_dir: str, resume: str | None = None) 
     trainer.train(resume_from_checkpoint=resume)
     result = {"steps": steps(trainer), **engine_facts(trainer.model_wrapped), **seen}
     if args.save_model and resume is None:
-        trainer.save_model(args.save_model)
+        result["whole_state_dicts"] = save_model_counting_whole_state_dicts(trainer, args.save_model)
     return result
+
+
+def save_model_counting_whole_state_dicts(trainer, output_dir: str) -> int | None:
+    """trainer.save_model(output_dir); how often it had the engine build the whole model's state dict (None: the
+    engine has no such call, as DDP's)."""
+    engine = trainer.model_wrapped
+    if not hasattr(engine, "_zero3_consolidated_16bit_state_dict"):
+        trainer.save_model(output_dir)
+        return None
+    built, whole = [], engine._zero3_consolidated_16bit_state_dict
+    engine._zero3_consolidated_16bit_state_dict = lambda *a, **k: built.append(1) or whole(*a, **k)
+    trainer.save_model(output_dir)
+    return len(built)
 
 
 def main() -> None:

@@ -3,20 +3,15 @@
 weights for saving (what accelerate's get_state_dict and the Trainer's save_model read), and at stage 3 what
 DeepSpeed's callers read off its parameters and optimizer (See zerokit/deepspeed/zero3_params.py).
 
-[Note: the Trainer's save_model holds the model on rank 0]
-Under a ZeRO-3 config, transformers' Trainer.save_model calls accelerator.get_state_dict(engine), which calls
-engine._zero3_consolidated_16bit_state_dict() on every rank, then Trainer._save, where only the saving rank
-(args.should_save) goes on to model.save_pretrained(output_dir, state_dict=...): the other ranks return before it.
-The gathers need every rank, so they are over when get_state_dict returns, and rank 0 holds the whole dict by then;
-and save_pretrained needs every tensor in memory (remove_tied_weights_from_state_dict reads their storage,
-split_torch_state_dict_into_shards their sizes, safetensors' save_file copies each whole shard, up to 50GB by
-default in transformers 5). A streamed write could only happen inside that save_pretrained call, which rank 0 alone
-reaches with the values already gathered: it would take replacing the Trainer's save_model or the model's
-save_pretrained, that is, patching transformers. What the drop-in does instead: the dict is gathered one unit at a
-time straight into the compute dtype, with no fp32 copy of the model beside it, a tie's names sharing one tensor as
-DeepSpeed's do, so rank 0's peak is the model once at the compute precision, as under DeepSpeed (which fills it on
-rank 0 only; zerokit's callers have read it on every rank). A script that wants the streamed files calls
-engine.save_pretrained(output_dir) on every rank: a Trainer subclass's save_model can.
+[Note: the whole state dict at the compute precision]
+accelerate's get_state_dict(engine) under a ZeRO-3 config calls engine._zero3_consolidated_16bit_state_dict() on
+every rank and hands the dict to its caller, who saves it on one rank with a writer that needs every tensor in memory
+(transformers' save_pretrained, torch.save). The gathers need every rank, so they are over when it returns. What the
+drop-in does: the dict is gathered one unit at a time straight into the compute dtype, with no fp32 copy of the model
+beside it, a tie's names sharing one tensor as DeepSpeed's do, so the peak is the model once at the compute
+precision, as under DeepSpeed (which fills it on rank 0 only; zerokit's callers have read it on every rank). The
+Trainer's save_model does not come here at stage 3: it streams (See [Note: the Trainer's save_model streams] in
+zerokit/integrations/hf_trainer.py), and so does engine.save_pretrained(output_dir) called on every rank.
 """
 
 from __future__ import annotations
@@ -87,8 +82,7 @@ class ModuleView:
         """The whole model's state dict at the compute precision, on every rank (DeepSpeed fills it on rank 0;
         callers save it there), a tie's names sharing one tensor as in DeepSpeed's (transformers' save_pretrained
         then writes it once). Gathered one unit at a time straight into the compute dtype: no fp32 copy of the
-        model. What accelerate's get_state_dict and the Trainer's save_model read (See [Note: the Trainer's
-        save_model holds the model on rank 0])."""
+        model. What accelerate's get_state_dict reads (See [Note: the whole state dict at the compute precision])."""
         from zerokit.checkpoint.pretrained import gathered_state_dict  # safetensors, imported on first save
 
         if self.tensor is None:

@@ -40,6 +40,7 @@ from zerokit.deepspeed.distributed import init_distributed
 from zerokit.deepspeed.engine import DeepSpeedEngine
 from zerokit.engine.schedules import both_given_error
 from zerokit.stages.construction import ParamInit
+from zerokit.integrations.hf_trainer import stream_trainer_saves
 from zerokit.checkpoint.locate import layout_directory
 from zerokit._support.log import logger
 
@@ -179,6 +180,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if mpu is not None:
         from zerokit.deepspeed.runtime.sequence_parallel.ulysses_sp import after_initialize
         after_initialize(engine.module)
+    stream_trainer_saves()  # the HF Trainer's save_model, streamed at stage 3 (See zerokit/integrations/hf_trainer.py)
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data)
     if typed.resume.load_dir is not None:  # with the loader's position (See zerokit/checkpoint/newest.py)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -27,6 +28,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+
+# [Note: a gloo mesh that does not connect]
+# About once in some hundreds of spawns in the suite (never in 139 fresh 2-rank spawns making 6 groups each, three at
+# a time, alone), gloo fails while connecting a new group's ranks: "Gloo connectFullMesh failed ... Connection closed
+# by peer [127.0.0.1]:PORT", with the peer rank alive and waiting in the same call, and a PORT that no rank of the
+# test listens on (2751, 18662, 35543 in three failures). It was seen only while the other suite worker was
+# starting and killing launches of its own. A result is read only from an attempt whose every rank finished, so
+# starting the ranks again cannot hide a wrong one: that failure alone is retried, once, and said on stderr.
+MESH_FAILURE = "Gloo connectFullMesh failed"
+MESH_RETRIES = 1
 
 # Imported once by the fork server (See [Note: ranks forked from a server that has imported torch]); a module that
 # is not installed is skipped by the server.
@@ -61,15 +72,23 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | 
     running after it are killed and this raises, so that a hung rank cannot hang a test run. `fresh`: each rank is a
     new interpreter (torch's "spawn"), for a test of what a whole process holds or does (its resident memory from
     /proc/self/status, its atexit handlers, which a forked rank does not run: it leaves by os._exit)."""
-    with tempfile.TemporaryDirectory(prefix="zerokit-spawn-") as workdir:
-        try:
-            multiprocessing.set_forkserver_preload(PRELOADED)
-            context = mp.start_processes(_worker, args=(fn, world_size, workdir, args, dict(os.environ)),
-                                         nprocs=world_size, join=False, start_method="spawn" if fresh else "forkserver")
-            _join(context, timeout)
-        except Exception as error:
-            raise RuntimeError(f"a rank failed:\n{_failures(Path(workdir))}") from error
-        return [torch.load(Path(workdir) / f"result_{rank}.pt", weights_only=False) for rank in range(world_size)]
+    for attempt in range(1 + MESH_RETRIES):
+        with tempfile.TemporaryDirectory(prefix="zerokit-spawn-") as workdir:
+            try:
+                multiprocessing.set_forkserver_preload(PRELOADED)
+                context = mp.start_processes(_worker, args=(fn, world_size, workdir, args, dict(os.environ)),
+                                             nprocs=world_size, join=False,
+                                             start_method="spawn" if fresh else "forkserver")
+                _join(context, timeout)
+            except Exception as error:
+                failures = _failures(Path(workdir))
+                if attempt < MESH_RETRIES and MESH_FAILURE in failures:
+                    sys.stderr.write(f"zerokit.testing.spawn: gloo could not connect the ranks; started again once "
+                                     f"(See [Note: a gloo mesh that does not connect]):\n{failures}\n")
+                    continue
+                raise RuntimeError(f"a rank failed:\n{failures}") from error
+            return [torch.load(Path(workdir) / f"result_{rank}.pt", weights_only=False) for rank in range(world_size)]
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _failures(workdir: Path) -> str:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from zerokit.testing.spawn import spawn
 
@@ -115,3 +116,17 @@ def test_layers_are_cut_into_stages_as_deepspeed_cuts_them() -> None:
         assert partition_balanced(weights, parts) == [int(p) for p in ds_utils.partition_balanced(weights, parts)]
         assert partition_uniform(len(weights), parts) == [int(p) for p in ds_utils.partition_uniform(len(weights),
                                                                                                       parts)]
+
+
+def test_move_to_device_moves_nested_batches_as_deepspeeds_does() -> None:
+    """deepspeed.runtime.utils.move_to_device, which DeepSpeed's ALST tutorial calls on each batch: containers keep
+    their kind; with criterion_func an accepted tensor is moved in place and returned."""
+    from zerokit.deepspeed.runtime.utils import move_to_device
+
+    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "pair": (torch.zeros(1), [torch.ones(2)])}
+    moved = move_to_device(batch, torch.device("meta"))
+    assert moved["input_ids"].device.type == "meta" and moved["input_ids"].dtype == torch.long
+    assert isinstance(moved["pair"], tuple) and isinstance(moved["pair"][1], list)
+    assert moved["pair"][1][0].device.type == "meta" and batch["input_ids"].device.type == "cpu"
+    tensor = torch.ones(2, dtype=torch.float64)
+    assert move_to_device(tensor, "cpu", criterion_func=lambda item: torch.is_tensor(item)) is tensor

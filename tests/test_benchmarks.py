@@ -172,3 +172,23 @@ def test_the_offload_benchmark_runs_where_there_is_no_gpu(tmp_path) -> None:
     assert rows["zerokit-3"]["losses"] == rows["zerokit-3-offload"]["losses"]
     # embedding and head, the final norm; a block: two norms, q k v o (one key-value head of 128), the MLP
     assert rows["zerokit-3"]["parameters"] == 128 * 32_000 * 2 + 128 + (2 * 128 + 4 * 128 * 128 + 3 * 128 * 256)
+
+
+def test_the_sequence_benchmark_runs_ulysses_beside_deepspeeds_alst(tmp_path) -> None:
+    """benchmarks/bench_sequence.py --quick: zerokit's Ulysses at ZeRO-3 and DeepSpeed's ALST (where DeepSpeed is
+    installed), each on 2 fresh ranks, a fixed-length run and one search run; from the same weights and sequence both
+    take the same first step. (Its lengths and timings are not tested; its figures: docs/sequence_parallel.md.)"""
+    from importlib.util import find_spec
+
+    from benchmarks import bench_sequence
+
+    out = tmp_path / "sequence.json"
+    assert bench_sequence.main(["--quick", "--only", "zerokit-sp,deepspeed-alst", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = report["contenders"]
+    assert set(rows) == ({"zerokit-sp", "deepspeed-alst"} if find_spec("deepspeed") else {"zerokit-sp"}), report
+    for row in rows.values():
+        assert [run["length"] for run in row["search"]] == [256, 512] and row["longest"] == 512, row
+        assert row["fixed"]["median_step_s"] > 0 and row["fixed"]["peak_rss_mib"] > row["fixed"]["step_growth_mib"] > 0
+    if "deepspeed-alst" in rows:
+        assert report["first_loss_difference"]["zerokit-sp vs deepspeed-alst"] < 1e-6, report["first_loss_difference"]

@@ -76,10 +76,35 @@ def _recorded_llama(rank: int) -> dict:
     return asdict(record)
 
 
+def _recorded_sequence_llama(rank: int) -> dict:
+    """The recorded Llama at ZeRO-3 with its sequences split over both ranks (Ulysses): each rank runs its half of
+    every sequence, attention for half of the heads over the whole of it."""
+    from dataclasses import asdict
+
+    from zerokit.profiling.record import record_run
+
+    torch.manual_seed(0)
+    net = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**LLAMA))
+    optimizer = torch.optim.AdamW(param_groups(net))
+    engine = zerokit.initialize(net, optimizer, {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+                                                 "sequence_parallel_size": WORLD})
+    generator = torch.Generator().manual_seed(0)  # one replica: both ranks read the same sequences
+    batches = iter(lambda: torch.randint(0, LLAMA["vocab_size"], (4, 128), generator=generator), None)
+
+    def loss(e, tokens):
+        shard = e.sequence.shard({"input_ids": tokens, "labels": tokens})
+        logits = e(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+        return e.sequence.loss(logits, shard["shift_labels"])
+
+    record = record_run(engine, batches, loss, optimizer=optimizer, micro_batch=4, seq_len=128, warmup=1, steps=1)
+    return asdict(record)
+
+
 def _all_runs(rank: int, world: int) -> dict:
     runs = {case: _exact_case(rank, *case, "tiny") for case in CASES}
     runs[(3, "bf16", None, "hf")] = _exact_case(rank, 3, "bf16", None, "hf")
     runs["record"] = _recorded_llama(rank)
+    runs["sequence record"] = _recorded_sequence_llama(rank)
     return runs
 
 
@@ -155,6 +180,23 @@ def test_plan_report_on_a_recorded_llama():
     totals = [{row["category"]: row for row in plan_report(record=record, calibration=replace(
         resident, resident_fixed_bytes=fixed))}["peak_total"]["predicted_bytes"] for fixed in (0, 3 * 2**20)]
     assert totals[1] - totals[0] == 3 * 2**20
+
+
+def test_plan_report_on_a_recorded_llama_split_over_sequence_ranks():
+    """The same Llama at ZeRO-3 with sequence_parallel_size 2: the plan's activations are the whole sequences'
+    calibrated ones over the sequence degree (memory.py's / sp), and meet each rank's measured ones, and its peak, within
+    10% as the unsplit run's do; the model states to the byte."""
+    from zerokit.profiling.report import plan_report
+
+    record = runs()["sequence record"]
+    assert record["setup"]["sequence"] == WORLD
+    rows = {row["category"]: row for row in plan_report(record=record, calibration=calibrated_llama())}
+    for name in ("parameters", "gradients", "optimizer_state", "parameters_after_step"):
+        assert rows[name]["error"] == 0, name
+    assert abs(rows["activations"]["error"]) < 0.10, rows["activations"]
+    assert abs(rows["peak_allocated"]["error"]) < 0.10, rows["peak_allocated"]
+    whole = {row["category"]: row for row in plan_report(record=runs()["record"], calibration=calibrated_llama())}
+    assert rows["activations"]["measured_bytes"] < 0.6 * whole["activations"]["measured_bytes"]
 
 
 def test_times_are_read_on_the_line_through_two_timed_copies():

@@ -22,6 +22,8 @@ the micro-batch and sequence length, and what was measured. From the first three
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 
 from zerokit.config.defaults import MAX_BUCKETS_IN_FLIGHT
@@ -84,13 +86,17 @@ def _training(record: dict, setup: EngineSetup, attention: str = "eager") -> Tra
 
 
 def predicted_activations(record: dict, setup: EngineSetup, calibration: Calibration | None) -> tuple[int | None, str]:
+    """A rank's saved activations: the replica's over the whole sequences (`seq_len`), split over its sequence ranks
+    as memory.py's activation_bytes splits them (a record's calibration is of the model, on whole sequences)."""
     b, s, layers = record["micro_batch"], record["seq_len"], record["model"].get("n_layers") or None
     if calibration is not None:
-        return calibration.activations(b, s, layers), f"calibrated on {calibration.model} ({calibration.device})"
+        return (math.ceil(calibration.activations(b, s, layers) / setup.sequence),
+                f"calibrated on {calibration.model} ({calibration.device})")
     spec = model_spec(record)
     if spec is None or spec.architecture is None:
         return None, "no calibration and no shapes"
-    return activation_bytes(spec, _training(record, setup), Layout()), "formula (Korthikanti et al. 2022), eager"
+    return (activation_bytes(spec, _training(record, setup), Layout(sp=setup.sequence)),
+            "formula (Korthikanti et al. 2022), eager")
 
 
 def engine_extras(inventory: ParamInventory, setup: EngineSetup, grads_kept: int) -> dict[str, int]:
@@ -121,7 +127,7 @@ def predicted_peak(record: dict, setup: EngineSetup, inventory: ParamInventory, 
             return None, "no calibration and no shapes"
         return after_backward + activations, "model states after backward + activations (no calibration)"
     b, s, layers = record["micro_batch"], record["seq_len"], record["model"].get("n_layers") or None
-    phases = calibration.phase_peaks(b, s, layers)
+    phases = {phase: math.ceil(peak / setup.sequence) for phase, peak in calibration.phase_peaks(b, s, layers).items()}
     extras = engine_extras(inventory, setup, kept)
     # the tail's extras hold `kept`; stages 2-3 make a bucket's gradient shard at its first reduction: none during the
     # head's backward, the last block's bucket during the blocks' peak (See [Note: gradients live from a window's

@@ -144,11 +144,16 @@ class EngineSetup:
     """Ranks on each node (None: every rank on one node); decides which ring traffic crosses nodes."""
     hpz_partition_size: int | None = None
     """hpZ's k (stage 3): consecutive ranks that split the secondary copy of the parameter shards; None or 1: none."""
+    sequence: int = 1
+    """Ranks each replica's sequences are split over (Ulysses): a rank's activations are 1 / sequence of its
+    replica's; the model states shard over every rank alike (See [Note: the sequence dimension] in
+    zerokit/parallel/mesh.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
             raise ValueError(f"stage={self.stage!r} is not a ZeRO stage; use 0, 1, 2 or 3")
         _positive_int("world", self.world)
+        _positive_int("sequence", self.sequence)
         _positive_int("bucket bytes", self.bucket_bytes)
         _positive_int("grad accum", self.grad_accum)
         _choice("precision", self.precision, PRECISIONS)

@@ -78,7 +78,8 @@ def engine_setup(engine: Any, optimizer_name: str) -> EngineSetup:
                        max_in_cpu=config.offload_param.max_in_cpu, buffer_size=config.offload_param.buffer_size,
                        broadcast_buffers=config.broadcast_buffers, mics_shard_size=settings.shard_size,
                        ranks_per_node=settings.ranks_per_node,
-                       hpz_partition_size=settings.secondary_size)  # See [Note: hybrid sharding] in comm/groups.py
+                       hpz_partition_size=settings.secondary_size,  # See [Note: hybrid sharding] in comm/groups.py
+                       sequence=engine.layout.sequence if engine.layout is not None else 1)
 
 
 def engine_config(setup: dict) -> dict:

@@ -39,20 +39,31 @@ class Case:
     optimizer: str = "adamw"
     attention: str = "sdpa"
     key_value_heads: int = 2  # of 4 query heads; 1: fewer than the sequence ranks, repeated onto them
+    tensor: int = 1  # AutoTP's degree: each sequence rank's heads split again over its tensor ranks
+
+    @property
+    def vocab(self) -> int:
+        return VOCAB + 1 if self.tensor > 1 else VOCAB  # AutoTP splits the head's outputs, which 97 does not allow
 
     @property
     def name(self) -> str:
-        return f"s{self.stage}-{self.optimizer}-{self.attention}-kv{self.key_value_heads}"
+        return f"s{self.stage}-{self.optimizer}-{self.attention}-kv{self.key_value_heads}-tp{self.tensor}"
+
+    def replicas(self, world_size: int) -> int:
+        return world_size // (SEQUENCE * self.tensor)
 
 
 CASES = [Case(stage) for stage in (1, 2, 3)] + [Case(3, "sgd"), Case(1, "sgd"), Case(2, attention="eager"),
                                                  Case(3, key_value_heads=1)]
+TENSOR_CASES = [Case(stage, tensor=2) for stage in (1, 3)] + [Case(2, "sgd", tensor=2)]
+"""On 4 ranks: 2 sequence ranks x 2 tensor ranks, one replica; each rank attends with one of the 4 query heads (the
+tensor split leaves 2, Ulysses 1) and its key/value head repeated (2 key/value heads, 1 left by the tensor split)."""
 
 
-def llama(attention: str = "sdpa", key_value_heads: int = 2) -> torch.nn.Module:
+def llama(attention: str = "sdpa", key_value_heads: int = 2, vocab: int = VOCAB) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=key_value_heads, max_position_embeddings=64,
                          attn_implementation=attention)
     return LlamaForCausalLM(config)
@@ -64,26 +75,26 @@ def optimizer_for(case: Case, model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def replica_batch(step: int, replica: int) -> dict[str, torch.Tensor]:
+def replica_batch(step: int, replica: int, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
     """One replica's batch: whole sequences, with masked targets placed so that the two halves count differently."""
     generator = torch.Generator().manual_seed(1000 * step + replica)
-    input_ids = torch.randint(0, VOCAB, (ROWS, TOKENS), generator=generator)
+    input_ids = torch.randint(0, vocab, (ROWS, TOKENS), generator=generator)
     labels = input_ids.clone()
     labels[:, : 3 + step] = -100  # the prompt: no targets, all in the first shard
     return {"input_ids": input_ids, "labels": labels}
 
 
 def one_process(case: Case, replicas: int) -> dict:
-    model = llama(case.attention, case.key_value_heads)
+    model = llama(case.attention, case.key_value_heads, case.vocab)
     optimizer = optimizer_for(case, model)
     losses, norms = [], []
     for step in range(STEPS):
         step_losses = []
         for replica in range(replicas):
-            batch = replica_batch(step, replica)
+            batch = replica_batch(step, replica, case.vocab)
             logits = model(input_ids=batch["input_ids"]).logits
             shifted = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
-            step_losses.append(torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB),
+            step_losses.append(torch.nn.functional.cross_entropy(logits.float().reshape(-1, case.vocab),
                                                                  shifted.reshape(-1), ignore_index=-100))
         torch.stack(step_losses).mean().backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
@@ -94,21 +105,24 @@ def one_process(case: Case, replicas: int) -> dict:
 
 
 def train(case: Case) -> dict:
-    model = llama(case.attention, case.key_value_heads)
+    model = llama(case.attention, case.key_value_heads, case.vocab)
+    tensor = {"tensor_parallel": {"autotp_size": case.tensor}} if case.tensor > 1 else {}
     engine = zerokit.initialize(model, optimizer_for(case, model),
                                 {"zero_optimization": {"stage": case.stage}, "sequence_parallel_size": SEQUENCE,
-                                 "gradient_clipping": CLIP, "train_micro_batch_size_per_gpu": ROWS})
+                                 "gradient_clipping": CLIP, "train_micro_batch_size_per_gpu": ROWS, **tensor})
     replica = engine.layout.coordinates(dist.get_rank()).replica
     losses, norms = [], []
     for step in range(STEPS):
-        shard = engine.sequence.shard(replica_batch(step, replica))
+        shard = engine.sequence.shard(replica_batch(step, replica, case.vocab))
         logits = engine(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
         loss = engine.sequence.loss(logits, shard["shift_labels"])
         engine.backward(loss)
         norms.append(engine.step().grad_norm)
         losses.append(loss.item())
     out = {"losses": losses, "norms": norms, "weights": engine.full_state_dict(), "replica": replica,
-           "train_batch_size": engine.config.train_batch_size}
+           "train_batch_size": engine.config.train_batch_size,
+           "mesh": (engine.layout.data, engine.layout.sequence, engine.layout.tensor),
+           "split": 0 if engine.tensor is None else len(engine.tensor.split)}
     engine.close()
     return out
 
@@ -208,7 +222,9 @@ def bf16_beside_whole_sequences() -> dict:
 
 def cases_at(world_size: int) -> list[Case]:
     """Every case on 2 x 1 and 2 x 2; on 2 x 3 (6 ranks on this machine's 2 cores) one per optimizer."""
-    return CASES if world_size <= 2 * SEQUENCE else [Case(3), Case(1, "sgd")]
+    if world_size == 2 * SEQUENCE:
+        return CASES + TENSOR_CASES
+    return CASES if world_size < 2 * SEQUENCE else [Case(3), Case(1, "sgd")]
 
 
 def run_all(rank: int, world_size: int, directory: str) -> dict:
@@ -238,7 +254,7 @@ def reference(case: Case, replicas: int) -> dict:
                                               for case in cases_at(world)],
                          ids=lambda value: value.name if isinstance(value, Case) else str(value))
 def test_sequence_parallel_training_equals_one_process(world_size: int, case: Case) -> None:
-    expected = reference(case, world_size // SEQUENCE)
+    expected = reference(case, case.replicas(world_size))
     for out in ranks(world_size):
         got = out[case.name]
         replica_losses = [losses[got["replica"]] for losses in expected["losses"]]  # each rank reports its replica's
@@ -251,6 +267,17 @@ def test_sequence_parallel_training_equals_one_process(world_size: int, case: Ca
 @pytest.mark.parametrize("world_size", [SEQUENCE, 2 * SEQUENCE])
 def test_batch_sizes_count_the_replicas_not_the_sequence_ranks(world_size: int) -> None:
     assert ranks(world_size)[0][CASES[0].name]["train_batch_size"] == ROWS * (world_size // SEQUENCE)
+
+
+def test_sequence_ranks_compose_with_tensor_ranks() -> None:
+    """On 2 sequence x 2 tensor ranks, the tensor ranks are consecutive and a sequence group takes one of each tensor
+    index; ZeRO shards over the ranks of a tensor index. The runs above did split layers and sequences."""
+    layout = Layout.resolve(4, sequence=2, tensor=2)
+    assert layout.tensor_groups() == [[0, 1], [2, 3]] and layout.sequence_groups() == [[0, 2], [1, 3]]
+    assert layout.data_groups() == [[0, 2], [1, 3]]
+    for out in ranks(2 * SEQUENCE):
+        for case in TENSOR_CASES:
+            assert out[case.name]["mesh"] == (1, SEQUENCE, 2) and out[case.name]["split"] > 0, out[case.name]["mesh"]
 
 
 def test_the_layout_keeps_a_replicas_sequence_ranks_consecutive_as_deepspeeds_mpu() -> None:

@@ -93,14 +93,15 @@ def _causal_mask(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         hidden, torch.finfo(query.dtype).min)[None, None]
 
 
-def attach(model: nn.Module, group: Any, ranks: int) -> None:
+def attach(model: nn.Module, group: Any, ranks: int, tensor: int = 1) -> None:
     """Run the model's attention as Ulysses over `group` (`ranks` sequence ranks); refused in one line where its
-    heads or its attention implementation cannot be split."""
+    heads or its attention implementation cannot be split. `tensor`: the tensor degree the model's heads were split
+    over first (a rank's attention holds 1 / tensor of them: See zerokit/parallel/tensor/autotp.py)."""
     from transformers import AttentionInterface
     config = _hf_config(model)
     implementation = config._attn_implementation
     core, causal_mask = _core(model, implementation)
-    heads, key_heads = _heads(config)
+    heads, key_heads = (count // tensor for count in _heads(config))
     _check_heads(heads, key_heads, ranks)
     state = UlyssesState(group, ranks, core, causal_mask, key_repeats=ranks // key_heads if key_heads < ranks else 1)
     attention = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]

@@ -56,10 +56,10 @@ def sequence_layout(layout: Layout | None, part: TensorSettings) -> Layout | Non
     if layout is not None and layout.sequence > 1:
         raise ValueError(f"sequence_parallel_size={degree} but the layout has {layout.sequence} sequence rank(s) "
                          f"({layout.describe()}): give the same degree, or leave one of them out")
-    if layout is not None and (layout.pipeline > 1 or layout.tensor > 1):
+    if layout is not None and layout.pipeline > 1:
         raise ValueError(f"sequence_parallel_size={degree} with {layout.describe()}: sequence parallelism composes "
-                         "with ZeRO's data parallelism here, not yet with pipeline or tensor parallelism")
-    return Layout.resolve(dist.get_world_size(), sequence=degree)
+                         "with ZeRO's data parallelism and tensor parallelism here, not yet with pipeline parallelism")
+    return Layout.resolve(dist.get_world_size(), sequence=degree, tensor=1 if layout is None else layout.tensor)
 
 
 def sequence_share(layout: Layout | None, model: nn.Module) -> SequenceShare | None:
@@ -72,7 +72,7 @@ def sequence_share(layout: Layout | None, model: nn.Module) -> SequenceShare | N
         group = dist.new_group(ranks)
         if me in ranks:
             mine = group
-    attach(model, mine, layout.sequence)
+    attach(model, mine, layout.sequence, layout.tensor)
     return SequenceShare(mine, layout.sequence_index(me), layout.sequence)
 
 

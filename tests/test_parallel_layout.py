@@ -31,8 +31,38 @@ def test_every_dimension_partitions_the_ranks(pipeline, data, tensor) -> None:
     assert all(group == list(range(group[0], group[0] + tensor)) for group in layout.tensor_groups())
 
 
+@settings(max_examples=100, deadline=None)
+@given(pipeline=st.integers(1, 3), blocks=st.integers(1, 3), expert=st.integers(1, 4), sequence=st.integers(1, 2),
+       tensor=st.integers(1, 3))
+def test_the_expert_groups_split_the_data_groups(pipeline, blocks, expert, sequence, tensor) -> None:
+    """Every expert group is `expert` replicas of one data group, every expert-data group the ranks of one data group
+    at one place in the blocks; an expert group and an expert-data group meet in exactly one replica."""
+    data = blocks * expert
+    layout = Layout.resolve(pipeline * data * sequence * tensor, pipeline=pipeline, tensor=tensor, sequence=sequence,
+                            expert=expert)
+    experts, holders = layout.expert_groups(), layout.expert_data_groups()
+    for groups, size in ((experts, expert), (holders, blocks * sequence)):
+        assert sorted(rank for group in groups for rank in group) == list(range(layout.world_size))
+        assert all(len(group) == size for group in groups)
+    for group in experts + holders:
+        assert any(set(group) <= set(data_group) for data_group in layout.data_groups())
+    for group in experts:
+        assert sum(len(set(group) & set(holder)) for holder in holders) == expert
+
+
+def test_the_expert_groups_are_deepspeeds() -> None:
+    """deepspeed.utils.groups' order: without tensor parallelism, expert groups of consecutive ranks and expert-data
+    groups strided ("expert before data"); with it, the same over each tensor index's data ranks (mpu groups)."""
+    plain = Layout.resolve(4, expert=2)
+    assert plain.expert_groups() == [[0, 1], [2, 3]] and plain.expert_data_groups() == [[0, 2], [1, 3]]
+    tensor = Layout.resolve(8, tensor=2, expert=2)
+    assert tensor.expert_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert tensor.expert_data_groups() == [[0, 4], [2, 6], [1, 5], [3, 7]]
+
+
 @pytest.mark.parametrize("world, degrees, ranks_per_node, message", [
     (6, {"pipeline": 4}, None, "6 ranks do not split into 4 pipeline stage(s) x 1 tensor rank(s)"),
+    (6, {"expert": 4}, None, "an expert degree of 4 does not divide the 6 data replica(s) of 6 ranks"),
     (8, {"tensor": 4}, 2, "a tensor degree of 4 does not divide the 2 ranks of a node"),
     (4, {"pipeline": 0}, None, "the pipeline degree must be a positive integer, got 0"),
 ])

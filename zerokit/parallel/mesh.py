@@ -25,6 +25,17 @@ sequence ranks alike (its data group is every rank of a stage's tensor index, as
 is), while `data` still counts the replicas that read distinct batches. The sequence ranks of a replica are
 consecutive, as DeepSpeed's mpu numbers them (`initialize_sequence_parallel`), so its all-to-alls stay in a node:
     rank = ((stage * data + replica) * sequence + sequence_index) * tensor + tensor_index
+
+[Note: the expert dimension]
+Expert parallelism (a mixture-of-experts layer's experts split over `expert` ranks, each token sent to its
+expert's rank and back: See zerokit/parallel/experts) lies inside the data dimension, as DeepSpeed's does: the
+replicas of a stage's tensor and sequence index are cut into blocks of `expert` consecutive replicas, each block an
+expert group that holds every expert once between its ranks, and the replicas at the same place in every block hold
+the same experts: their expert-data group (with the sequence ranks of those replicas, which hold the same experts as
+their replica), over which ZeRO shards and reduces the experts' states, while the other parameters shard over the
+whole data group. With tensor parallelism, the expert groups of each tensor index are the ones DeepSpeed's mpu-based
+groups make (_create_expert_data_and_model_parallel); without it, deepspeed.utils.groups' default ("expert before
+data"): [[0, 1], [2, 3]] and expert-data [[0, 2], [1, 3]] for 4 replicas at an expert degree of 2.
 """
 
 from __future__ import annotations
@@ -49,13 +60,16 @@ class Layout:
     tensor: int = 1
     sequence: int = 1
     """Ranks each replica's sequences are split over (See [Note: the sequence dimension])."""
+    expert: int = 1
+    """Consecutive replicas a mixture-of-experts layer's experts are split over (See [Note: the expert dimension])."""
 
     @classmethod
     def resolve(cls, world_size: int, pipeline: int = 1, tensor: int = 1, ranks_per_node: int | None = None,
-                sequence: int = 1) -> "Layout":
-        """The layout of `world_size` ranks with these pipeline, tensor and sequence degrees; the data degree is what
-        they leave. One line names the degree that does not fit, and what would."""
-        for name, degree in (("pipeline", pipeline), ("tensor", tensor), ("sequence", sequence)):
+                sequence: int = 1, expert: int = 1) -> "Layout":
+        """The layout of `world_size` ranks with these pipeline, tensor, sequence and expert degrees; the data degree
+        is what the first three leave, and the expert degree splits it. One line names the degree that does not fit,
+        and what would."""
+        for name, degree in (("pipeline", pipeline), ("tensor", tensor), ("sequence", sequence), ("expert", expert)):
             if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
                 raise ValueError(f"the {name} degree must be a positive integer, got {degree!r}")
         model = pipeline * tensor * sequence
@@ -66,7 +80,11 @@ class Layout:
         if ranks_per_node is not None and ranks_per_node % tensor:
             raise ValueError(f"a tensor degree of {tensor} does not divide the {ranks_per_node} ranks of a node: "
                              f"a tensor group must sit inside one node (accepted: a divisor of {ranks_per_node})")
-        return cls(pipeline=pipeline, data=world_size // model, tensor=tensor, sequence=sequence)
+        data = world_size // model
+        if data % expert:
+            raise ValueError(f"an expert degree of {expert} does not divide the {data} data replica(s) of {world_size} "
+                             f"ranks: the experts split over replicas (accepted: a divisor of {data})")
+        return cls(pipeline=pipeline, data=data, tensor=tensor, sequence=sequence, expert=expert)
 
     @property
     def world_size(self) -> int:
@@ -97,6 +115,19 @@ class Layout:
         return [[self.rank_of(s, r, t, q) for q in range(self.sequence)]
                 for s in range(self.pipeline) for r in range(self.data) for t in range(self.tensor)]
 
+    def expert_groups(self) -> list[list[int]]:
+        """Blocks of `expert` consecutive replicas of one stage's tensor and sequence index: each holds every expert
+        once between its ranks, and its tokens travel between them (See [Note: the expert dimension])."""
+        return [[self.rank_of(s, block + i, t, q) for i in range(self.expert)]
+                for s in range(self.pipeline) for block in range(0, self.data, self.expert)
+                for q in range(self.sequence) for t in range(self.tensor)]
+
+    def expert_data_groups(self) -> list[list[int]]:
+        """The ranks that hold the same experts (the same place in every expert group, and their sequence ranks):
+        ZeRO shards and reduces the experts' states over them (See [Note: the expert dimension])."""
+        return [[self.rank_of(s, r, t, q) for r in range(place, self.data, self.expert) for q in range(self.sequence)]
+                for s in range(self.pipeline) for t in range(self.tensor) for place in range(self.expert)]
+
     def pipeline_groups(self) -> list[list[int]]:
         """The ranks that differ only in their stage, in stage order: one pipeline, which passes activations."""
         return [[self.rank_of(s, r, t, q) for s in range(self.pipeline)]
@@ -123,8 +154,9 @@ class Layout:
 
     def describe(self) -> str:
         sequence = f" x {self.sequence} sequence rank(s)" if self.sequence > 1 else ""
-        return (f"{self.pipeline} pipeline stage(s) x {self.data} data replica(s){sequence} x {self.tensor} tensor "
-                "rank(s)")
+        experts = f" (experts split over {self.expert} of them)" if self.expert > 1 else ""
+        return (f"{self.pipeline} pipeline stage(s) x {self.data} data replica(s){experts}{sequence} x {self.tensor} "
+                "tensor rank(s)")
 
 
 def checked_layout(layout: Layout | None) -> Layout | None:

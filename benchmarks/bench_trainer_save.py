@@ -12,7 +12,7 @@ trainer.save_model(dir), three ways, each in its own launch:
 - deepspeed: the real DeepSpeed, whose save_model runs the Trainer's own path.
 Per contender: each rank's peak RSS growth during save_model (what training freed returned to the system with
 malloc_trim, then VmHWM reset just before it through /proc/self/clear_refs),
-the largest rank's and rank 0's; the save's seconds (slowest rank); and whether the files hold the same tensors as
+the largest rank's and rank 0's; the save's seconds (slowest rank); each the median of --rounds launches; and whether the files hold the same tensors as
 zerokit's streamed ones (bit for bit for zerokit-unstreamed; DeepSpeed trains in another summation order, so its
 largest difference is given). The model's fp32 size and its largest tensor are printed beside them.
 """
@@ -24,6 +24,7 @@ import ctypes
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,6 +86,12 @@ def job(pretrained: str, out: Path, contender: str) -> None:
                                                       "seconds": seconds}))
 
 
+def median_of_rounds(contender: str, pretrained: Path, out: Path, ranks: int, rounds: int) -> dict:
+    """Each figure's median over `rounds` launches (a rank's growth varies by some tens of MiB between launches)."""
+    runs = [run(contender, pretrained, out / f"round{index}", ranks) for index in range(rounds)]
+    return {key: statistics.median(each[key] for each in runs) for key in runs[0]} | {"rounds": rounds}
+
+
 def run(contender: str, pretrained: Path, out: Path, ranks: int) -> dict:
     install = ["-m", "zerokit.deepspeed.install"] if contender.startswith("zerokit") else []
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
@@ -118,6 +125,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="launches per contender; each figure their median")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--job", choices=CONTENDERS, help=argparse.SUPPRESS)
     parser.add_argument("--pretrained", help=argparse.SUPPRESS)
@@ -138,12 +146,13 @@ def main() -> None:
                    "ranks": args.ranks, "contenders": {}}
         del model
         for contender in CONTENDERS:
-            results["contenders"][contender] = run(contender, pretrained, Path(root) / contender, args.ranks)
+            results["contenders"][contender] = median_of_rounds(contender, pretrained, Path(root) / contender,
+                                                                args.ranks, args.rounds)
             print(contender, results["contenders"][contender], flush=True)
-        streamed = saved_tensors(Path(root) / "zerokit" / "saved")
+        streamed = saved_tensors(Path(root) / "zerokit" / "round0" / "saved")
         for contender in CONTENDERS[1:]:
             results["contenders"][contender]["largest_difference_from_zerokit"] = compare(
-                streamed, saved_tensors(Path(root) / contender / "saved"))
+                streamed, saved_tensors(Path(root) / contender / "round0" / "saved"))
     print(json.dumps(results, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

@@ -241,16 +241,16 @@ def test_a_failed_write_leaves_the_earlier_files_as_they_were(two) -> None:
     assert leftovers == []
 
 
-def test_rank0_memory_grows_by_about_two_tensors_not_by_the_model(two) -> None:
-    """A model of six 32 MiB matrices at stage 3: saving grows rank 0's peak by the unit gathered and one copy of it
-    being written (measured 66 MiB), where full_state_dict() grows it by the model (224 MiB)."""
+def test_rank0_memory_grows_by_the_unit_gathered_not_by_the_model(two) -> None:
+    """A model of six 32 MiB matrices at stage 3: saving grows rank 0's peak by the unit gathered, written from its
+    own memory (measured 32.0 MiB), where full_state_dict() grows it by the model (224 MiB)."""
     measured = two[1][0]
     if measured["save_growth"] is None:
         pytest.skip("this kernel does not let a process reset its peak RSS (/proc/self/clear_refs)")
     assert measured["big_equal"] and measured["big_files"] == ["model-00001-of-00002.safetensors",
                                                                "model-00002-of-00002.safetensors",
                                                                "model.safetensors.index.json"]
-    assert measured["save_growth"] < 2.5 * LARGEST_BYTES, f"grew by {measured['save_growth'] / 2**20:.1f} MiB"
+    assert measured["save_growth"] < 1.5 * LARGEST_BYTES, f"grew by {measured['save_growth'] / 2**20:.1f} MiB"
     assert measured["full_growth"] > 5 * LARGEST_BYTES  # the comparison means something
 
 

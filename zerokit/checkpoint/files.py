@@ -15,6 +15,7 @@ or a flipped byte is then an error naming the file and the bytes, never wrong we
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -115,11 +116,19 @@ def header_bytes(specs: Sequence[TensorSpec], metadata: dict[str, str] | None = 
 
 
 def tensor_bytes_view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a CPU tensor, without a copy when it is contiguous."""
+    """The bytes of a CPU tensor, without a copy when it is contiguous. Read through a ctypes array over its memory,
+    which holds the tensor until the view is let go of, rather than through numpy: a storage numpy has seen can no
+    longer be resized, and stage 3 releases a gathered unit by resizing its storage to nothing, so a parameter could
+    not be written from its own memory."""
     flat = tensor.detach().reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    window = (ctypes.c_ubyte * nbytes).from_address(flat.data_ptr())
+    window.tensor = flat  # the memory's owner, alive as long as the array (and the memoryview over it)
+    return memoryview(window).cast("B")
 
 
 def write_file(path: Path, specs: Sequence[TensorSpec], sources: Iterable[Sequence[torch.Tensor]],

@@ -8,8 +8,9 @@ gathered (a released stage-3 parameter keeps its full shape). So the tensors are
 gathers them (ParameterView.gather_groups: one unit at a time at stage 3, all at once below it, where parameters
 are whole anyway), then buffers; the list is cut into shards by size, and each file's header is written before its
 first tensor is gathered. Then every rank goes through the groups, gathering each in turn, and rank 0 appends each
-tensor's bytes to its file while its group is gathered, before the next group is: rank 0 holds one gathered group and
-one tensor cast to the output dtype at a time, whatever the model's size, where full_state_dict() (what a caller
+tensor's bytes to its file while its group is gathered, before the next group is, straight from the gathered memory
+(a tensor of another output dtype: its cast copy): rank 0 holds one gathered group (and one cast tensor) at a time,
+whatever the model's size, where full_state_dict() (what a caller
 of transformers' save_pretrained must build) holds the whole model in fp32. The values are the engine's compute
 parameters: full_state_dict() before its cast to fp32, so the two agree to the bit in any dtype. Rank 0 alone
 writes; if it fails (a full disk), it still goes through the remaining groups, so that the other ranks' gathers are
@@ -130,6 +131,7 @@ def gathered_state_dict(view: ParameterView, module: nn.Module, dtype: torch.dty
     state: dict[str, torch.Tensor] = {}
     with closing(_values(view, groups, buffers)) as values:
         for item, value in zip([item for group in groups for item in group] + buffers, values, strict=True):
+            value = _kept(item, value)
             state[item.spec.key] = value
             state.update({alias: value for alias in item.aliases})
     return {key: state[key] for key in module.state_dict(keep_vars=True) if key in state}  # the state dict's order
@@ -176,12 +178,18 @@ def _values(view: ParameterView, groups: list[list[Written]], buffers: list[Writ
         yield _on_cpu(item)
 
 
-def _on_cpu(item: Written) -> torch.Tensor:
-    """A copy of the tensor's values on the CPU, in its output dtype: never the parameter's own memory, which the
-    writer turns into a numpy view (making its storage one that stage 3 cannot free when it releases the group)."""
-    value = item.tensor.detach().to(device="cpu", dtype=item.spec.dtype)
+def _kept(item: Written, value: torch.Tensor) -> torch.Tensor:
+    """`value` as a state dict keeps it: a copy where it is the parameter's own memory, which stage 3 frees when it
+    releases the parameter's group."""
     same = value.untyped_storage().data_ptr() == item.tensor.untyped_storage().data_ptr()
     return value.clone() if same else value
+
+
+def _on_cpu(item: Written) -> torch.Tensor:
+    """The tensor's values on the CPU in its output dtype: the parameter's own memory where it is already there in
+    that dtype (the writer reads it without a copy and without numpy, so stage 3 can still free it: See
+    tensor_bytes_view in files.py), else a converted copy."""
+    return item.tensor.detach().to(device="cpu", dtype=item.spec.dtype)
 
 
 def _write_shard(path: Path, shard: list[Written], values: Iterator[torch.Tensor]) -> None:

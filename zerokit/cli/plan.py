@@ -143,6 +143,9 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
     lay.add_argument("--tp", type=int, default=1, help="tensor parallel degree (inside a node)")
     lay.add_argument("--pp", type=int, default=1, help="pipeline stages")
     lay.add_argument("--sp", type=int, default=1, help="Ulysses sequence parallel degree (sequence_parallel_size)")
+    lay.add_argument("--ep", type=int, default=1,
+                     help="expert parallel degree of a mixture-of-experts model (expert_parallel_size), inside the "
+                          "data dimension")
     lay.add_argument("--replicas", type=int, default=1, help="HSDP/MiCS: copies of the shard group")
     lay.add_argument("--hpz", type=int, default=1, metavar="K",
                      help="ZeRO++ hpZ at stage 3: a secondary parameter copy over K ranks (zero_hpz_partition_size); "
@@ -156,6 +159,10 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
     pol.add_argument("--sequence", default="auto", choices=("auto", "none"),
                      help="auto: where no stage fits on the GPU alone, try a sequence degree inside the node (Ulysses) "
                           "before a tensor degree and offloading; none: never")
+    pol.add_argument("--expert", default="auto", choices=("auto", "none"),
+                     help="auto: for a mixture-of-experts model where no stage fits on the GPU alone, try an expert "
+                          "degree inside the node before the sequence and tensor degrees and offloading, and beside "
+                          "each offload tier; none: never")
     pol.add_argument("--max-micro-batch", type=int, default=1024)
     pol.add_argument("--mfu", type=finite_float, default=0.40, help="achieved / peak FLOPS")
     pol.add_argument("--bandwidth-efficiency", type=finite_float, default=0.80)
@@ -254,7 +261,7 @@ def scenario_from_args(args: argparse.Namespace):
         reduce_every_micro_step=not (args.reduce_once_per_step or args.pp > 1),
         trainable_fraction=args.trainable_fraction,
         lora_rank=args.lora_rank, lora_targets=targets, tp=args.tp, pp=args.pp, replicas=args.replicas,
-        secondary=args.hpz, sp=args.sp, tiles=args.tiles,
+        secondary=args.hpz, sp=args.sp, ep=args.ep, tiles=args.tiles,
         mfu=args.mfu, bandwidth_efficiency=args.bandwidth_efficiency, overhead_bytes=int(args.overhead_gb * GB),
         intra_link=args.intra_link, inter_link=args.inter_link, host_key=args.host, nics_per_node=args.nics_per_node,
         gpu_memory=None if args.gpu_memory_gib is None else int(args.gpu_memory_gib * GiB),
@@ -278,7 +285,8 @@ def format_table(p: Plan) -> list[str]:
     shown = list(p.stages) + ([p.pick] if p.pick is not None and p.pick.offload.any else [])
     for e in shown:
         m = e.memory
-        name = f"ZeRO-{e.stage}" + ("+offload" if e.offload.any else "")
+        name = f"ZeRO-{e.stage}" + (f"+ep={e.scenario.layout.ep}" if e.scenario.layout.ep > 1 else "") + (
+            "+offload" if e.offload.any else "")
         rows.append((name, "yes" if e.fits else "no", *(f"{v / GB:.2f}" for v in m.as_dict().values()),
                      f"{m.total / GB:.2f}", f"{e.comm.seconds:.3f}", f"{e.exposed_comm_seconds:.3f}",
                      f"{e.compute.seconds:.3f}", f"{e.step_seconds:.3f}"))
@@ -337,7 +345,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give the model: --model, --params or --arch (or --check RUN, or --measure-device)")
     scenario = scenario_from_args(args)
     policy = Policy(headroom=args.headroom, checkpointing=args.checkpointing, offload=args.offload,
-                    tensor=args.tensor, sequence=args.sequence, max_micro_batch=args.max_micro_batch)
+                    tensor=args.tensor, sequence=args.sequence, expert=args.expert,
+                    max_micro_batch=args.max_micro_batch)
     result = plan(scenario, policy)
     emitted = None
     if args.emit:

@@ -3,9 +3,11 @@
 [Note: decision tree]
     for checkpointing in (none, full)            # full only if none fails (or as the user fixed it)
         1. lowest ZeRO stage 0..3 that fits on the GPU with headroom, nothing offloaded
+        1a. else, for a mixture of experts, every expert degree inside the node at stages 0..3, the fastest that fits
         1b. else a degree d inside the node, smallest first: a sequence degree (Ulysses) and a tensor degree d,
             each at stages 0..3, the fastest that fits
-        2. else offload tiers, each from the lowest stage it allows, with room on the host:
+        2. else offload tiers, each from the lowest stage it allows, with room on the host (each beside its
+           expert degrees, for a mixture of experts):
            optimizer -> CPU (stage >= 1); + parameters -> CPU (stage 3);
            optimizer -> NVMe (stage >= 1); + parameters -> NVMe (stage 3)
     if nothing fits: say what was closest and how many GPUs stage 3 would need
@@ -41,6 +43,20 @@ tier, which would move the model
 states over PCIe and leave the activations where they were. A long sequence whose states fit but whose activations
 do not is where a sequence degree is picked. zerokit trains it as `sequence_parallel_size` (docs/sequence_parallel.md);
 Policy(sequence="none") leaves it out.
+
+[Note: an expert degree in the tree]
+For a mixture-of-experts model, where no flat stage fits on the GPU alone, the tree tries every expert degree ep
+inside the node (dividing its GPUs and the experts) at stages 0-3 as one rung, the fastest that fits winning, before
+the sequence and tensor degrees and any offload tier. An expert degree shrinks what ZeRO leaves whole at a stage, the
+experts' parameters at stages 0-2 above all (E / ep experts a rank instead of E), and stage 3's gather unit (a block
+with E / ep experts), but not what ZeRO shards, which is Psi / N_d a rank either way (See [Note: the expert degree]
+in memory.py), nor the activations; it costs two all-to-alls of the routed tokens per MoE layer each way on the
+node's links ([Note: the expert exchange in the plan] in comms.py) and saves the experts' gathers and reductions over
+the whole data group. Where the model states alone overflow the GPU at every stage (Mixtral-8x7B fully trained on 8
+GPUs of 80 GB: 18 bytes x 46.7B / 8 = 105 GB), no expert degree fits either, and each offload tier's rung holds its
+flat form beside every expert degree, the fastest that fits winning: with the optimizer on the host an expert degree
+keeps the stage-1 and -2 parameters on the GPU small enough where the flat form must go to stage 3 or offload the
+parameters too. zerokit trains the pick as `expert_parallel_size`; Policy(expert="none") leaves it out.
 
 [Note: hybrid sharding in the tree]
 On more than one node (and a flat layout as asked), step 1 tries beside each flat stage its hybrid
@@ -132,6 +148,16 @@ def sequence_degrees(scenario: Scenario) -> list[int]:
             and scenario.shard % sp == 0]
 
 
+def expert_degrees(scenario: Scenario) -> list[int]:
+    """The degrees ep > 1 an expert group inside one node can take: divisors of the node's GPUs that divide the
+    experts and the data group (none for a dense model or a layout asked for)."""
+    arch, cluster = scenario.model.architecture, scenario.cluster
+    if arch is None or arch.experts is None or scenario.layout != Layout():
+        return []
+    return [ep for ep in range(2, cluster.gpus_per_node + 1)
+            if cluster.gpus_per_node % ep == 0 and arch.experts.count % ep == 0 and scenario.shard % ep == 0]
+
+
 def other_gathering(scenario: Scenario, stage: int) -> tuple[Scenario, ...]:
     """Stage 3 under a pipeline: the scenario with zerokit.pipeline's other stage3_gathering, the fastest that fits
     winning the rung (units held through the step: one gather of the stage per step, the stage's parameters live;
@@ -150,6 +176,10 @@ def _rungs(scenario: Scenario, policy: Policy) -> Iterator[tuple[tuple[Scenario,
         forms = (scenario, *(replace(scenario, layout=layout) for layout in hybrid_layouts(scenario, stage)),
                  *other_gathering(scenario, stage))
         yield tuple((form, stage, Offload()) for form in forms)
+    experts = [replace(scenario, layout=Layout(ep=ep)) for ep in
+               (expert_degrees(scenario) if policy.expert == "auto" else [])]
+    if experts:  # See [Note: an expert degree in the tree]
+        yield tuple((form, stage, Offload()) for form in experts for stage in stages)
     sequence = sequence_degrees(scenario) if policy.sequence == "auto" else []
     tensor = tensor_degrees(scenario) if policy.tensor == "auto" else []
     for degree in sorted(set(sequence) | set(tensor)):  # See [Note: a sequence degree in the tree]
@@ -160,7 +190,7 @@ def _rungs(scenario: Scenario, policy: Policy) -> Iterator[tuple[tuple[Scenario,
         for tier in OFFLOAD_TIERS:
             for stage in stages:
                 if stage >= 1 and (tier.params == "none" or stage == 3):
-                    yield ((scenario, stage, tier),)
+                    yield tuple((form, stage, tier) for form in (scenario, *experts))
 
 
 def _checkpointing_order(policy: Policy) -> tuple[str, ...]:
@@ -365,13 +395,16 @@ def reasons(p: Plan) -> list[str]:
                    "block's input is stored and the block recomputed in backward")
     if pick.offload.any:
         ckpt = pick.training.checkpointing
-        skipped = [a for a in p.attempts if not a.fits and a.offload.any and a.training.checkpointing == ckpt]
+        skipped = [a for a in p.attempts if not a.fits and a.offload.any and a.training.checkpointing == ckpt
+                   and (a.offload, a.stage) != (pick.offload, pick.stage)]  # not the pick's own rung's other forms
         if skipped:
             out.append(f"cheaper offload tiers do not fit either: {_failure(skipped[-1], p.policy)}")
     if pick.scenario.layout.tp > 1 and p.scenario.layout == Layout():
         out.append(_tensor_reason(p))
     if pick.scenario.layout.sp > 1 and p.scenario.layout == Layout():
         out.append(_sequence_reason(p))
+    if pick.scenario.layout.ep > 1 and p.scenario.layout == Layout():
+        out.append(_expert_reason(p))
     out.append(f"{pick.label} fits: {gb(pick.memory.total)} of {_usable(pick, p.policy)}, "
                f"{gb(pick.usable - pick.memory.total)} to spare; largest parts {_biggest(pick)}")
     out.append(_comm_reason(pick))
@@ -420,6 +453,31 @@ def _sequence_reason(p: Plan) -> str:
             f"each sequence's {pick.training.seq_len} tokens on a GPU ({split}) at the cost of four all-to-alls of "
             f"its tokens per block each way on {pick.scenario.cluster.intra_link.name}, with "
             f"{pick.scenario.cluster.world // sp} replicas reading data (zerokit: sequence_parallel_size={sp})")
+
+
+def _expert_reason(p: Plan) -> str:
+    """Why an expert degree (See [Note: an expert degree in the tree])."""
+    pick = p.pick
+    ep, arch = pick.scenario.layout.ep, pick.scenario.model.architecture
+    flat = next((a for a in p.attempts if a.stage == pick.stage and a.scenario.layout == Layout()
+                 and a.offload == pick.offload and a.training == pick.training), None)
+    buffers = (f", buffers {gb(flat.memory.buffers)} -> {gb(pick.memory.buffers)}"
+               if flat and gb(flat.memory.buffers) != gb(pick.memory.buffers) else "")
+    split = (f"parameters {gb(flat.memory.parameters)} -> {gb(pick.memory.parameters)}, model states "
+             f"{gb(flat.memory.model_states)} -> {gb(pick.memory.model_states)}{buffers} per GPU against the flat form"
+             if flat else "the experts / ep")
+    exchange = next((c for c in pick.comm.collectives if c.kind == "all_to_all" and c.group == "ep"), None)
+    cost = (f"{exchange.calls} all-to-alls per step (dispatch and combine, forward and backward, per MoE layer) of "
+            f"{gb(exchange.bytes)} routed tokens, {gb(exchange.wire_bytes)} leaving each GPU over {exchange.link} in "
+            f"{exchange.seconds:.3f} s on the compute path" if exchange else "no all-to-all")
+    where = ("no flat stage fits with nothing offloaded, so the tree tries expert degrees inside the node" if not
+             pick.offload.any else f"flat ZeRO-{pick.stage} does not fit beside {pick.offload.name}, and its rung "
+             "holds the expert degrees inside the node")
+    group = pick.scenario.shard // ep
+    ranks = f"{group} rank{'s' * (group > 1)}"
+    return (f"{where}: ep={ep} keeps {arch.experts.count // ep} of each MoE layer's {arch.experts.count} experts on a "
+            f"GPU ({split}), ZeRO sharding them over their expert-data group of {ranks} and the rest over all "
+            f"{pick.scenario.shard}; it costs {cost} (zerokit: expert_parallel_size={ep})")
 
 
 def _crossing(result: Estimate) -> str:

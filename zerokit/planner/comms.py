@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from zerokit.planner.catalogue import Cluster, Link
-from zerokit.planner.memory import RankParams, broadcast_gathered, whole_tensor_fraction
+from zerokit.planner.memory import RankParams, broadcast_gathered, parts, whole_tensor_fraction
 from zerokit.planner.models import ModelSpec
 from zerokit.planner.spec import Layout, Training
 from zerokit.config.settings import ring_share
@@ -147,7 +147,8 @@ class CommEstimate:
     def phase_calls(self, phase: str) -> int:
         return sum(c.calls for c in self.collectives if c.phase == phase)
 
-    def by_kind(self, groups: tuple[str, ...] = ("dp", "dp_shard", "dp_replicate", "hpz")) -> dict[str, dict[str, int]]:
+    def by_kind(self, groups: tuple[str, ...] = ("dp", "dp_shard", "dp_replicate", "hpz", "ep_data")
+                ) -> dict[str, dict[str, int]]:
         """Per optimizer step, in `engine.comm_stats()` form: kind -> calls, elements, bytes (the
         data-parallel collectives the engine issues; tensor/pipeline traffic is on paper only)."""
         stats: dict[str, dict[str, int]] = {}
@@ -160,7 +161,7 @@ class CommEstimate:
         return stats
 
 
-GROUP_NAMES = ("tp", "dp_shard", "dp_replicate", "dp", "pp", "hpz", "sp")
+GROUP_NAMES = ("tp", "dp_shard", "dp_replicate", "dp", "pp", "hpz", "sp", "ep", "ep_data")
 
 
 def _coordinates(rank: int, layout: Layout, shard: int) -> tuple[int, int, int, int]:
@@ -174,7 +175,9 @@ def _group_key(name: str, rank: int, layout: Layout, shard: int) -> tuple[int, .
     """What the ranks of one group of `name` share: every coordinate the group does not run over."""
     t, s, q, p = _coordinates(rank, layout, shard)
     return {"tp": (s, q, p), "dp_shard": (t, q, p), "dp_replicate": (t, s, p), "dp": (t, p), "pp": (t, s, q),
-            "hpz": (rank // layout.secondary,), "sp": (t, s // layout.sp, q, p)}[name]
+            "hpz": (rank // layout.secondary,), "sp": (t, s // layout.sp, q, p),
+            # experts: blocks of ep consecutive data ranks, and the ranks at one place of every block
+            "ep": (t, s // layout.ep, q, p), "ep_data": (t, s % layout.ep, q, p)}[name]
 
 
 @lru_cache(maxsize=256)
@@ -197,7 +200,7 @@ def group_placement(name: str, layout: Layout, shard: int, world: int, per_node:
 def make_groups(cluster: Cluster, layout: Layout, shard: int, efficiency: float) -> dict[str, Group]:
     """Each kind of group, with the link and bandwidth its rings get (See [Note: communication model])."""
     sizes = {"tp": layout.tp, "dp_shard": shard, "dp_replicate": layout.replicas, "dp": shard * layout.replicas,
-             "pp": layout.pp, "hpz": layout.secondary, "sp": layout.sp}
+             "pp": layout.pp, "hpz": layout.secondary, "sp": layout.sp, "ep": layout.ep, "ep_data": shard // layout.ep}
     groups = {}
     for name in GROUP_NAMES:
         size = sizes[name]
@@ -331,7 +334,7 @@ def model_parallel(model: ModelSpec, training: Training, layout: Layout, groups:
     recomputed; Ulysses sequence parallelism: four all-to-alls of a rank's tokens per block each way (Jacobs et al.
     2023); pipeline parallelism: one activation forward and one gradient back per micro-batch."""
     arch, out = model.architecture, []
-    if arch is None or (layout.tp == 1 and layout.pp == 1 and layout.sp == 1):
+    if arch is None or (layout.tp == 1 and layout.pp == 1 and layout.sp == 1 and layout.ep == 1):
         return out
     m, e = training.grad_accum, training.act_bytes
     activation = training.tokens_per_micro_batch * arch.hidden
@@ -347,6 +350,8 @@ def model_parallel(model: ModelSpec, training: Training, layout: Layout, groups:
         calls = m * passes * 4 * arch.n_layers
         out.append(_collective("all_to_all", groups["sp"], "critical", calls, m * passes * arch.n_layers * per_block,
                                e))
+    if layout.ep > 1 and arch.experts is not None:
+        out.append(expert_exchange(model, training, groups["ep"]))
     if layout.pp > 1:
         # each micro-batch's activation goes forward and its gradient back across each of the p - 1 boundaries: a GPU
         # sends 2m(p-1)/p of them on average (the first stage m forward, the last m back, the others 2m)
@@ -356,11 +361,40 @@ def model_parallel(model: ModelSpec, training: Training, layout: Layout, groups:
     return out
 
 
+def expert_exchange(model: ModelSpec, training: Training, group: Group) -> Collective:
+    """[Note: the expert exchange in the plan] Per MoE layer and micro-batch, forward sends each routed token to its
+    expert's rank (dispatch) and back (combine): two all-to-alls over the expert group of tokens x top-k x capacity x
+    hidden elements, (ep - 1) / ep of them leaving the rank; backward sends their gradients the same two ways, and a
+    recomputed forward (full checkpointing) repeats its two. On the compute path: nothing overlaps them."""
+    arch, m = model.architecture, training.grad_accum
+    x = arch.experts
+    passes = 2 + (1 if training.checkpointing == "full" else 0)
+    calls = m * passes * 2 * arch.moe_layers
+    routed = math.ceil(training.tokens_per_micro_batch * x.top_k * x.capacity)
+    return _collective("all_to_all", group, "critical", calls, calls * routed * arch.hidden, training.act_bytes)
+
+
+def sharded_parts(model: ModelSpec, rank: RankParams, layout: Layout, groups: dict[str, Group],
+                  blocks: int) -> list[tuple[RankParams, dict[str, Group], int]]:
+    """Each part of the rank's parameters with the groups ZeRO runs it over and its stage-3 blocks: the dense part
+    over the data group, the experts over their expert-data group (See [Note: the expert degree] in memory.py)."""
+    split = parts(rank)
+    if len(split) == 1:
+        return [(rank, groups, blocks)]
+    dense, experts = split
+    expert_groups = {**groups, "dp_shard": groups["ep_data"], "dp": groups["ep_data"]}
+    moe_blocks = math.ceil(model.architecture.moe_layers / layout.pp)
+    return [(dense, groups, blocks), (experts, expert_groups, moe_blocks)]
+
+
 def communication(model: ModelSpec, rank: RankParams, training: Training, layout: Layout, stage: int,
                   cluster: Cluster, efficiency: float) -> CommEstimate:
     groups = make_groups(cluster, layout, rank.shard, efficiency)
     blocks = stage3_blocks(model, layout, max(1, training.bucket_bytes // training.reduce_bytes), rank.total)
-    collectives = data_parallel(rank, training, stage, groups, blocks, training.gathers_once_per_step(stage, layout))
+    collectives = []
+    for part, part_groups, part_blocks in sharded_parts(model, rank, layout, groups, blocks):
+        collectives += data_parallel(part, training, stage, part_groups, part_blocks,
+                                     training.gathers_once_per_step(stage, layout))
     collectives += model_parallel(model, training, layout, groups)
     if groups["dp"].size > 1:  # rank 0's parameters reach every replica once, before training
         collectives.append(_collective("broadcast", groups["dp"], "init", 1, rank.total, training.param_bytes))

@@ -41,7 +41,13 @@ import math
 from dataclasses import dataclass
 
 from zerokit.planner.catalogue import Cluster
-from zerokit.planner.memory import RankParams, optimizer_state_bytes, optimizer_state_total
+from zerokit.planner.memory import (
+    RankParams,
+    optimizer_state_bytes,
+    optimizer_state_total,
+    owned_params,
+    owned_trainable,
+)
 from zerokit.planner.models import ModelSpec, ParamCounts
 from zerokit.planner.spec import Layout, Offload, Training
 
@@ -83,7 +89,7 @@ def flops_per_token(model: ModelSpec, counts: ParamCounts, training: Training) -
 def gpu_optimizer_seconds(rank: RankParams, training: Training, stage: int, cluster: Cluster,
                           efficiency: float, per_element: float | None = None) -> float:
     """Memory-bound at the device's bandwidth, or the measured (or given) seconds per owned element."""
-    elements = math.ceil(rank.trainable / rank.shard) if stage >= 1 else rank.trainable
+    elements = owned_trainable(rank, stage)
     if per_element is not None:
         return elements * per_element
     touched = (2 * optimizer_state_bytes(training) + training.grad_bytes
@@ -159,8 +165,7 @@ def offload_estimate(rank: RankParams, training: Training, stage: int, offload: 
     if not offload.any:
         return OffloadEstimate.none()
     m, node = training.grad_accum, cluster.gpus_per_node
-    shard = math.ceil(rank.trainable / rank.shard)
-    param_shard = math.ceil(rank.total / rank.shard)
+    shard, param_shard = owned_trainable(rank), owned_params(rank)
     root_shard = math.ceil(rank.root / rank.shard)
     # See [Note: offload model]: the reduced shard goes down once per step, in fp32 to an NVMe optimizer
     down = shard * (4 if offload.optimizer == "nvme" else training.reduce_bytes)

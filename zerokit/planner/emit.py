@@ -27,7 +27,7 @@ def _data_parallel_only(result: Estimate, target: str) -> None:
     count is the model code's); a tensor degree is the `tensor_parallel` block zerokit (ZeRO 0-3) and DeepSpeed's
     AutoTP training (ZeRO 0-2) read; FSDP with either stays in model code."""
     layout = result.scenario.layout
-    if (layout.tp > 1 or layout.pp > 1 or layout.sp > 1) and target == "fsdp":
+    if (layout.tp > 1 or layout.pp > 1 or layout.sp > 1 or layout.ep > 1) and target == "fsdp":
         raise ValueError(f"--emit fsdp writes data-parallel code; the layout {layout.name} is set up in model code "
                          "(torch's parallelize_module and pipelining): use --emit zerokit")
     if layout.tp > 1 and target == "deepspeed" and result.stage == 3:
@@ -35,15 +35,34 @@ def _data_parallel_only(result: Estimate, target: str) -> None:
                          "--emit zerokit (zerokit trains tensor_parallel.autotp_size at ZeRO-3)")
 
 
-def _tensor_block(result: Estimate) -> dict:
-    """The mesh's keys: the tensor degree's block, the sequence degree's key."""
-    t, sp = result.scenario.layout.tp, result.scenario.layout.sp
+def _tensor_block(result: Estimate, target: str = "zerokit") -> dict:
+    """The mesh's keys: the tensor degree's block, the sequence degree's key, and the expert degree's: zerokit's
+    `expert_parallel_size`, DeepSpeed 0.19.8's AutoEP block (`expert_parallel`, read by get_expert_parallel_config in
+    deepspeed/runtime/config.py and parse_autoep_config in deepspeed/module_inject/auto_ep_config.py)."""
+    t, sp, ep = result.scenario.layout.tp, result.scenario.layout.sp, result.scenario.layout.ep
+    experts = ({"expert_parallel": {"enabled": True, "autoep_size": ep}} if target == "deepspeed"
+               else {"expert_parallel_size": ep})
     return {**({"tensor_parallel": {"autotp_size": t}} if t > 1 else {}),
-            **({"sequence_parallel_size": sp} if sp > 1 else {})}
+            **({"sequence_parallel_size": sp} if sp > 1 else {}), **(experts if ep > 1 else {})}
+
+
+def _expert_note(result: Estimate, target: str) -> tuple[str, ...]:
+    """The expert degree: where each target takes it."""
+    ep = result.scenario.layout.ep
+    if ep == 1 or target == "fsdp":
+        return ()
+    if target == "deepspeed":
+        return (f"expert_parallel.autoep_size={ep} is DeepSpeed 0.19.8's AutoEP: at initialize it replaces the Hugging "
+                "Face model's MoE layers by expert-parallel ones (expert_parallel.preset_model may name the family: "
+                "mixtral, qwen3_moe, deepseek_v2, deepseek_v3, ...; otherwise it detects them); a model built on "
+                f"deepspeed.moe.layer.MoE takes ep_size={ep} in model code instead, which no config key sets",)
+    return (f"expert_parallel_size={ep} splits each MoE layer's experts over {ep} consecutive ranks of a node "
+            "(zerokit.parallel.experts: ExpertParallelMoE with expert_parallel_group(ep)); ZeRO shards the experts "
+            f"over their expert-data group of {result.scenario.shard // ep} ranks",)
 
 
 def _notes(result: Estimate, target: str) -> tuple[str, ...]:
-    notes = list(_hybrid_notes(result, target))
+    notes = list(_hybrid_notes(result, target)) + list(_expert_note(result, target))
     pp = result.scenario.layout.pp
     if pp > 1:
         gathering = (f', stage3_gathering="{result.training.stage3_gathering}"' if result.stage == 3 and target ==
@@ -165,7 +184,7 @@ def emit_deepspeed(result: Estimate, clipping: float = DEFAULT_CLIPPING) -> dict
     zero.update(_hybrid_keys(result, ranks_per_node=False)[0])
     zero.update(_stage3_limits(result))
     zero.update(_offload_blocks(result, {"pin_memory": True}))
-    return {**_common(result, clipping), **_tensor_block(result), "zero_optimization": zero}
+    return {**_common(result, clipping), **_tensor_block(result, "deepspeed"), "zero_optimization": zero}
 
 
 _TORCH_DTYPE = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32"}

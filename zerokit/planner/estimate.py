@@ -46,9 +46,21 @@ class Scenario:
                              "multiple of the second)")
         if self.training.seq_len % self.layout.sp:
             raise ValueError(f"sp={self.layout.sp} does not divide the sequence length {self.training.seq_len}")
+        self._check_experts()
         if self.layout.pp > 1 and arch is not None and self.layout.pp > arch.n_layers:
             raise ValueError(f"pp={self.layout.pp} exceeds the model's {arch.n_layers} layers")
         param_counts(self.model, self.training.trainable)  # raises for LoRA without shapes
+
+    def _check_experts(self) -> None:
+        """An expert degree needs a mixture of experts it divides (See [Note: the expert degree] in memory.py)."""
+        ep, arch = self.layout.ep, self.model.architecture
+        if ep == 1:
+            return
+        if arch is None or arch.experts is None:
+            raise ValueError(f"ep={ep} needs a mixture-of-experts model (a preset such as mixtral-8x7b, or a "
+                             "Mixtral/Qwen-MoE/DeepSeekMoE config.json); this one has no experts")
+        if arch.experts.count % ep:
+            raise ValueError(f"ep={ep} does not divide the {arch.experts.count} experts; use a divisor of them")
 
     @property
     def shard(self) -> int:
@@ -121,8 +133,9 @@ class Estimate:
         hybrid = {"mics": f" + MiCS s={shard}", "hpz": f" + hpZ k={layout.secondary}", "": ""}[self.hybrid]
         tensor = f" + tp={layout.tp}" if layout.tp > 1 else ""
         sequence = f" + sp={layout.sp}" if layout.sp > 1 else ""
+        experts = f" + ep={layout.ep}" if layout.ep > 1 else ""
         held = " (gathered once per step)" if self.training.gathers_once_per_step(self.stage, layout) else ""
-        return f"ZeRO-{self.stage}{hybrid}{tensor}{sequence}{held}"
+        return f"ZeRO-{self.stage}{hybrid}{tensor}{sequence}{experts}{held}"
 
     @property
     def label(self) -> str:
@@ -173,7 +186,7 @@ def make_scenario(model: ModelSpec | str | int | float = "llama2-13b", *, gpu: s
                   bucket_bytes: int | None = None, overlap_comm: bool = True, reduce_every_micro_step: bool = True,
                   trainable_fraction: float = 1.0, lora_rank: int | None = None,
                   lora_targets: tuple[str, ...] | None = None, tp: int = 1, pp: int = 1, replicas: int = 1,
-                  secondary: int = 1, sp: int = 1, tiles: int = 1,
+                  secondary: int = 1, sp: int = 1, ep: int = 1, tiles: int = 1,
                   mfu: float | None = None, bandwidth_efficiency: float | None = None,
                   overhead_bytes: int | None = None, backend: str = "nccl", reduce_scatter: bool | None = None,
                   calibration: Calibration | None = None, optimizer_seconds_per_element: float | None = None,
@@ -199,6 +212,6 @@ def make_scenario(model: ModelSpec | str | int | float = "llama2-13b", *, gpu: s
                               overhead_bytes=defaults.overhead_bytes if overhead_bytes is None else overhead_bytes,
                               optimizer_seconds_per_element=optimizer_seconds_per_element)
     cluster = make_cluster(gpu, gpus_per_node=gpus_per_node, nodes=nodes, **cluster_overrides)
-    layout = Layout(tp=tp, pp=pp, replicas=replicas, secondary=secondary, sp=sp)
+    layout = Layout(tp=tp, pp=pp, replicas=replicas, secondary=secondary, sp=sp, ep=ep)
     return Scenario(model=spec, cluster=cluster, training=training, layout=layout,
                     assumptions=assumptions, calibration=calibration)

@@ -7,6 +7,7 @@ import json
 from zerokit.planner.advice import Plan, gb, hybrid_comparison, micro_batch_limit
 from zerokit.planner.emit import emit_zerokit
 from zerokit.planner.estimate import Estimate
+from zerokit.planner.expert_degree import expert_section
 from zerokit.planner.memory import (
     MUON_COMPANION,
     OPTIMIZER_STATE_BYTES,
@@ -95,6 +96,10 @@ def category_rows(result: Estimate) -> list[list[str]]:
                                                               f"{rank.trainable:,}{by}" if stage == 2 else ""))
     optim = ("0 (on the host)" if result.offload.optimizer != "none"
              else _state_arithmetic(rank, t) + (by if stage >= 1 else ""))
+    if rank.ep > 1:  # two parts, each over its own group: say how they split (See [Note: the expert degree])
+        split = (f"; of these {rank.total - rank.experts:,} dense over {n} ranks and {rank.experts:,} of experts "
+                 f"(E / {rank.ep}) over {n // rank.ep}")
+        params, grads, optim = (how if how.startswith("0 (") else how + split for how in (params, grads, optim))
     return [["parameters", _g(m.parameters), params], ["gradients", _g(m.gradients), grads],
             ["optimizer_state", _g(m.optimizer_state), optim],
             ["activations", _g(m.activations), activation_how(result)],
@@ -242,6 +247,7 @@ def render_memo(p: Plan) -> str:
     out += ["", "## Decision path", "", "See the tree in docs/planner.md; every configuration tried, in order:", ""]
     out += _table(("#", "configuration", "batch", "GPU GB", "usable GB", "host RAM GB", "fits"), _attempt_rows(p))
     out += hybrid_section(p)
+    out += expert_section(p)
     out += tensor_section(p)
     if p.alternatives:
         out += ["", "## Hybrid layouts on paper", ""]

@@ -46,6 +46,23 @@ Full checkpointing stores only each block's input, e*s*b*h per layer (Korthikant
 and we add one block's full activations, live while that block is recomputed and back-propagated.
 Tensor parallelism divides everything by t (sequence parallelism assumed, Section 4.2.2); 1F1B
 pipelining keeps min(p, m) micro-batches of L/p layers in flight on the first stage (Section 4.2.3).
+
+[Note: the expert degree]
+A mixture-of-experts model's routed experts (E per MoE layer, Psi_E of its Psi parameters) split over the ep ranks of
+an expert group; the rest (attention, norms, router, shared experts, embeddings: Psi - Psi_E, "dense") is held as
+in a dense model. The layout (spec.Layout.ep, [Note: the expert dimension] in zerokit/parallel/mesh.py) puts every
+expert on data / ep ranks, its expert-data group, and ZeRO shards each part over the ranks that hold it:
+    dense    over all N_d ranks, as without experts
+    experts  a rank holds Psi_E / ep (E / ep experts whole) and shards them over N_d / ep ranks:
+             stage 0 nothing, stage 1 their optimizer state, stage 2 their gradients too, stage 3 their parameters
+So the sharded categories are Psi_E / ep / (N_d / ep) = Psi_E / N_d per rank, as flat ZeRO gives: an expert degree
+saves only what a stage leaves whole (the parameters at stages 0-2, the gradients at 0-1, all at 0), and at stage 3
+the gather unit, one MoE block, holds E / ep experts instead of E (buffer_bytes). Each part is priced by the same
+model_states with its own shard group (`parts`). Activations do not change with ep: a rank still runs its own
+tokens' attention, and on average top-k x capacity x its tokens through the experts, wherever they live; each
+routed token keeps its copy of the input and output of the expert (2 e h), the expert's gated intermediates (4 e f_E),
+and each token the router's fp32 probabilities (4 E), besides any shared expert's intermediates. Under LoRA the
+experts are frozen (the adapters sit on the dense shapes); a trainable fraction applies to both parts alike.
 """
 
 from __future__ import annotations
@@ -110,19 +127,56 @@ class RankParams:
     """Parameters outside the blocks (embeddings, final norm, head), which stage 3 keeps gathered."""
     shard: int
     """N_d, the ZeRO shard group size."""
+    experts: int = 0
+    """Of `total`, the routed experts' parameters this rank holds: E / ep experts of every MoE layer."""
+    expert_trainable: int = 0
+    """Of `trainable`, the experts'."""
+    ep: int = 1
+    """The expert degree: the experts shard over shard / ep ranks (See [Note: the expert degree])."""
 
 
 def rank_params(counts: ParamCounts, model: ModelSpec, layout: Layout, shard: int,
                 threshold: int = STAGE3_PARAM_PERSISTENCE_THRESHOLD) -> RankParams:
     """Tensor and pipeline parallelism split every parameter evenly (an approximation for the
     embedding and head, which sit on the first and last pipeline stage). A block's parameters under
-    `threshold` elements belong to the root unit, as the engine gives them at stage 3."""
-    split, arch = layout.tp * layout.pp, model.architecture
-    small = arch.small_block_params(threshold) if arch else 0
-    unit = math.ceil((arch.block_params() - small) / layout.tp) if arch else 0
+    `threshold` elements belong to the root unit, as the engine gives them at stage 3. An expert degree keeps
+    E / ep of each MoE layer's experts on the rank (See [Note: the expert degree])."""
+    split, arch, ep = layout.tp * layout.pp, model.architecture, layout.ep
+    held = arch.experts.count // ep if arch and arch.experts else None  # a block's experts on this rank
+    small = arch.small_block_params(threshold, held) if arch else 0
+    unit = math.ceil((arch.block_params(held) - small) / layout.tp) if arch else 0
     root = math.ceil((arch.root_params() + arch.n_layers * small) / layout.tp) if arch else 0
-    return RankParams(total=math.ceil(counts.total / split), trainable=math.ceil(counts.trainable / split),
-                      unit=unit, root=root, shard=shard)
+    routed = arch.routed_expert_params() if arch else 0
+    experts = math.ceil(routed / split / ep)
+    # LoRA's adapters (counted beyond the model's own parameters) sit on the dense shapes: the experts stay frozen
+    share = 0.0 if counts.total != model.total_params else counts.trainable / counts.total
+    expert_trainable = round(experts * share)
+    away = math.ceil(routed / split) - experts  # held by the other ranks of the expert group
+    return RankParams(total=math.ceil(counts.total / split) - away,
+                      trainable=math.ceil(counts.trainable / split) - round(away * share), unit=unit, root=root,
+                      shard=shard, experts=experts, expert_trainable=expert_trainable, ep=ep)
+
+
+def parts(rank: RankParams) -> tuple[RankParams, ...]:
+    """The rank's parameters by the group that shards them: all over N_d; with an expert degree, the dense part over
+    N_d and the experts over their expert-data group of N_d / ep (See [Note: the expert degree])."""
+    if rank.ep == 1 or rank.experts == 0:
+        return (rank,)
+    dense = RankParams(total=rank.total - rank.experts, trainable=rank.trainable - rank.expert_trainable,
+                       unit=rank.unit, root=rank.root, shard=rank.shard)
+    experts = RankParams(total=rank.experts, trainable=rank.expert_trainable, unit=0, root=0,
+                         shard=rank.shard // rank.ep)
+    return dense, experts
+
+
+def owned_trainable(rank: RankParams, stage: int = 1) -> int:
+    """Trainable elements whose optimizer state this rank holds: its shard of each part (all of them at stage 0)."""
+    return sum(math.ceil(part.trainable / part.shard) if stage >= 1 else part.trainable for part in parts(rank))
+
+
+def owned_params(rank: RankParams) -> int:
+    """This rank's shard of every parameter (stage 3, or offloaded parameters)."""
+    return sum(math.ceil(part.total / part.shard) for part in parts(rank))
 
 
 def optimizer_state_bytes(training: Training) -> int:
@@ -179,7 +233,14 @@ def gradients_on_host(stage: int, training: Training, offload: Offload) -> bool:
 
 
 def model_states(rank: RankParams, training: Training, stage: int, offload: Offload) -> tuple[int, int, int]:
-    """(parameters, gradients, optimizer_state) bytes on the GPU."""
+    """(parameters, gradients, optimizer_state) bytes on the GPU: each part sharded over its own group (See [Note:
+    the expert degree])."""
+    states = [part_states(part, training, stage, offload) for part in parts(rank)]
+    return sum(s[0] for s in states), sum(s[1] for s in states), sum(s[2] for s in states)
+
+
+def part_states(rank: RankParams, training: Training, stage: int, offload: Offload) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer_state) bytes of parameters sharded over rank.shard ranks."""
     n = rank.shard
     parameters = training.param_bytes * (math.ceil(rank.total / n) if stage == 3 else rank.total)
     if stage == 3 and training.mixed and not offload.any:  # the trainable shards are the fp32 masters
@@ -211,7 +272,7 @@ def block_activation_bytes(arch: Architecture, training: Training) -> int:
     tokens, s = training.tokens_per_micro_batch, training.seq_len
     # norms, QKV in, Q K V, proj in, MLP in
     per_token = e * (2 * h + h + (arch.q_dim + 2 * arch.kv_dim) + arch.q_dim + h)
-    per_token += 0 if training.tiles > 1 else mlp_intermediate_per_token(arch, training)  # tiled: recomputed
+    per_token += 0 if training.tiles > 1 else mlp_activation_per_token(arch, training)  # tiled: recomputed
     per_token += 2 * h if arch.dropout else 0  # attention-output and MLP-output dropout masks
     lora = training.trainable
     if lora.lora_rank is not None:  # each adapter keeps its rank-r intermediate for B's gradient
@@ -223,9 +284,27 @@ def block_activation_bytes(arch: Architecture, training: Training) -> int:
     return tokens * per_token + core
 
 
-def mlp_intermediate_per_token(arch: Architecture, training: Training) -> int:
+def mlp_intermediate_per_token(arch: Architecture, training: Training, ffn: int | None = None) -> int:
     """The MLP's intermediates a token keeps for backward (gate, up, their product: 4f in a gated MLP; 2f else)."""
-    return training.act_bytes * (4 * arch.ffn if arch.gated_mlp else 2 * arch.ffn)
+    ffn = arch.ffn if ffn is None else ffn
+    return training.act_bytes * (4 * ffn if arch.gated_mlp else 2 * ffn)
+
+
+def moe_activation_per_token(arch: Architecture, training: Training) -> float:
+    """A mixture-of-experts MLP's saved bytes per token (See [Note: the expert degree]): top-k x capacity routed
+    copies of its input and output and the expert's intermediates, the shared experts', the router's probabilities."""
+    x, e = arch.experts, training.act_bytes
+    routed = x.top_k * x.capacity * (2 * e * arch.hidden + mlp_intermediate_per_token(arch, training, x.ffn))
+    shared = mlp_intermediate_per_token(arch, training, x.shared_ffn) if x.shared_ffn else 0
+    return routed + shared + 4 * x.count
+
+
+def mlp_activation_per_token(arch: Architecture, training: Training) -> int:
+    """The MLP's bytes per token, averaged over the blocks where some are dense and the rest mixtures of experts."""
+    if arch.experts is None:
+        return mlp_intermediate_per_token(arch, training)
+    dense = arch.experts.dense_layers * mlp_intermediate_per_token(arch, training)
+    return math.ceil((dense + arch.moe_layers * moe_activation_per_token(arch, training)) / arch.n_layers)
 
 
 def output_activation_bytes(arch: Architecture, training: Training) -> int:
@@ -239,7 +318,7 @@ def tile_working_bytes(arch: Architecture, training: Training) -> int:
     """A tiled MLP's one slice of intermediates, alive while it is computed or recomputed (0 untiled)."""
     if training.tiles == 1:
         return 0
-    return math.ceil(training.tokens_per_micro_batch * mlp_intermediate_per_token(arch, training) / training.tiles)
+    return math.ceil(training.tokens_per_micro_batch * mlp_activation_per_token(arch, training) / training.tiles)
 
 
 def activation_bytes(model: ModelSpec, training: Training, layout: Layout,
@@ -335,8 +414,7 @@ def host_usage(rank: RankParams, training: Training, offload: Offload, gpus_per_
     """Optimizer offload keeps K bytes of optimizer state, a 4-byte fp32 gradient and a 16-bit
     parameter buffer per element of each rank's shard (DeepSpeed ZeRO-Offload); on NVMe the state
     moves to disk and one sub-group stays staged in RAM. Parameter offload keeps the 16-bit shard."""
-    shard = math.ceil(rank.trainable / rank.shard)
-    param_shard = math.ceil(rank.total / rank.shard)
+    shard, param_shard = owned_trainable(rank), owned_params(rank)
     ram = nvme = 0
     if offload.optimizer != "none":
         ram += (4 + training.param_bytes) * shard

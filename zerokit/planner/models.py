@@ -8,11 +8,45 @@ Hugging Face checkpoint reports, and GPT-2 small to 124,439,808 (tied embeddings
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from zerokit.planner.spec import Trainable
+from zerokit.planner.spec import Trainable, _fraction, _positive_int
 from zerokit._support.jsonfile import read_json
+
+
+@dataclass(frozen=True, kw_only=True)
+class Experts:
+    """A mixture-of-experts MLP (Mixtral, Qwen-MoE, DeepSeekMoE): a router sends each token to `top_k` of `count`
+    gated MLPs of width `ffn`; `shared_ffn` is the width of the MLP every token also runs (shared experts, 0 none).
+    See [Note: the expert degree] in memory.py for what a rank holds."""
+
+    count: int
+    """Routed experts per MoE layer (Mixtral num_local_experts, Qwen num_experts, DeepSeek n_routed_experts)."""
+    top_k: int
+    """Experts each token is routed to (num_experts_per_tok)."""
+    ffn: int
+    """Each routed expert's intermediate width (Mixtral intermediate_size, Qwen/DeepSeek moe_intermediate_size)."""
+    shared_ffn: int = 0
+    """Total intermediate width of the shared experts (Qwen2 shared_expert_intermediate_size; DeepSeek
+    n_shared_experts x moe_intermediate_size); replicated like dense parameters, run by every token."""
+    shared_gate: bool = False
+    """Qwen2-MoE's sigmoid gate (hidden x 1) on the shared expert's output."""
+    capacity: float = 1.0
+    """Capacity factor: routed slots per token and expert choice; 1.0 is dropless, exactly the routed tokens."""
+    dense_layers: int = 0
+    """Layers whose MLP is dense, of the model's `ffn` (DeepSeek first_k_dense_replace, Qwen mlp_only_layers)."""
+
+    def __post_init__(self) -> None:
+        for name in ("count", "top_k", "ffn"):
+            _positive_int(f"experts {name}", getattr(self, name))
+        if self.top_k > self.count:
+            raise ValueError(f"top-k={self.top_k} is above the {self.count} experts; route to at most {self.count}")
+        for name in ("shared_ffn", "dense_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"experts {name}={value!r} must be an integer >= 0")
+        _fraction("capacity factor", self.capacity, low=1.0, high=float(self.count), closed_high=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +73,10 @@ class Architecture:
     mlp_bias: bool = False
     dropout: bool = False
     """Dropout layers present in training (each stores a 1-byte mask, Korthikanti et al. 2022)."""
+    qk_norm: bool = False
+    """RMSNorm on each head's query and key (Qwen3): 2 x head_dim weights per block."""
+    experts: Experts | None = None
+    """A mixture of experts in place of the MLP (of all but `experts.dense_layers` leading blocks); None: dense."""
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn", "vocab"):
@@ -51,6 +89,8 @@ class Architecture:
             raise ValueError(f"heads={self.n_heads} is not a multiple of kv_heads={self.n_kv_heads}")
         if self.head_dim < 0 or self.max_positions < 0:
             raise ValueError("head_dim and max_positions must be >= 0")
+        if self.experts is not None and self.experts.dense_layers >= self.n_layers:
+            raise ValueError(f"{self.experts.dense_layers} dense layers leave none of the {self.n_layers} for experts")
 
     @property
     def q_dim(self) -> int:
@@ -72,28 +112,66 @@ class Architecture:
     def norm_params(self) -> int:
         return (2 if self.layernorm else 1) * self.hidden
 
-    def block_param_sizes(self) -> list[int]:
-        """Elements of each parameter tensor of one block: weights, biases, norms."""
-        sizes = [d_in * d_out for d_in, d_out in self.projections().values()]
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.n_heads
+
+    def attention_sizes(self) -> list[int]:
+        """Elements of each tensor of one block outside its MLP: q, k, v, o and their biases, the norms."""
+        sizes = [d_in * d_out for key, (d_in, d_out) in self.projections().items() if key in ("q", "k", "v", "o")]
         if self.qkv_bias:
             sizes += [self.q_dim, self.kv_dim, self.kv_dim]
         if self.out_bias:
             sizes.append(self.hidden)
-        if self.mlp_bias:
-            sizes += [self.ffn] * (2 if self.gated_mlp else 1) + [self.hidden]
+        sizes += [self.head_size] * (2 if self.qk_norm else 0)
         return sizes + [self.hidden] * (4 if self.layernorm else 2)
 
-    def small_block_params(self, threshold: int) -> int:
+    def dense_mlp_sizes(self, ffn: int) -> list[int]:
+        sizes = [self.hidden * ffn] * (3 if self.gated_mlp else 2)
+        return sizes + ([ffn] * (2 if self.gated_mlp else 1) + [self.hidden] if self.mlp_bias else [])
+
+    def expert_params(self) -> int:
+        """One routed expert: a gated MLP of the experts' width (no biases in Mixtral, Qwen or DeepSeek)."""
+        return (3 if self.gated_mlp else 2) * self.hidden * self.experts.ffn if self.experts else 0
+
+    def moe_mlp_sizes(self, routed: int) -> list[int]:
+        """A mixture-of-experts MLP with `routed` of its experts: the router, the experts, the shared ones."""
+        x = self.experts
+        sizes = [self.hidden * x.count] + [self.hidden * x.ffn] * (3 if self.gated_mlp else 2) * routed
+        sizes += self.dense_mlp_sizes(x.shared_ffn) if x.shared_ffn else []
+        return sizes + ([self.hidden] if x.shared_gate else [])
+
+    @property
+    def moe_layers(self) -> int:
+        return self.n_layers - self.experts.dense_layers if self.experts else 0
+
+    def block_param_sizes(self, routed: int | None = None) -> list[int]:
+        """Elements of each parameter tensor of one block; with experts, an MoE block holding `routed` of them (None:
+        all, as without expert parallelism)."""
+        if self.experts is None:
+            return self.attention_sizes() + self.dense_mlp_sizes(self.ffn)
+        return self.attention_sizes() + self.moe_mlp_sizes(self.experts.count if routed is None else routed)
+
+    def small_block_params(self, threshold: int, routed: int | None = None) -> int:
         """Parameters of one block in tensors under `threshold` elements, which stage 3 gives to the root
         unit (stage3_param_persistence_threshold, per parameter, as the engine does)."""
-        return sum(size for size in self.block_param_sizes() if size < threshold)
+        return sum(size for size in self.block_param_sizes(routed) if size < threshold)
 
-    def block_params(self) -> int:
-        weights = sum(d_in * d_out for d_in, d_out in self.projections().values())
-        biases = (self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0) + (self.hidden if self.out_bias else 0)
-        if self.mlp_bias:
-            biases += (2 if self.gated_mlp else 1) * self.ffn + self.hidden
-        return weights + biases + 2 * self.norm_params()
+    def block_params(self, routed: int | None = None) -> int:
+        """One block; with experts, one MoE block (the largest, stage 3's gather unit) with `routed` experts."""
+        return sum(self.block_param_sizes(routed))
+
+    def blocks_params(self, routed: int | None = None) -> int:
+        """Every block, with `routed` experts per MoE layer (None: all of them)."""
+        if self.experts is None:
+            return self.n_layers * self.block_params()
+        routed = self.experts.count if routed is None else routed
+        dense = self.experts.dense_layers * sum(self.attention_sizes() + self.dense_mlp_sizes(self.ffn))
+        return dense + self.moe_layers * sum(self.attention_sizes() + self.moe_mlp_sizes(routed))
+
+    def routed_expert_params(self) -> int:
+        """The routed experts of every MoE layer: what expert parallelism splits (shared experts stay dense)."""
+        return self.moe_layers * self.experts.count * self.expert_params() if self.experts else 0
 
     def embedding_params(self) -> int:
         return self.vocab * self.hidden + self.max_positions * self.hidden
@@ -102,18 +180,23 @@ class Architecture:
         return 0 if self.tied_embeddings else self.vocab * self.hidden
 
     def total_params(self) -> int:
-        return (self.embedding_params() + self.n_layers * self.block_params() + self.norm_params()
-                + self.head_params())
+        return self.embedding_params() + self.blocks_params() + self.norm_params() + self.head_params()
+
+    def active_params(self) -> int:
+        """The parameters one token runs through: every expert layer's top-k experts, not all of them (the figure
+        model cards quote as "active")."""
+        routed = self.experts.top_k if self.experts else None
+        return self.embedding_params() + self.blocks_params(routed) + self.norm_params() + self.head_params()
 
     def root_params(self) -> int:
         """Everything outside the repeated blocks: embeddings, final norm, head. Stage 3 keeps this
         root unit gathered for the whole step (zerokit/stages/units.py; torchtitan does the same)."""
-        return self.total_params() - self.n_layers * self.block_params()
+        return self.total_params() - self.blocks_params()
 
     def matmul_params(self) -> int:
         """Parameters that multiply every token (all but the embedding lookup; the output
-        projection counts even when it is tied to the embedding)."""
-        return self.n_layers * self.block_params() + self.vocab * self.hidden
+        projection counts even when it is tied to the embedding); with experts, only the top-k a token is routed to."""
+        return self.blocks_params(self.experts.top_k if self.experts else None) + self.vocab * self.hidden
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,6 +255,15 @@ _LLAMA3_SRC = ("Meta Llama 3 model card; Hugging Face meta-llama/{} config.json:
 _MISTRAL_SRC = ("Jiang et al. 2023 (Mistral 7B), Table 1: n_layers=32, dim=4096, n_heads=32, n_kv_heads=8, "
                 "hidden_dim=14336, vocab_size=32000; Hugging Face mistralai/Mistral-7B-v0.1 config.json")
 
+_MIXTRAL_SRC = ("Jiang et al. 2024 (Mixtral of Experts): 46.7B parameters, 12.9B active; Hugging Face "
+                "mistralai/Mixtral-8x7B-v0.1 config.json: num_hidden_layers=32, hidden_size=4096, "
+                "num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, num_local_experts=8, "
+                "num_experts_per_tok=2, vocab_size=32000")
+_QWEN3_MOE_SRC = ("Qwen3 technical report (Qwen3-30B-A3B: 30.5B parameters, 3.3B active); Hugging Face "
+                  "Qwen/Qwen3-30B-A3B config.json: num_hidden_layers=48, hidden_size=2048, num_attention_heads=32, "
+                  "num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, "
+                  "moe_intermediate_size=768, vocab_size=151936, q/k norms, untied embeddings")
+
 
 def _presets() -> dict[str, ModelSpec]:
     table = {}
@@ -189,6 +281,11 @@ def _presets() -> dict[str, ModelSpec]:
                            ("llama3-70b", "Meta-Llama-3-70B", (80, 8192, 64, 8, 28672))):
         table[key] = from_architecture(_llama(*shape, vocab=128256), key, _LLAMA3_SRC.format(hf, *shape), 8192)
     table["mistral-7b"] = from_architecture(_llama(32, 4096, 32, 8, 14336, 32000), "mistral-7b", _MISTRAL_SRC, 8192)
+    mixtral = replace(_llama(32, 4096, 32, 8, 14336, 32000), experts=Experts(count=8, top_k=2, ffn=14336))
+    table["mixtral-8x7b"] = from_architecture(mixtral, "mixtral-8x7b", _MIXTRAL_SRC, 32768)
+    qwen3 = Architecture(n_layers=48, hidden=2048, n_heads=32, n_kv_heads=4, head_dim=128, ffn=6144, vocab=151936,
+                         qk_norm=True, experts=Experts(count=128, top_k=8, ffn=768))
+    table["qwen3-30b-a3b"] = from_architecture(qwen3, "qwen3-30b-a3b", _QWEN3_MOE_SRC, 32768)
     return table
 
 
@@ -203,8 +300,10 @@ def preset(key: str) -> ModelSpec:
 
 # --- Hugging Face config.json (local file, no hub access) --------------------------------------
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
+MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3") + MOE_TYPES
 HF_MODEL_TYPES = ("gpt2",) + LLAMA_LIKE
+MLA_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention: shapes not modelled
 
 
 def _require(cfg: dict, key: str, where: str) -> int:
@@ -239,9 +338,34 @@ def _llama_from_config(cfg: dict, where: str) -> Architecture:
                         head_dim=_optional(cfg, "head_dim", 0, where),
                         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                         # Qwen2 hard-codes biases on q, k, v (not o); Llama has one attention_bias flag.
-                        qkv_bias=attention_bias or cfg["model_type"] == "qwen2", out_bias=attention_bias,
-                        mlp_bias=bool(cfg.get("mlp_bias", False)),
-                        dropout=float(cfg.get("attention_dropout", 0.0) or 0.0) > 0)
+                        qkv_bias=attention_bias or cfg["model_type"] in ("qwen2", "qwen2_moe"),
+                        out_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)),
+                        qk_norm=cfg["model_type"] in ("qwen3", "qwen3_moe"),
+                        dropout=float(cfg.get("attention_dropout", 0.0) or 0.0) > 0,
+                        experts=_experts_from_config(cfg, where) if cfg["model_type"] in MOE_TYPES else None)
+
+
+def _experts_from_config(cfg: dict, where: str) -> Experts:
+    """Mixtral's, Qwen-MoE's and DeepSeekMoE's names for the same few numbers."""
+    kind = cfg["model_type"]
+    count_key = {"mixtral": "num_local_experts", "deepseek": "n_routed_experts"}.get(kind, "num_experts")
+    width_key = "intermediate_size" if kind == "mixtral" else "moe_intermediate_size"
+    width = _require(cfg, width_key, where)
+    shared = (_optional(cfg, "shared_expert_intermediate_size", 0, where) if kind == "qwen2_moe"
+              else width * _optional(cfg, "n_shared_experts", 0, where) if kind == "deepseek" else 0)
+    return Experts(count=_require(cfg, count_key, where), top_k=_require(cfg, "num_experts_per_tok", where),
+                   ffn=width, shared_ffn=shared, shared_gate=kind == "qwen2_moe" and shared > 0,
+                   dense_layers=_dense_layers(cfg, where))
+
+
+def _dense_layers(cfg: dict, where: str) -> int:
+    """Blocks with a dense MLP: DeepSeek's first k; Qwen's listed ones, or all but every step-th."""
+    if cfg["model_type"] == "deepseek":
+        return _optional(cfg, "first_k_dense_replace", 0, where)
+    layers = _require(cfg, "num_hidden_layers", where)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    step = _optional(cfg, "decoder_sparse_step", 1, where)
+    return len(dense | {i for i in range(layers) if (i + 1) % step})
 
 
 def from_hf_config(path: str | Path) -> ModelSpec:
@@ -256,6 +380,9 @@ def from_hf_dict(cfg: object, where: str = "config", folder: str = "", source: s
     if not isinstance(cfg, dict):
         raise ValueError(f"{where} must hold a JSON object")
     model_type = cfg.get("model_type")
+    if model_type in MLA_TYPES:
+        raise ValueError(f"{where}: model_type {model_type!r} uses multi-head latent attention, whose shapes the "
+                         "planner does not model; describe it with --arch or a llama-like config")
     if model_type not in HF_MODEL_TYPES:
         raise ValueError(f"{where}: model_type {model_type!r} is not supported; accepted: {', '.join(HF_MODEL_TYPES)}")
     arch = _gpt2_from_config(cfg, where) if model_type == "gpt2" else _llama_from_config(cfg, where)

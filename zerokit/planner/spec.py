@@ -198,10 +198,19 @@ class Layout:
     """Ulysses sequence parallelism (`sequence_parallel_size`): sp consecutive ranks share each sequence, s / sp
     tokens each, exchanging heads around attention; ZeRO still shards over every rank, and the sequences read per
     step are the world's / sp (See [Note: the sequence dimension] in zerokit/parallel/mesh.py)."""
+    ep: int = 1
+    """Expert parallelism (`expert_parallel_size`), inside the data dimension: each block of ep consecutive ranks holds
+    every routed expert once, E / ep on each; the ranks at one place of every block (data / ep of them) hold the same
+    experts and form its expert-data group, over which ZeRO shards them (See [Note: the expert degree] in
+    memory.py and [Note: the expert dimension] in zerokit/parallel/mesh.py)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "replicas", "secondary", "sp"):
+        for name in ("tp", "pp", "replicas", "secondary", "sp", "ep"):
             _positive_int(name, getattr(self, name))
+        if self.ep > 1 and (self.tp, self.pp, self.replicas, self.secondary, self.sp) != (1, 1, 1, 1, 1):
+            raise ValueError(f"the planner prices expert parallelism (ep={self.ep}) over flat data parallelism only, "
+                             f"not with tp={self.tp}, pp={self.pp}, sp={self.sp}, replicas={self.replicas} or "
+                             f"hpZ k={self.secondary}")
         if self.sp > 1 and (self.tp, self.pp, self.secondary) != (1, 1, 1):
             raise ValueError(f"sequence parallelism (sp={self.sp}) composes with ZeRO's data parallelism (flat or "
                              f"replicas), not with tp={self.tp}, pp={self.pp} or hpZ k={self.secondary}")
@@ -223,6 +232,9 @@ class Layout:
                              f"replicas={self.replicas}: {world} is not divisible by {cut}")
         if (world // cut) % self.sp:
             raise ValueError(f"sp={self.sp} sequence ranks do not divide ZeRO's shard group of {world // cut} ranks")
+        if (world // cut) % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide the {world // cut} GPUs of the data-parallel group: "
+                             "use a divisor of them (usually of the GPUs per node)")
         if world % self.secondary:
             raise ValueError(f"hpZ secondary group of {self.secondary} ranks does not divide the world size {world}; "
                              "use a divisor of it (usually the GPUs per node)")
@@ -235,6 +247,7 @@ class Layout:
         parts += [f"replicas={self.replicas} (HSDP)"] if self.replicas > 1 else []
         parts += [f"hpZ k={self.secondary}"] if self.secondary > 1 else []
         parts += [f"sp={self.sp} (Ulysses)"] if self.sp > 1 else []
+        parts += [f"ep={self.ep} (experts)"] if self.ep > 1 else []
         return ", ".join(parts) or "flat data parallel"
 
 
@@ -312,6 +325,9 @@ class Policy:
     sequence: str = "auto"
     """auto: try a sequence degree inside the node (Ulysses) before a tensor degree and offloading (advice.py);
     none: never."""
+    expert: str = "auto"
+    """auto: for a mixture-of-experts model, try an expert degree inside the node before the sequence and tensor
+    degrees and offloading (advice.py); none: never."""
     max_micro_batch: int = 1024
     """Upper bound of the largest-micro-batch search."""
 
@@ -321,4 +337,5 @@ class Policy:
         _choice("offload policy", self.offload, ("auto", "none"))
         _choice("tensor policy", self.tensor, ("auto", "none"))
         _choice("sequence policy", self.sequence, ("auto", "none"))
+        _choice("expert policy", self.expert, ("auto", "none"))
         _positive_int("max micro batch", self.max_micro_batch)

@@ -356,7 +356,7 @@ def test_the_accelerator_answers_for_the_cpu(one_process) -> None:
         accelerator.create_graph()
 
 
-@pytest.mark.parametrize("module", ["zerokit.deepspeed.moe", "zerokit.deepspeed.launcher"])
+@pytest.mark.parametrize("module", ["zerokit.deepspeed.launcher"])
 def test_out_of_scope_modules_are_refused_naming_them(module: str) -> None:
     with pytest.raises(ImportError) as error:
         importlib.import_module(module)

@@ -34,7 +34,6 @@ from zerokit.deepspeed import checkpoint, ops, runtime, utils  # noqa: E402,F401
 __version__ = distribution_version()  # DeepSpeed's version with zerokit's as its local part (frameworks read it)
 
 OUT_OF_SCOPE = {
-    "moe": "MoE layers with expert parallelism",
     "init_inference": "DeepSpeed's inference engine (generate inside engine.unsharded() instead)",
     "InferenceEngine": "DeepSpeed's inference engine",
     "DeepSpeedHybridEngine": "DeepSpeed's RLHF hybrid engine",
@@ -45,6 +44,9 @@ OUT_OF_SCOPE = {
 
 
 def __getattr__(name: str):
+    if name == "moe":  # deepspeed.moe, as scripts reach it after `import deepspeed`; imported on first use
+        import zerokit.deepspeed.moe as moe
+        return moe
     if name in ("PipelineModule", "pipe"):  # deepspeed.PipelineModule, as DeepSpeed exports it; imported on first use
         import zerokit.deepspeed.pipe as pipe
         return pipe if name == "pipe" else pipe.PipelineModule

@@ -24,14 +24,22 @@ HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 STEPS = 3
 
 
-def _launch(script: Path, args: list[str], ranks: int, timeout: int = 400) -> None:
-    """torchrun on this machine, as a user would start the script."""
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def _launch(script: Path, args: list[str], ranks: int, out: Path, timeout: int = 400) -> None:
+    """torchrun on this machine, as a user would start the script. The peer's run may abort at exit after every rank
+    wrote its result: torch's race between gloo's worker and the interpreter's finalization (See [Note: leaving at
+    exit] in zerokit/comm/process.py), which zerokit's own exit avoids and DeepSpeed's does not (once in the suite's
+    runs here); its results stand, any other failure fails."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-               str(script), *args]
+               str(script), *args, "--out", str(out)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    finished = len(list(out.glob("rank*.json"))) == ranks
+    aborted_at_exit = EXIT_ABORT in done.stderr + done.stdout and finished
+    assert done.returncode == 0 or aborted_at_exit, done.stdout[-3000:] + done.stderr[-6000:]
 
 
 def _config(directory: Path, stage: int, accumulation: int = 4) -> Path:
@@ -74,8 +82,8 @@ def _losses(directory: Path) -> list[list[float]]:
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="needs DeepSpeed to compare with")
 def test_a_deepspeed_pipeline_script_trains_on_zerokit_at_every_stage_as_deepspeed_at_zero1(tmp_path) -> None:
     common = ["--steps", str(STEPS), "--partition", "uniform", "--seed_layers"]
-    _launch(SCRIPTS / "ds_pipe.py", ["--deepspeed_config", str(_config(tmp_path, 1)), "--tied", *common,
-                                     "--out", str(tmp_path / "deepspeed")], ranks=4)
+    _launch(SCRIPTS / "ds_pipe.py", ["--deepspeed_config", str(_config(tmp_path, 1)), "--tied", *common], ranks=4,
+            out=tmp_path / "deepspeed")
     runs = [(f"zero{stage}{'-tied' if tied else ''}",
              ["--deepspeed_config", str(_config(tmp_path, stage)), *(["--tied"] if tied else []), *common,
               "--out", str(tmp_path / f"zero{stage}{'-tied' if tied else ''}")])

@@ -3,7 +3,7 @@ expert, ep_size from the command line), the gate's auxiliary loss added to the t
 with split_params_into_different_moe_groups_for_optimizer, the engine's loop. Its import lines are the only ones
 tests/test_deepspeed_moe.py changes to run it on zerokit.
 
-    torchrun --nproc_per_node 2 ds_moe.py --stage 2 --k 2 --out results/
+    torchrun --nproc_per_node 4 ds_moe.py --stage 2 --k 2 --ep-size 2 --clip 0.05 --out results/
 """
 
 import argparse
@@ -16,6 +16,7 @@ from torch import nn
 import deepspeed
 from deepspeed.moe.layer import MoE
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+from deepspeed.utils import groups as ds_groups
 
 HIDDEN, EXPERTS, VOCAB, TOKENS, STEPS, AUX = 16, 4, 23, 7, 4, 0.01
 
@@ -46,6 +47,8 @@ def main() -> None:
     parser.add_argument("--stage", type=int, required=True)
     parser.add_argument("--k", type=int, default=1)
     parser.add_argument("--ep-size", type=int, default=1)
+    parser.add_argument("--clip", type=float, default=1.0)
+    parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -53,22 +56,31 @@ def main() -> None:
     model = MoEModel(args.k, args.ep_size)
     groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
                                                                     "name": "parameters"})
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.5}}, "zero_optimization": {"stage": args.stage},
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": args.accumulation,
+              "gradient_clipping": args.clip, "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+              "zero_optimization": {"stage": args.stage},
               "zero_allow_untested_optimizer": True}  # DeepSpeed asks it of SGD under ZeRO
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     rank = torch.distributed.get_rank()
-    losses = []
+    name = f"ep_size_{args.ep_size}"  # the expert groups deepspeed.initialize made, as a script asks for them
+    expert_groups = [ds_groups._get_expert_parallel_world_size(name), ds_groups._get_expert_parallel_rank(name),
+                     ds_groups._get_expert_data_parallel_world_size(name), ds_groups._get_expert_data_parallel_rank(name),
+                     ds_groups._get_expert_parallel_src_rank(name)] if args.ep_size > 1 else []
+    losses, norms = [], []
     for step in range(STEPS):
         tokens = batch(rank, step)
         logits, aux = engine(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)) + AUX * aux
         engine.backward(loss)
+        boundary = engine.is_gradient_accumulation_boundary()
         engine.step()
         losses.append(loss.item())
+        if boundary:
+            norms.append(float(engine.get_global_grad_norm()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "groups": len(groups)}))
+    (out / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "norms": norms, "groups": len(groups),
+                                                          "expert_groups": expert_groups}))
 
 
 if __name__ == "__main__":

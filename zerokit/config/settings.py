@@ -177,6 +177,10 @@ class EngineSettings:
     """Ranks on each node (torchrun's LOCAL_WORLD_SIZE, or the config's); 0: all on one node."""
     secondary_size: int = 1
     """hpZ's k at stage 3: the consecutive ranks a secondary copy of the parameter shards is split over; 1: none."""
+    expert_degree: int = 1
+    """A stage over MoE experts split across this many ranks (its group, their expert-data group, sums 1/ep of the
+    job's gradient: See [Note: ZeRO over experts split across ranks] in zerokit/parallel/experts/share.py); 1: the
+    dense stage."""
 
     def __post_init__(self) -> None:
         if not self.shard_size:

@@ -37,6 +37,7 @@ class ModuleView:
     tensor: Any  # the engine's tensor-parallel share (None without tensor parallelism)
     rank: int
     _refuse_if_closed: Any
+    _refuse_with_split_experts: Any
     _answering_ds_status: list[nn.Parameter] = []  # parameters given the class ZeroParameter, until close()
 
     def show_zero3_names(self) -> None:
@@ -85,6 +86,7 @@ class ModuleView:
         model. What accelerate's get_state_dict reads (See [Note: the whole state dict at the compute precision])."""
         from zerokit.checkpoint.pretrained import gathered_state_dict  # safetensors, imported on first save
 
+        self._refuse_with_split_experts("_zero3_consolidated_16bit_state_dict")
         if self.tensor is None:
             return gathered_state_dict(self.view, self.module, None, exclude_frozen_parameters, keep=True)
         dtype = self.config.precision.param_dtype  # tensor-parallel: whole tensors come from full_state_dict()
@@ -105,6 +107,7 @@ class ModuleView:
         from zerokit.checkpoint.pretrained import gathered_state_dict, save_weights_file
 
         self._refuse_if_closed("save_16bit_model")
+        self._refuse_with_split_experts("save_16bit_model")
         path = Path(save_dir) / save_filename
         if path.suffix == ".safetensors":
             save_weights_file(self, path, None, exclude_frozen_parameters)

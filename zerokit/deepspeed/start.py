@@ -180,6 +180,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if mpu is not None:
         from zerokit.deepspeed.runtime.sequence_parallel.ulysses_sp import after_initialize
         after_initialize(engine.module)
+    if engine.experts is not None:  # MoE layers split over ranks: deepspeed.utils.groups answers for their groups
+        from zerokit.deepspeed.utils.groups import record_expert_groups
+        record_expert_groups(engine.module, engine.experts.data.group)
     stream_trainer_saves()  # the HF Trainer's save_model, streamed at stage 3 (See zerokit/integrations/hf_trainer.py)
     if training_data is not None:
         engine.training_dataloader = engine.deepspeed_io(training_data)

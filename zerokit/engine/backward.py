@@ -15,6 +15,12 @@ class ExternalBackward:
 
     _deferred = False  # a window's last backward left its reductions to reduce_deferred()
 
+    def rooms(self) -> list[tuple[Any, Any]]:
+        """Each stage with the reducer its gradients fill: the model's, and the split experts' where there are (See
+        [Note: ZeRO over experts split across ranks] in zerokit/parallel/experts/share.py)."""
+        rooms = [(self.stage, self.reducer)]
+        return rooms if self.expert_stage is None else rooms + [(self.expert_stage, self.expert_reducer)]
+
     def external_backward(self, outputs: Sequence[torch.Tensor], defer_reduction: bool = False
                           ) -> AbstractContextManager[None]:
         """Around one micro-step's backward that the caller runs from `outputs` itself (torch's pipeline schedules),
@@ -46,17 +52,21 @@ def micro_step(engine: Any, roots: list[torch.Tensor], observed: torch.Tensor | 
     final = engine.at_boundary
     deferred = defer and final
     must_reduce = (final or engine.stage.reduces_every_micro_step) and not deferred
+    rooms = engine.rooms()  # the model's stage, and the split experts' (See parallel/experts/share.py)
     with engine.monitor.backward(observed) as lap:  # observability (zerokit/observe): the loss, phase times, FLOPs
-        engine.stage.prepare_backward()
-        if must_reduce:
-            engine.reducer.arm(roots, final=final)
+        for stage, reducer in rooms:
+            stage.prepare_backward()
+            if must_reduce:
+                reducer.arm(roots, final=final)
         yield
         engine.stage.end_of_autograd()  # stage 3: agree that every rank is done gathering
         lap("backward_inner")
-        engine.reducer.flush()
+        for _, reducer in rooms:
+            reducer.flush()
         lap("backward_reduce")
         if not deferred:
-            engine.stage.finish_backward()
+            for stage, _ in rooms:
+                stage.finish_backward()
     engine._deferred = deferred
     engine.progress.micro_step += 1
     engine.progress.backward_since_step = True

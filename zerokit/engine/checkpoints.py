@@ -1,19 +1,48 @@
-"""The engine's checkpoint calls (a mixin of Engine): where this rank's stage and tensor rank save under the
-directory the caller names, and loading from any layout. See zerokit/checkpoint and [Note: a checkpoint per stage
-and tensor rank, read as one] in zerokit/checkpoint/relayout.py."""
+"""The engine's state and checkpoint calls (a mixin of Engine): its state dicts, where this rank's stage and tensor
+rank save under the directory the caller names, and loading from any layout. See zerokit/checkpoint and [Note: a
+checkpoint per stage and tensor rank, read as one] in zerokit/checkpoint/relayout.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
+
+import torch
 
 from zerokit.checkpoint.locate import layout_directory
+from zerokit.engine.state import engine_state_dict, load_engine_state
+from zerokit.parallel.experts.share import split_experts_error
 
 
 class Checkpoints:
-    """save_checkpoint and load_checkpoint of Engine (it uses the engine's layout and _refuse_if_closed)."""
+    """The state dicts, save_checkpoint and load_checkpoint of Engine (it uses the engine's stages, layout and
+    _refuse_if_closed)."""
 
     tied_names: frozenset[str] = frozenset()  # parameters tied to copies on other pipeline stages (zerokit.pipeline)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict on CPU in fp32 (parameters at their compute precision), gathered
+        one unit at a time at stage 3 so the extra peak is the largest unit, not the model."""
+        self._refuse_with_split_experts("full_state_dict")
+        state = self.view.full_state_dict()
+        return state if self.tensor is None else self.tensor.consolidate(state, self.module)  # whole tensors
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything this rank holds that a resumed run needs: its shard of the model states (masters,
+        optimizer, and at stage 3 the frozen shards), the loss scaler, the step counters, and the LR
+        schedules the engine steps (when the config has a `scheduler` block)."""
+        self._refuse_with_split_experts("state_dict")
+        return engine_state_dict(self.stage, self.loss_scaler, self.progress, self.lr_schedules)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The inverse of state_dict(), on the same world size, stage and layout."""
+        self._refuse_with_split_experts("load_state_dict")
+        self.progress = load_engine_state(state, self.stage, self.loss_scaler, self.lr_schedules)
+
+    def _refuse_with_split_experts(self, call: str) -> None:
+        if self.expert_stage is not None:
+            raise split_experts_error(f"engine.{call}()")
+
 
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict[str, Any] | None = None,
                         save_latest: bool = True, async_save: bool = False, within_window: bool = False,
@@ -27,6 +56,7 @@ class Checkpoints:
         See zerokit/checkpoint and docs/checkpoints.md."""
         from zerokit.checkpoint import save_checkpoint
         self._refuse_if_closed("save_checkpoint")
+        self._refuse_with_split_experts("save_checkpoint")
         background = async_save or (self.parts.checkpoint.async_save if asynchronous is None else asynchronous)
         return save_checkpoint(self, layout_directory(save_dir, self.layout), tag, client_state,
                                save_latest=save_latest, async_save=background, within_window=within_window,
@@ -39,6 +69,7 @@ class Checkpoints:
         layout, by zerokit or DeepSpeed; returns (load_path, client_state). See zerokit/checkpoint."""
         from zerokit.checkpoint import load_checkpoint
         self._refuse_if_closed("load_checkpoint")
+        self._refuse_with_split_experts("load_checkpoint")
         return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
                                load_module_only=load_module_only, load_lr_scheduler_states=load_lr_scheduler_states)
 
@@ -52,6 +83,7 @@ class Checkpoints:
         from zerokit.checkpoint.hf_layout import parse_size
         from zerokit.checkpoint.pretrained import output_dtype, save_pretrained
         self._refuse_if_closed("save_pretrained")
+        self._refuse_with_split_experts("save_pretrained")
         if not safe_serialization:
             raise ValueError("save_pretrained(safe_serialization=False) is not offered: zerokit writes safetensors "
                              "files, which transformers loads by default (and 5.x writes only)")
@@ -65,4 +97,5 @@ class Checkpoints:
         the first of each, and nothing loaded. See zerokit/checkpoint/pretrained.py."""
         from zerokit.checkpoint.pretrained import load_pretrained
         self._refuse_if_closed("load_pretrained")
+        self._refuse_with_split_experts("load_pretrained")
         load_pretrained(self, directory)

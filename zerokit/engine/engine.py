@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zerokit.checkpoint.data_position import DataPosition
 from zerokit.checkpoint.newest import resume_from_newest
@@ -23,13 +24,13 @@ from zerokit.checkpoint.session import close as close_checkpoints
 from zerokit.comm import Communicator
 from zerokit.config.resolve import parts_before_facts, resolve
 from zerokit.config.typed import ZeroConfig, hidden_size_of, load_config
-from zerokit.engine.state import engine_state_dict, load_engine_state, totals
+from zerokit.engine.state import totals
 from zerokit.engine.checkpoints import Checkpoints
 from zerokit.checkpoint.locate import layout_directory
 from zerokit.engine.backward import ExternalBackward, micro_step
 from zerokit.engine.build import grad_accum_dtype_lines, learning_rates, lr_schedules_for, optimizers_for
 from zerokit.parallel.mesh import Layout, checked_layout
-from zerokit.masters import OptimizerPlan, optimizer_kind, trainable_groups
+from zerokit.masters import OptimizerPlan, optimizer_kind, share_optimizers, trainable_groups
 from zerokit.engine.activations import ActivationCheckpointer
 from zerokit.observe import EngineMonitor, collective_stats
 from zerokit.precision.result import StepResult
@@ -39,9 +40,11 @@ from zerokit.reliability import Safeguards, check_at_start
 from zerokit.comm.process import close_at_exit, default_device, ensure_process_group, forget_at_exit
 from zerokit.config.settings import Facts, RunSettings, launcher_node_rank, launcher_ranks_per_node
 from zerokit.stages import STAGES, BucketReducer, ZeroStage, install_hooks
-from zerokit.stages.base import memory_by_tier
+from zerokit.stages.base import gathered, memory_by_tier
 from zerokit.engine.step import Progress, Stepper
 from zerokit.engine.startup import log_startup
+from zerokit.parallel.experts.share import ExpertShare, expert_layout, expert_share, refuse_with_experts
+from zerokit.parallel.experts.share import startup_lines as expert_startup_lines
 from zerokit.parallel.sequence.share import sequence_layout, sequence_share
 from zerokit.parallel.sequence.share import startup_lines as sequence_startup_lines
 from zerokit.parallel.tensor.setup import batch_ranks, parallelize, tensor_layout
@@ -70,7 +73,9 @@ class Engine(ExternalBackward, Checkpoints):
         # The mesh first: the tensor degree decides this rank's data group, whose size the facts below are
         # (See zerokit/parallel/tensor/setup.py: the tensor degree, the model split by its plan, the tensor group)
         tensor_part, comm_part = parts_before_facts(config, launcher_per_node)
-        self.layout = checked_layout(sequence_layout(tensor_layout(layout, tensor_part), tensor_part))
+        # the expert degree of the model's MoE layers last: it splits the data dimension the others leave
+        self.layout = checked_layout(expert_layout(sequence_layout(tensor_layout(layout, tensor_part), tensor_part),
+                                                   model))
         hidden_size = hidden_size_of(model)  # a fact for "auto" sizes, from the model's Hugging Face config
         self.tensor, optimizer, model_parameters = parallelize(model, self.layout, tensor_part, optimizer,
                                                                model_parameters)
@@ -82,6 +87,8 @@ class Engine(ExternalBackward, Checkpoints):
         self.comm = Communicator.create(comm_part.timeout_seconds, stats=collective_stats(comm_part.logger),
                                         parts=None if self.layout is None else self.layout.data_groups())
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        # MoE experts split over ranks: their layers' expert groups, and the expert-data group their states shard over
+        self.experts = expert_share(self.layout, model, self.comm)
         facts = Facts(world_size=self.world_size, backend=self.comm.backend, hidden_size=hidden_size,
                       ranks_per_node=launcher_per_node, node_rank=node_rank,
                       batch_ranks=counted_ranks)
@@ -101,27 +108,30 @@ class Engine(ExternalBackward, Checkpoints):
         buffers, masters), the reducer and the hooks that fill its buckets, the guards, the step, then what watches
         the step (monitor, activations, preemption)."""
         config, parts, model = self.config, self.parts, self.module
-        self.stage, kinds = _build_stage(model, optimizer, model_parameters, param_init, config, parts, self.comm,
-                                         self.device)
+        self.stage, self.expert_stage, kinds = _build_stage(model, optimizer, model_parameters, param_init, config,
+                                                            parts, self.comm, self.device, self.experts)
         self.optimizer = self.stage.optimizer if self.stage.masters.optimizers else None  # None: forward only
         self.view = ParameterView(self.stage, model, kinds)  # See [Note: a per-parameter view of the stage]
         self.lr_schedules = lr_schedules_for(config, self.stage.masters.optimizers)  # See zerokit/engine/build.py
-        # the reducer before the hooks: a gradient's hook hands its bucket to the reducer
-        self.reducer = BucketReducer(self.stage)
-        self._hooks = install_hooks(self.stage, self.reducer)
+        # the reducer before the hooks: a gradient's hook hands its bucket to the reducer; the split experts' stage
+        # has its own (See [Note: ZeRO over experts split across ranks] in parallel/experts/share.py)
+        self.reducer, self._hooks = _reducer_and_hooks(self.stage)
+        self.expert_reducer, expert_hooks = _reducer_and_hooks(self.expert_stage)
+        self._hooks += expert_hooks
         self.safeguards = Safeguards(model, self.comm, parts.safeguards, forward_only=self.optimizer is None)
         self.loss_scaler, self.progress = make_loss_scaler(parts.step.loss_scaling), Progress()
         self.data_position = DataPosition(self.rank)  # the loader whose position checkpoints save (.track(loader))
         self.stages_comm = _pipeline_comm(self.layout, parts.comm.timeout_seconds)  # the norm across the stages
         # the stepper after the stage, scaler, schedules and guards it drives
         self.stepper = Stepper(self.stage, self.loss_scaler, self.lr_schedules, self.safeguards, parts.step,
-                               self.tensor, other_stages=self.stages_comm)
+                               self.tensor, other_stages=self.stages_comm, experts=self.expert_stage)
         self.monitor = EngineMonitor(parts.observe, self)  # the observability keys; all off unless the config asks
         # See [Note: each engine checkpoints with its own settings] in zerokit/engine/activations.py; after the stage,
         # whose units it recomputes
         self.activations = ActivationCheckpointer(parts.activations, self.comm.stats, self.device)
         self.activations.checkpoint_modules(self.stage.recomputed_modules())
-        setup_lines = grad_accum_dtype_lines(config) + mesh_lines + self.activations.startup_lines()
+        experts = expert_startup_lines(self.experts, self.trainable_numel() - self.stage.layout.data_numel)
+        setup_lines = grad_accum_dtype_lines(config) + mesh_lines + experts + self.activations.startup_lines()
         log_startup(self.stage, list(parts.startup_lines) + setup_lines, parts.warnings)
         # last: a signal saves a checkpoint, which needs everything above
         self.preemption = PreemptionWatcher(parts.preemption, self.comm, self.save_checkpoint)
@@ -180,7 +190,7 @@ class Engine(ExternalBackward, Checkpoints):
     def memory_by_tier(self) -> dict[str, dict[str, int]]:
         """memory_stats() by tier: what this rank holds on the device, in host memory (offload tiers) and in
         NVMe files."""
-        return memory_by_tier(self.stage, self.module)
+        return memory_by_tier(self.stage, self.module, self.expert_stage)
 
     def unsharded(self, params: list[nn.Parameter] | None = None, write_back: bool = False):
         """Context: the given parameters (default: all) hold their full values until exit, as
@@ -188,23 +198,7 @@ class Engine(ExternalBackward, Checkpoints):
         duration (generation inside it gathers nothing per token); stages 0-2 hold them anyway.
         write_back=True: in-place edits made inside (identically on every rank) are kept, masters included."""
         units = self.stage.units_of(list(params)) if params is not None else None
-        return self.stage.gathered(units, write_back=write_back)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state dict on CPU in fp32 (parameters at their compute precision), gathered
-        one unit at a time at stage 3 so the extra peak is the largest unit, not the model."""
-        state = self.view.full_state_dict()
-        return state if self.tensor is None else self.tensor.consolidate(state, self.module)  # whole tensors
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything this rank holds that a resumed run needs: its shard of the model states (masters,
-        optimizer, and at stage 3 the frozen shards), the loss scaler, the step counters, and the LR
-        schedules the engine steps (when the config has a `scheduler` block)."""
-        return engine_state_dict(self.stage, self.loss_scaler, self.progress, self.lr_schedules)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """The inverse of state_dict(), on the same world size, stage and layout."""
-        self.progress = load_engine_state(state, self.stage, self.loss_scaler, self.lr_schedules)
+        return gathered(self.stage, units, write_back, self.expert_stage)
 
     def plan_report(self, **options: Any) -> list[dict]:
         """The planner's prediction for this run beside what the run measured, row by row (category, predicted,
@@ -215,7 +209,7 @@ class Engine(ExternalBackward, Checkpoints):
 
     def trainable_numel(self) -> int:
         """Ψ: trainable parameters, without padding."""
-        return self.stage.layout.data_numel
+        return sum(stage.layout.data_numel for stage, _ in self.rooms())
 
     # --- teardown ------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -238,6 +232,8 @@ class Engine(ExternalBackward, Checkpoints):
             close_checkpoints(self)
         finally:
             self.stage.close()
+            if self.expert_stage is not None:
+                self.expert_stage.close()
             for group in (self.tensor, self.stages_comm):  # a tensor-parallel model's; the pipeline's
                 if group is not None:
                     group.close()
@@ -257,23 +253,47 @@ class Engine(ExternalBackward, Checkpoints):
 
 def _build_stage(model: nn.Module, optimizer: Optimizers | None, model_parameters: Iterable[Any] | None,
                  param_init: ParamInit | None, config: ZeroConfig, parts: RunSettings, comm: Communicator,
-                 device: torch.device) -> tuple[ZeroStage, list[str]]:
+                 device: torch.device, experts: ExpertShare | None
+                 ) -> tuple[ZeroStage, ZeroStage | None, list[str]]:
     """The model and its optimizers made into the config's stage (layout, flat buffers, masters; See ZeroStage.build),
-    the model placed on `device` and cast to the compute dtype; with each optimizer's kind."""
+    the model placed on `device` and cast to the compute dtype; with each optimizer's kind. With `experts` (MoE
+    experts split over ranks), their parameters make a second stage over their expert-data group, stepped by the same
+    optimizers (See [Note: ZeRO over experts split across ranks] in zerokit/parallel/experts/share.py); else None."""
     optimizers = optimizers_for(model, optimizer, config, model_parameters)
     kinds = [optimizer_kind(o, config.optimizer_kinds, config.allow_untested_optimizer) for o in optimizers]
     check_at_start(model, optimizers, parts.safeguards, comm, device)  # before any collective on the model
-    construction = place_model(model, optimizers, param_init, config.stage, device, comm)
+    if experts is not None:
+        refuse_with_experts(config.stage, parts.decisions.replicas > 1, "nvme" in (config.offload_optimizer.device,
+                                                                                 config.offload_param.device))
+    construction = place_model(model, optimizers, param_init, config.stage, device, comm,
+                               None if experts is None else (experts.params, experts.data))
     # no optimizer: nothing trains, every parameter is held as a frozen one (See zerokit/reliability/forward_only.py)
     groups, refs = trainable_groups(model, optimizers, kinds) if optimizers else ([], [])
     params, group_of_param = _backward_ordered(model, groups)
     plan = OptimizerPlan(tuple(optimizers), tuple(refs))
     extra = {"construction": construction} if construction is not None else {}
-    stage = STAGES[config.stage].build(model, params, group_of_param, plan, parts.stage, parts.decisions, comm, **extra)
+    split = experts.params if experts is not None else frozenset()
+    dense = [(p, g) for p, g in zip(params, group_of_param) if id(p) not in split]
+    stage = STAGES[config.stage].build(model, [p for p, _ in dense], [g for _, g in dense], plan, parts.stage,
+                                       parts.decisions, comm, **extra)
+    expert_stage = None
+    if experts is not None:
+        expert = [(p, g) for p, g in zip(params, group_of_param) if id(p) in split]
+        expert_stage = STAGES[config.stage].build(model, [p for p, _ in expert], [g for _, g in expert], plan,
+                                                  parts.stage, experts.settings(parts.decisions), experts.data)
+        share_optimizers(stage.masters, expert_stage.masters, plan)
     # Frozen parameters (stages 0-2; stage 3 shards them in the compute dtype already) and buffers; trainable ones
     # are cast.
     model.to(dtype=config.precision.param_dtype)
-    return stage, kinds
+    return stage, expert_stage, kinds
+
+
+def _reducer_and_hooks(stage: ZeroStage | None) -> tuple[BucketReducer | None, list[RemovableHandle]]:
+    """The reducer of `stage`'s gradient buckets, and the hooks that hand it each gradient (none without a stage)."""
+    if stage is None:
+        return None, []
+    reducer = BucketReducer(stage)
+    return reducer, install_hooks(stage, reducer)
 
 
 def _pipeline_comm(layout: Layout | None, timeout_seconds: float) -> Communicator | None:

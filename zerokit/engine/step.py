@@ -63,16 +63,18 @@ class Stepper:
 
     def __init__(self, stage: ZeroStage, loss_scaler: DynamicLossScaler | NoLossScaler, lr_schedules: list[Any],
                  safeguards: Safeguards, part: StepSettings, tensor: TensorShare | None = None,
-                 other_stages: Communicator | None = None) -> None:
+                 other_stages: Communicator | None = None, experts: ZeroStage | None = None) -> None:
         """`part`: the step's settings (clipping, the skips allowed in a row). `tensor`: the tensor group of a
         tensor-parallel model, whose ranks' squares the norm adds up (See [Note: each element counted once across
         tensor and data ranks] in zerokit/parallel/tensor/share.py); None without one.
         `other_stages`: the pipeline group, whose ranks hold the model's other stages (See [Note: one norm across the
-        pipeline]); None without a pipeline."""
+        pipeline]); None without a pipeline. `experts`: the stage of MoE experts split over ranks, stepped with this one
+        by one norm and one optimizer (See [Note: ZeRO over experts split across ranks] in
+        zerokit/parallel/experts/share.py); None without."""
         self.stage, self.loss_scaler, self.lr_schedules, self.safeguards = stage, loss_scaler, lr_schedules, safeguards
         self.gradient_clipping = part.gradient_clipping
         self.max_consecutive_skips = part.max_consecutive_skipped_steps
-        self.tensor, self.other_stages = tensor, other_stages
+        self.tensor, self.other_stages, self.experts = tensor, other_stages, experts
         self._uncounted = frozenset() if tensor is None else tensor.uncounted(stage.flat.params)
 
     def exclude_from_norm(self, param_indices: set[int]) -> None:
@@ -96,19 +98,25 @@ class Stepper:
         squares = masters.unscaled_square_sum(self.loss_scaler.scale, self._uncounted)
         if self.tensor is not None:
             squares = self.tensor.sum_squares(squares)
-        norm = self._norm_and_usage(squares)
+        stages = [stage] if self.experts is None else [stage, self.experts]
+        norm = self._norm_and_usage(squares) if self.experts is None else self._with_experts(squares)
         overflow = norm != norm  # nan: some gradient was inf or nan on some rank
         self.loss_scaler.update(overflow)
         lap("optimizer_gradients")
         if overflow:
-            stage.release_grads()
+            for each in stages:
+                each.release_grads()
             return self._skip(progress)
-        masters.drop_unused(stage.usage.agreed)
         coefficient = clip_coefficient(norm, self.gradient_clipping)
+        for each in stages[1:]:  # the experts' masters: the one optimizer below steps them with the dense ones
+            each.masters.drop_unused(each.usage.agreed)
+            each.masters.clip(coefficient)
+        masters.drop_unused(stage.usage.agreed)
         masters.step(coefficient)
         lap("optimizer_step")
-        stage.release_grads()
-        stage.publish_params()
+        for each in stages:
+            each.release_grads()
+            each.publish_params()
         lap("optimizer_allgather")
         for schedule in self.lr_schedules:  # only on steps not skipped, as DeepSpeed steps its schedules
             schedule.step()
@@ -130,6 +138,26 @@ class Stepper:
             replicas.all_reduce(flags, op=dist.ReduceOp.SUM, purpose="which parameters each rank used, across replicas")
         usage.agree(flags)
         return self._across_stages(norm)
+
+    def _with_experts(self, squares: float) -> float:
+        """The norm over the dense gradients (`squares`, this rank's) and the split experts' together, and which
+        expert parameters each rank of their expert-data group used (See [Note: ZeRO over experts split across
+        ranks] in zerokit/parallel/experts/share.py)."""
+        experts = self.experts
+        mine = experts.masters.unscaled_square_sum(self.loss_scaler.scale)
+        if experts.norm_comm is not None:  # stages 1-2: each expert element is on one rank; its usage agreed here
+            flags = experts.usage.flags(torch.float64, experts.comm.device)
+            experts.comm.all_reduce(flags, op=dist.ReduceOp.SUM, purpose="which expert parameters each rank used")
+            experts.usage.agree(flags)  # (stage 0 agreed in its last bucket's all-reduce)
+            return self._norm_and_usage(squares + mine)
+        # stage 0: the ranks of an expert-data group hold the same full gradients, so its first counts them (the
+        # others' times zero: an inf still counts), and one more scalar sums them over every rank
+        counted = torch.tensor([mine if experts.comm.rank == 0 else 0.0 * mine], dtype=torch.float64,
+                               device=self.stage.comm.device)
+        self.stage.comm.all_reduce(counted, op=dist.ReduceOp.SUM, purpose="the split experts' gradient norm")
+        dense = self._norm_and_usage(squares)
+        total = dense * dense + counted.item()
+        return math.sqrt(total) if math.isfinite(total) else float("nan")
 
     def _across_stages(self, norm: float) -> float:
         """The norm over every stage's gradients from this stage's. See [Note: one norm across the pipeline]."""

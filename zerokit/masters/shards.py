@@ -174,8 +174,7 @@ class ShardMasters:
     def step(self, clip: float = 1.0) -> None:
         """Scale the gradients by the clip coefficient (if below 1), then step every optimizer: the resident
         masters at once, then the paged ones one by one (See [Note: paging a master through a bounded pool])."""
-        if clip < 1.0:
-            scale_(self._grads, clip)
+        self.clip(clip)
         for optimizer in self.optimizers:
             optimizer.step()
         paged = [index for index, home in enumerate(self.homes) if home.paged]
@@ -184,6 +183,11 @@ class ShardMasters:
                 for piece in pieces:
                     piece.param.grad = None
             self._step_paged(paged)
+
+    def clip(self, coefficient: float) -> None:
+        """Scale the gradients by the clip coefficient, if below 1."""
+        if coefficient < 1.0:
+            scale_(self._grads, coefficient)
 
     def _step_paged(self, paged: list[int]) -> None:
         """Sub-group by sub-group, master by master; See [Note: paging a master through a bounded pool]."""
@@ -246,13 +250,9 @@ class ShardMasters:
             held["host"]["optimizer_state"] += paged[0].pool.held_bytes()
         return {tier: dict(categories) for tier, categories in held.items()}
 
-    def nbytes(self) -> int:
-        """fp32 masters (unless they alias the compute shards) and the optimizers' own state, on every tier."""
-        return sum(held.get("optimizer_state", 0) for held in self.held_by_tier().values())
-
     def piece_refs(self) -> list[PieceRef]:
         """Every optimizer piece this rank steps, with the parameter part it is and its optimizer."""
-        optimizer_of = {id(p): o for o in self.optimizers for g in o.param_groups for p in g["params"]}
+        optimizer_of = self.optimizer_of()
         return [PieceRef(piece.param_index, piece.param_begin, piece.param, optimizer_of[id(piece.param)])
                 for pieces in self.pieces for piece in pieces]
 
@@ -299,3 +299,13 @@ class ShardMasters:
             for index in range(len(self.homes)):
                 stack.enter_context(self.resident(index, publish))
             yield
+
+
+def share_optimizers(first: ShardMasters, second: ShardMasters, plan: OptimizerPlan) -> None:
+    """One rebuilt optimizer of each of the user's over the pieces of both `first` and `second` (two stages of one
+    model: See [Note: ZeRO over experts split across ranks] in zerokit/parallel/experts/share.py), given to both:
+    `first.step` steps it, after `second.clip`; a schedule over it sets both."""
+    shared = [rebuild_optimizer(optimizer, [a["params"] + b["params"] for a, b in zip(mine.param_groups,
+                                                                                      theirs.param_groups)])
+              for optimizer, mine, theirs in zip(plan.optimizers, first.optimizers, second.optimizers)]
+    first.optimizers = second.optimizers = shared

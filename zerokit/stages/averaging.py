@@ -44,6 +44,9 @@ class BucketAveraging:
         self.reduce_scatter = settings.reduce_scatter  # See [Note: reducing a bucket to a shard]
         # See [Note: gradient pre-division]: what gradients are divided by before their sum (1: averaged as usual)
         self.predivide = float(settings.world_size) if part.prescale_gradients else part.gradient_predivide_factor
+        # a stage of experts split over ep ranks: its group's sum holds 1/ep of the job's gradient, so one process's
+        # average is the group's divided by ep more (See [Note: ZeRO over experts split across ranks])
+        self.expert_share = 1.0 / settings.expert_degree
         self.purpose = purpose
         self.awaiting_replicas: list[Bucket] = []  # reduced in the shard group, not yet across the replicas
 
@@ -76,9 +79,10 @@ class BucketAveraging:
         gradient_predivide_factor ask; returns the reduction's op and what its result is then multiplied by.
         See [Note: gradient pre-division]."""
         if self.predivide == 1.0:
-            return dist.ReduceOp.AVG, 1.0
+            return dist.ReduceOp.AVG, self.expert_share
         grads.mul_(1.0 / self.predivide)
-        return dist.ReduceOp.SUM, self.predivide / self.world_size  # the replicas then average over the rest
+        # the replicas then average over the rest
+        return dist.ReduceOp.SUM, self.predivide / self.world_size * self.expert_share
 
     def waits_for_replicas(self, bucket: Bucket) -> bool:
         """With MiCS, a bucket reduced at the accumulation boundary is kept for `average_across_replicas`

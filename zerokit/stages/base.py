@@ -271,18 +271,36 @@ def swap_directories_of(holders: list[Home | ShardIO]) -> list[SwapDirectory]:
     return list(found.values())
 
 
-def memory_by_tier(stage: ZeroStage, model: nn.Module) -> dict[str, dict[str, int]]:
+def memory_by_tier(stage: ZeroStage, model: nn.Module, experts: ZeroStage | None = None) -> dict[str, dict[str, int]]:
     """Bytes this rank holds by tier (device, host, nvme) and category (parameters, trainable and frozen;
-    gradients; optimizer_state: fp32 masters, when separate, and the optimizer's own state)."""
+    gradients; optimizer_state: fp32 masters, when separate, and the optimizer's own state). `experts`: the stage of
+    the model's MoE experts split over ranks, beside `stage` (See [Note: ZeRO over experts split across ranks] in
+    zerokit/parallel/experts/share.py)."""
     held = {tier: {"parameters": 0, "gradients": 0, "optimizer_state": 0} for tier in TIERS}
-    held["device"]["gradients"] = tensor_bytes(stage.gradient_tensors())
-    for source in (stage.parameter_bytes(), stage.frozen_bytes(model)):
-        for tier, count in source.items():
+    for each in [stage] if experts is None else [stage, experts]:
+        held["device"]["gradients"] += tensor_bytes(each.gradient_tensors())
+        for tier, count in each.parameter_bytes().items():
             held[tier]["parameters"] += count
-    for tier, categories in stage.masters.held_by_tier().items():
-        for category, count in categories.items():
-            held[tier][category] += count
+        for tier, categories in each.masters.held_by_tier().items():
+            for category, count in categories.items():
+                held[tier][category] += count
+    for tier, count in stage.frozen_bytes(model).items():
+        held[tier]["parameters"] += count
+    if experts is not None:  # `stage` counts split experts among the parameters it does not train: theirs holds them
+        held["device"]["parameters"] -= tensor_bytes(experts.flat.params)
     return held
+
+
+@contextmanager
+def gathered(stage: ZeroStage, units: Any, write_back: bool, experts: ZeroStage | None = None) -> Iterator[None]:
+    """`stage.gathered(units, write_back)`, and with `experts` (a stage of split MoE experts: stages 0-2, which hold
+    full parameters) their edits handed back to their masters too."""
+    with stage.gathered(units, write_back=write_back):
+        if experts is None:
+            yield
+        else:
+            with experts.gathered(None, write_back=write_back):
+                yield
 
 
 def layout_line(stage: ZeroStage) -> str:

@@ -91,10 +91,12 @@ def init_buffer_owners(owners: list[nn.Module], param_init: ParamInit) -> None:
 
 
 def place_model(model: nn.Module, optimizers: list[torch.optim.Optimizer], param_init: ParamInit | None,
-                stage: int, device: torch.device, comm: Communicator) -> Construction | None:
+                stage: int, device: torch.device, comm: Communicator,
+                experts: tuple[frozenset[int], Communicator] | None = None) -> Construction | None:
     """Move the model to this rank's device. A model built on the meta device is left for stage 3 to
     materialise unit by unit (See [Note: sharded construction]); any other starts from rank 0's
-    weights and buffers, as torch DDP does."""
+    weights and buffers, as torch DDP does, and `experts` (the ids of MoE experts' parameters split over ranks, and
+    their expert-data group) from their group's first rank's."""
     if has_meta_parameters(model):
         if stage != 3:
             raise ValueError(f"a model on the meta device needs zero_optimization.stage=3 (got {stage}): only stage 3 "
@@ -106,9 +108,11 @@ def place_model(model: nn.Module, optimizers: list[torch.optim.Optimizer], param
     if param_init is not None:
         raise ValueError("param_init is for models built on the meta device; this model has real parameters")
     model.to(device=device)
+    expert_ids, expert_comm = experts if experts is not None else (frozenset(), comm)
     with torch.no_grad():
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            comm.broadcast(tensor.data, src=0, purpose=f"rank 0's {name}")
+            over = expert_comm if id(tensor) in expert_ids else comm
+            over.broadcast(tensor.data, src=0, purpose=f"rank 0's {name}")
     return None
 
 

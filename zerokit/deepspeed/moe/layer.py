@@ -2,11 +2,12 @@
 zerokit's ExpertParallelMoE (zerokit/parallel/experts/layer.py: DeepSpeed's gate and dispatch, reproduced).
 
 [Note: the drop-in's expert degree]
-Every expert of a layer here lives on every rank (ep_size=1): the layer trains at ZeRO 0-3 as any module does, its
-experts' states sharded with the rest, and computes what DeepSpeed's MoE computes at ep_size=1. Splitting the experts
-over ranks (ep_size > 1) needs ZeRO to shard and reduce the experts' states over their expert-data groups apart from
-the dense ones, which zerokit's engine does not do yet: such a layer is refused when it is built, in one line, rather
-than trained with its experts' gradients averaged over the wrong ranks.
+At ep_size=1 every expert of a layer lives on every rank: the layer trains at ZeRO 0-3 as any module does, its
+experts' states sharded with the rest. At ep_size > 1 each rank holds num_experts / ep_size of them:
+deepspeed.initialize gives the layer its expert group (DeepSpeed's order: See [Note: the expert dimension] in
+zerokit/parallel/mesh.py) and shards and averages its experts' states over their expert-data group at ZeRO 0-2,
+clipping by the global norm (See [Note: ZeRO over experts split across ranks] in zerokit/parallel/experts/share.py).
+ZeRO-3 with ep_size > 1, which DeepSpeed refuses for its native MoE, is refused in one line too, for now.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class MoE(nn.Module):
         self.num_experts, self.num_local_experts = num_experts, num_experts // ep_size
         self.deepspeed_moe = ExpertParallelMoE(hidden_size, expert, num_experts, None, k, capacity_factor,
                                                eval_capacity_factor, min_capacity, drop_tokens, False,
-                                               noisy_gate_policy, use_rts, top2_2nd_expert_sampling)
+                                               noisy_gate_policy, use_rts, top2_2nd_expert_sampling, ep_size=ep_size)
         self.deepspeed_moe.experts = Experts(self.deepspeed_moe.experts)
         mark_expert_parameters(self.deepspeed_moe.experts, self.expert_group_name)
         if use_residual:  # after the gate, as DeepSpeed makes them: a seeded model starts from DeepSpeed's weights
@@ -61,7 +62,8 @@ class MoE(nn.Module):
             self.coefficient = nn.Linear(hidden_size, 2)
 
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
-        """DeepSpeed's engine calls it to make the expert groups; at ep_size=1 every rank holds every expert."""
+        """DeepSpeed's engine calls it to make the expert groups; zerokit's engine gives each layer its group from the
+        job's layout when it is built (See [Note: the drop-in's expert degree])."""
 
     def forward(self, hidden_states: torch.Tensor,
                 used_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,10 +79,6 @@ class MoE(nn.Module):
 def _check_expert_degree(ep_size: Any, num_experts: Any) -> None:
     if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
         raise ValueError(f"MoE(ep_size={ep_size!r}): the expert-parallel size must be a positive integer")
-    if ep_size > 1:
-        raise ValueError(f"MoE(ep_size={ep_size}): splitting experts over ranks is not offered by zerokit yet (its "
-                         "ZeRO does not yet shard experts over their expert-data groups); ep_size=1 trains at every "
-                         "stage, every rank holding every expert")
     if not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"MoE(num_experts={num_experts!r}): the number of experts must be a positive integer")
 

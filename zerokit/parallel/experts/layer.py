@@ -11,9 +11,12 @@ Where tokens may be dropped, every forward also all-reduces two integers over th
 the same capacity (the same token count): DeepSpeed does not, and on gloo its ranks abort inside the all-to-all
 ("Received data size doesn't match expected size") when their token counts differ.
 
-What is not here: DeepSpeed's tensor-parallel experts and its drop of duplicate tokens over a tensor group, Tutel,
-and the averaging of expert gradients over the expert-data group (groups.py) that DeepSpeed's engine does; the
-parameters are not marked as DeepSpeed marks them (`allreduce = False`, `group_name`) for its engine.
+The layer's group may come later (`ep_size` without `group`): zerokit's engine gives each layer of a model it wraps
+the expert group of its mesh, as DeepSpeed's engine does (set_deepspeed_parallelism), and shards and averages the
+experts' states over their expert-data group (zerokit/parallel/experts/share.py).
+
+What is not here: DeepSpeed's tensor-parallel experts and its drop of duplicate tokens over a tensor group, and Tutel.
+The parameters are not marked as DeepSpeed marks them (`allreduce = False`, `group_name`) for its engine.
 """
 
 from __future__ import annotations
@@ -34,16 +37,18 @@ from zerokit.parallel.experts.gate import NOISY_GATE_POLICIES, Gate, GateSetting
 class ExpertParallelMoE(nn.Module):
     """A mixture of `num_experts` copies of `expert` (each [.., hidden] -> [.., hidden]), E / ep of them on each rank
     of `group` (a process group of ep ranks, or None for one process holding all), expert e on the group's rank
-    e // (E / ep). Arguments as DeepSpeed's MoE (ep_size is the group's size). The parameters are created in
-    DeepSpeed's order (the experts copied, then the gate, then the residual coefficient), so a seeded model starts
-    from DeepSpeed's weights."""
+    e // (E / ep). Arguments as DeepSpeed's MoE (ep_size is the group's size; given without a group, the group is
+    set later: set_group). The parameters are created in DeepSpeed's order (the experts copied, then the gate, then the
+    residual coefficient), so a seeded model starts from DeepSpeed's weights."""
 
     def __init__(self, hidden_size: int, expert: nn.Module, num_experts: int = 1, group: Any = None, k: int = 1,
                  capacity_factor: float = 1.0, eval_capacity_factor: float = 1.0, min_capacity: int = 4,
                  drop_tokens: bool = True, use_residual: bool = False, noisy_gate_policy: str | None = None,
-                 use_rts: bool = True, top2_2nd_expert_sampling: bool = True) -> None:
+                 use_rts: bool = True, top2_2nd_expert_sampling: bool = True, ep_size: int | None = None) -> None:
         super().__init__()
-        self.group, self.ep = group, group_size(group)
+        self.group, self.ep = group, group_size(group) if group is not None else (ep_size or 1)
+        if ep_size is not None and ep_size != self.ep:
+            raise ValueError(f"ep_size={ep_size} differs from the {self.ep} ranks of the group given; give one of them")
         _check(num_experts, self.ep, k, noisy_gate_policy)
         self.num_experts, self.num_local_experts = num_experts, num_experts // self.ep
         self.experts = nn.ModuleList(copy.deepcopy(expert) for _ in range(self.num_local_experts))
@@ -61,9 +66,18 @@ class ExpertParallelMoE(nn.Module):
         """The global index of this rank's first local expert."""
         return (dist.get_rank(self.group) if self.ep > 1 else 0) * self.num_local_experts
 
+    def set_group(self, group: Any) -> None:
+        """The expert group of `ep` ranks this layer exchanges tokens over (zerokit's engine sets it from its mesh)."""
+        if group_size(group) != self.ep:
+            raise ValueError(f"an expert group of {group_size(group)} ranks was given to a layer split over {self.ep}")
+        self.group = group
+
     def forward(self, hidden_states: torch.Tensor,
                 used_token: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(output shaped as hidden_states, this rank's l_aux, this rank's choices per expert) as DeepSpeed's MoE."""
+        if self.group is None and self.ep > 1:
+            raise RuntimeError(f"this MoE layer splits its experts over {self.ep} ranks but has no expert group yet: "
+                               "wrap the model with zerokit.initialize (or deepspeed.initialize) first, or pass group=")
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         routes = self.gate(tokens, used_token)
         if routes.capacity is None:

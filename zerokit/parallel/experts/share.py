@@ -1,0 +1,146 @@
+"""The engine's expert room (issue 45, item 3): the model's expert degree in the job's layout, the layers' expert
+groups, and which parameters are experts', sharded and averaged over their expert-data group.
+
+[Note: ZeRO over experts split across ranks]
+A layer that splits its experts over an expert group of `ep` ranks (ExpertParallelMoE, and DeepSpeed's MoE through the
+drop-in) gives each rank of the group other experts. The dense parameters are the same on every rank and shard over
+the whole data group; expert e lives only on the ranks at its place in every expert group, its expert-data group of
+data / ep ranks (See [Note: the expert dimension] in zerokit/parallel/mesh.py). So the engine builds a second stage
+over the experts' parameters alone, sharded over the expert-data group (its own flat buffer, masters, hooks and
+reductions), beside the dense stage. What differs from one stage alone:
+  - averaging: on one rank, expert e's gradient holds what the tokens of every rank of its expert group sent it, so
+    the sum over the expert-data group holds every rank's part; one process's average divides that sum by the whole
+    data degree, which is ep times the group's own average (the stage's `expert_degree`: stages/averaging.py);
+  - the norm and overflow are one number over both stages on every rank, as one process clips: the experts' squares
+    join the dense ones in the boundary's all-reduce over every rank (at stages 1-2 each expert element is held by
+    one rank; at stage 0, where a group's ranks hold the same full gradients, its first rank counts them and the
+    others add theirs times zero, so an inf still counts), so an inf anywhere is a nan everywhere and every rank skips
+    the step together (zerokit/engine/step.py);
+  - which expert parameters got a gradient is agreed over the expert-data group alone: other groups hold other experts;
+  - one optimizer steps the masters of both stages (share_optimizers in zerokit/masters/shards.py), so a schedule set
+    on engine.optimizer sets both;
+  - at start, each expert-data group takes its first rank's experts, as the dense parameters take rank 0's.
+DeepSpeed 0.19.8's ZeRO 1-2 averages and clips the same (its norm equals this one on tests/scripts/ds_moe.py at 2 x 2
+and 4 x 1 ranks); it refuses its native MoE at ZeRO 3. Not yet with the experts split: stage 3, MiCS, NVMe offload,
+pipeline, tensor or sequence degrees beside the expert one, and checkpoints (each refused in one line).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch.distributed as dist
+from torch import nn
+
+from zerokit.comm import Communicator
+from zerokit.config.settings import EngineSettings
+from zerokit.parallel.experts.groups import expert_group
+from zerokit.parallel.experts.layer import ExpertParallelMoE
+from zerokit.parallel.mesh import Layout
+
+
+@dataclass(frozen=True)
+class ExpertShare:
+    """A model's experts split over ranks: the expert degree, the group their states shard over, and which
+    parameters they are."""
+
+    degree: int
+    data: Communicator
+    """The expert-data group: the ranks that hold this rank's experts (See [Note: the expert dimension])."""
+    params: frozenset[int]
+    """ids of the experts' parameters."""
+
+    def settings(self, dense: EngineSettings) -> EngineSettings:
+        """The expert stage's decisions: the dense stage's over the expert-data group, averaged over the job."""
+        size = self.data.world_size
+        return replace(dense, world_size=size, shard_size=size, expert_degree=self.degree)
+
+
+def expert_layers(model: nn.Module) -> list[ExpertParallelMoE]:
+    return [module for module in model.modules() if isinstance(module, ExpertParallelMoE)]
+
+
+def expert_degree(model: nn.Module) -> int:
+    """The ranks the model's MoE layers split their experts over (1: none split, or no MoE layer)."""
+    degrees = sorted({layer.ep for layer in expert_layers(model)})
+    if len(degrees) > 1:
+        raise ValueError(f"the model's MoE layers split their experts over {degrees} ranks; zerokit shards experts "
+                         "over one expert degree: give every layer the same ep_size")
+    return degrees[0] if degrees else 1
+
+
+def expert_layout(layout: Layout | None, model: nn.Module) -> Layout | None:
+    """The job's layout with the model's expert degree (See [Note: the expert dimension] in zerokit/parallel/mesh.py);
+    `layout` itself where no layer splits its experts."""
+    degree = expert_degree(model)
+    if degree == 1:
+        return layout
+    if layout is not None and (layout.pipeline, layout.tensor, layout.sequence) != (1, 1, 1):
+        raise ValueError(f"MoE layers with experts split over {degree} ranks beside pipeline {layout.pipeline}, "
+                         f"tensor {layout.tensor} or sequence {layout.sequence} degrees are not offered yet; accepted: "
+                         "an expert degree inside a data-parallel job")
+    if layout is not None and layout.expert not in (1, degree):
+        raise ValueError(f"the layout's expert degree {layout.expert} differs from the {degree} ranks the model's MoE "
+                         "layers split their experts over; give the layers ep_size equal to the layout's")
+    return Layout.resolve(dist.get_world_size(), expert=degree)
+
+
+def refuse_with_experts(stage: int, mics: bool, nvme: bool) -> None:
+    """One line for what the experts' own stage does not do yet (See [Note: ZeRO over experts split across
+    ranks])."""
+    if stage == 3:
+        raise ValueError("zero_optimization.stage=3 with MoE experts split over ranks (ep_size > 1) is not offered "
+                         "yet; accepted: stages 0-2 with ep_size > 1, or stage 3 with ep_size=1 (every rank holding a "
+                         "shard of every expert)")
+    if mics:
+        raise ValueError("zero_optimization.mics_shard_size with MoE experts split over ranks (ep_size > 1) is not "
+                         "offered yet; drop the key, or use ep_size=1")
+    if nvme:
+        raise ValueError("offload to nvme with MoE experts split over ranks (ep_size > 1) is not offered yet; "
+                         "accepted: offload to cpu, or none")
+
+
+def split_experts_error(call: str) -> ValueError:
+    """What a checkpoint call says while the experts' states are not saved per expert (issue 45, item 6)."""
+    return ValueError(f"{call} with MoE experts split over ranks (ep_size > 1) is not offered yet: zerokit does not "
+                      "yet save the experts' states per expert; use ep_size=1 where you need it")
+
+
+def expert_share(layout: Layout | None, model: nn.Module, comm: Communicator) -> ExpertShare | None:
+    """With a layout whose expert degree splits the model's MoE layers: give each layer its expert group (where it has
+    none), make the expert-data group `comm` (the data group) splits into, and name the experts' parameters; None
+    where nothing is split. Every rank calls it at the same point: torch makes every group on every rank."""
+    layers = expert_layers(model)
+    if layout is None or layout.expert == 1 or not layers:
+        return None
+    group = expert_group(layout)
+    for layer in layers:
+        if layer.group is None:
+            layer.set_group(group)
+        elif dist.get_process_group_ranks(layer.group) != dist.get_process_group_ranks(group):
+            raise ValueError(f"an MoE layer's expert group {dist.get_process_group_ranks(layer.group)} is not this "
+                             f"rank's expert group of the job's layout, {dist.get_process_group_ranks(group)}")
+    params = {id(param) for layer in layers for param in layer.experts.parameters()}
+    _refuse_shared(model, params)
+    return ExpertShare(layout.expert, comm.split(layout.expert_data_groups(), "expert_data"), frozenset(params))
+
+
+def _refuse_shared(model: nn.Module, params: set[int]) -> None:
+    """An expert's parameter used outside its MoE layer too would be averaged as an expert's on one path and a dense
+    one's on the other: refused."""
+    expert_names = {name for layer_name, layer in model.named_modules() if isinstance(layer, ExpertParallelMoE)
+                    for name, _ in layer.experts.named_parameters(prefix=f"{layer_name}.experts" if layer_name
+                                                                  else "experts", remove_duplicate=False)}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in params and name not in expert_names:
+            raise ValueError(f"{name} is an MoE expert's parameter used outside its MoE layer; an expert split over "
+                             "ranks must be its layer's alone (give the other use a parameter of its own)")
+
+
+def startup_lines(share: ExpertShare | None, numel: int) -> list[str]:
+    """The start-up line for split experts (`numel`: their trainable elements on this rank); none without."""
+    if share is None:
+        return []
+    return [f"MoE experts split over {share.degree} ranks: this rank's {numel:,} expert parameters in a ZeRO stage of "
+            f"their own over an expert-data group of {share.data.world_size} rank(s), their gradients averaged over "
+            "the whole data group and clipped by one global norm with the dense ones"]

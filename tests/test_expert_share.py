@@ -54,17 +54,17 @@ def test_an_expert_used_outside_its_layer_is_refused_by_name() -> None:
     _refuse_shared(nn.ModuleDict({"moe": layer}), params)  # its own names only: accepted
 
 
-@pytest.mark.parametrize("stage,mics,nvme,message", [
-    (3, False, False, r"^zero_optimization\.stage=3 with MoE experts split over ranks \(ep_size > 1\) is not offered "
-                      r"yet; accepted: stages 0-2 with ep_size > 1, or stage 3 with ep_size=1"),
-    (2, True, False, r"^zero_optimization\.mics_shard_size with MoE experts split over ranks \(ep_size > 1\) is not "
-                     r"offered yet; drop the key, or use ep_size=1$"),
-    (1, False, True, r"^offload to nvme with MoE experts split over ranks \(ep_size > 1\) is not offered yet; accepted: "
-                     r"offload to cpu, or none$")])
-def test_what_split_experts_do_not_do_yet_is_one_line(stage: int, mics: bool, nvme: bool, message: str) -> None:
+@pytest.mark.parametrize("mics,nvme,meta,message", [
+    (True, False, False, r"^zero_optimization\.mics_shard_size with MoE experts split over ranks \(ep_size > 1\) is "
+                         r"not offered yet; drop the key, or use ep_size=1$"),
+    (False, True, False, r"^offload to nvme with MoE experts split over ranks \(ep_size > 1\) is not offered yet; "
+                         r"accepted: offload to cpu, or none$"),
+    (False, False, True, r"^a model built on the meta device with MoE experts split over ranks \(ep_size > 1\) is not "
+                         r"offered yet; build it on the CPU")])
+def test_what_split_experts_do_not_do_yet_is_one_line(mics: bool, nvme: bool, meta: bool, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        refuse_with_experts(stage, mics, nvme)
-    refuse_with_experts(2, False, False)
+        refuse_with_experts(mics, nvme, meta)
+    refuse_with_experts(False, False, False)
 
 
 def test_a_layer_without_its_expert_group_says_how_to_get_one() -> None:

@@ -19,6 +19,7 @@ from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optim
 from deepspeed.utils import groups as ds_groups
 
 HIDDEN, EXPERTS, VOCAB, TOKENS, STEPS, AUX = 16, 4, 23, 7, 4, 0.01
+UNITS = {"stage3_unit_classes": ["MoE"], "stage3_param_persistence_threshold": 0}  # zerokit's keys (DeepSpeed: none)
 
 
 class MoEModel(nn.Module):
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--ep-size", type=int, default=1)
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--units", action="store_true", help="ZeRO-3 on zerokit: each MoE layer a unit of its own")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -58,7 +60,7 @@ def main() -> None:
                                                                     "name": "parameters"})
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": args.accumulation,
               "gradient_clipping": args.clip, "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
-              "zero_optimization": {"stage": args.stage},
+              "zero_optimization": {"stage": args.stage, **UNITS} if args.units else {"stage": args.stage},
               "zero_allow_untested_optimizer": True}  # DeepSpeed asks it of SGD under ZeRO
     engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     rank = torch.distributed.get_rank()

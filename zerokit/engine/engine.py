@@ -49,7 +49,7 @@ from zerokit.parallel.sequence.share import sequence_layout, sequence_share
 from zerokit.parallel.sequence.share import startup_lines as sequence_startup_lines
 from zerokit.parallel.tensor.setup import batch_ranks, parallelize, tensor_layout
 from zerokit.parallel.tensor.setup import startup_lines as tensor_startup_lines
-from zerokit.stages.construction import ParamInit, place_model
+from zerokit.stages.construction import ParamInit, has_meta_parameters, place_model
 from zerokit.stages.view import ParameterView
 
 
@@ -263,8 +263,8 @@ def _build_stage(model: nn.Module, optimizer: Optimizers | None, model_parameter
     kinds = [optimizer_kind(o, config.optimizer_kinds, config.allow_untested_optimizer) for o in optimizers]
     check_at_start(model, optimizers, parts.safeguards, comm, device)  # before any collective on the model
     if experts is not None:
-        refuse_with_experts(config.stage, parts.decisions.replicas > 1, "nvme" in (config.offload_optimizer.device,
-                                                                                 config.offload_param.device))
+        nvme = "nvme" in (config.offload_optimizer.device, config.offload_param.device)
+        refuse_with_experts(parts.decisions.replicas > 1, nvme, has_meta_parameters(model))
     construction = place_model(model, optimizers, param_init, config.stage, device, comm,
                                None if experts is None else (experts.params, experts.data))
     # no optimizer: nothing trains, every parameter is held as a frozen one (See zerokit/reliability/forward_only.py)
@@ -273,14 +273,17 @@ def _build_stage(model: nn.Module, optimizer: Optimizers | None, model_parameter
     plan = OptimizerPlan(tuple(optimizers), tuple(refs))
     extra = {"construction": construction} if construction is not None else {}
     split = experts.params if experts is not None else frozenset()
+    if split and config.stage == 3:  # See [Note: split experts in a ZeRO-3 job] in zerokit/parallel/experts/share.py
+        extra["held_elsewhere"] = split
     dense = [(p, g) for p, g in zip(params, group_of_param) if id(p) not in split]
     stage = STAGES[config.stage].build(model, [p for p, _ in dense], [g for _, g in dense], plan, parts.stage,
                                        parts.decisions, comm, **extra)
     expert_stage = None
     if experts is not None:
         expert = [(p, g) for p, g in zip(params, group_of_param) if id(p) in split]
-        expert_stage = STAGES[config.stage].build(model, [p for p, _ in expert], [g for _, g in expert], plan,
-                                                  parts.stage, experts.settings(parts.decisions), experts.data)
+        settings = experts.settings(parts.decisions)
+        expert_stage = STAGES[settings.stage].build(model, [p for p, _ in expert], [g for _, g in expert], plan,
+                                                    experts.part(parts.stage), settings, experts.data)
         share_optimizers(stage.masters, expert_stage.masters, plan)
     # Frozen parameters (stages 0-2; stage 3 shards them in the compute dtype already) and buffers; trainable ones
     # are cast.

@@ -293,8 +293,8 @@ def memory_by_tier(stage: ZeroStage, model: nn.Module, experts: ZeroStage | None
 
 @contextmanager
 def gathered(stage: ZeroStage, units: Any, write_back: bool, experts: ZeroStage | None = None) -> Iterator[None]:
-    """`stage.gathered(units, write_back)`, and with `experts` (a stage of split MoE experts: stages 0-2, which hold
-    full parameters) their edits handed back to their masters too."""
+    """`stage.gathered(units, write_back)`, and with `experts` (the stage of split MoE experts: at most stage 2, which
+    holds full parameters) their edits handed back to their masters too."""
     with stage.gathered(units, write_back=write_back):
         if experts is None:
             yield

@@ -71,9 +71,12 @@ class ShardedParameters(ShardedGradients):
     @classmethod
     def build(cls, model: nn.Module, params: list[nn.Parameter], groups: list[int], plan: OptimizerPlan,
               part: StageSettings, settings: EngineSettings, comm: Communicator,
-              construction: Construction | None = None) -> "ShardedParameters":
+              construction: Construction | None = None, held_elsewhere: frozenset[int] = frozenset()
+              ) -> "ShardedParameters":
         """Units, then their layouts (one bucket per unit and param group; frozen: one per unit), then the
-        shards and the masters, then each unit's values placed, unit by unit (See `_place`)."""
+        shards and the masters, then each unit's values placed, unit by unit (See `_place`). `held_elsewhere`: ids of
+        parameters another stage holds (MoE experts split over ranks: See [Note: ZeRO over experts split across
+        ranks] in zerokit/parallel/experts/share.py), neither trainable nor frozen here."""
         process_groups = ProcessGroups.for_stage(comm, settings)
         global_rank, comm = comm.rank, process_groups.shard  # See [Note: hybrid sharding] in comm/groups.py
         units = find_units(model, part.units)
@@ -87,7 +90,8 @@ class ShardedParameters(ShardedGradients):
         node = process_groups.node  # See [Note: hpZ's secondary copy] in flat/sharded.py
         trainable = ShardedFlat(FlatParameters(params, layout, dtype), comm.rank, home, node,
                                 shard_dtype=_trainable_shard_dtype(part, home))
-        frozen = ShardedFlat(_frozen_flat(model, params, unit_of, comm.world_size, dtype), comm.rank, home, node)
+        frozen = ShardedFlat(_frozen_flat(model, params, unit_of, comm.world_size, dtype, held_elsewhere),
+                             comm.rank, home, node)
         shards = UnitShards(units, trainable, frozen, [b.group // per_unit for b in layout.buckets],
                             process_groups.gather, part.units)
         homes = master_homes([trainable.shard(b) for b in layout.buckets], part.offload, comm.stats, device,
@@ -241,10 +245,10 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def _frozen_flat(model: nn.Module, trainable: list[nn.Parameter], unit_of: dict[int, int], world_size: int,
-                 dtype: torch.dtype) -> FlatParameters:
-    """Each unit's floating-point frozen parameters, in model order, as one bucket per unit (keyed by the
-    unit's index). See [Note: frozen parameters at stage 3]."""
-    is_trainable = {id(p) for p in trainable}
+                 dtype: torch.dtype, held_elsewhere: frozenset[int]) -> FlatParameters:
+    """Each unit's floating-point frozen parameters (not trainable, not held by another stage), in model order, as one
+    bucket per unit (keyed by the unit's index). See [Note: frozen parameters at stage 3]."""
+    is_trainable = {id(p) for p in trainable} | held_elsewhere
     names = {id(p): name for name, p in model.named_parameters()}
     frozen = [p for p in model.parameters() if id(p) not in is_trainable and p.is_floating_point()]
     entries = [ParamEntry(p.numel(), unit_of[id(p)], names[id(p)], tuple(p.shape)) for p in frozen]  # sharded evenly

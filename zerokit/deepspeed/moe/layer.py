@@ -5,9 +5,9 @@ zerokit's ExpertParallelMoE (zerokit/parallel/experts/layer.py: DeepSpeed's gate
 At ep_size=1 every expert of a layer lives on every rank: the layer trains at ZeRO 0-3 as any module does, its
 experts' states sharded with the rest. At ep_size > 1 each rank holds num_experts / ep_size of them:
 deepspeed.initialize gives the layer its expert group (DeepSpeed's order: See [Note: the expert dimension] in
-zerokit/parallel/mesh.py) and shards and averages its experts' states over their expert-data group at ZeRO 0-2,
+zerokit/parallel/mesh.py) and shards and averages its experts' states over their expert-data group at ZeRO 0-3,
 clipping by the global norm (See [Note: ZeRO over experts split across ranks] in zerokit/parallel/experts/share.py).
-ZeRO-3 with ep_size > 1, which DeepSpeed refuses for its native MoE, is refused in one line too, for now.
+DeepSpeed refuses its native MoE at ZeRO 3; zerokit trains it there, the dense parameters sharded as always.
 """
 
 from __future__ import annotations

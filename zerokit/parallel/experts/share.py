@@ -21,8 +21,17 @@ reductions), beside the dense stage. What differs from one stage alone:
     on engine.optimizer sets both;
   - at start, each expert-data group takes its first rank's experts, as the dense parameters take rank 0's.
 DeepSpeed 0.19.8's ZeRO 1-2 averages and clips the same (its norm equals this one on tests/scripts/ds_moe.py at 2 x 2
-and 4 x 1 ranks); it refuses its native MoE at ZeRO 3. Not yet with the experts split: stage 3, MiCS, NVMe offload,
-pipeline, tensor or sequence degrees beside the expert one, and checkpoints (each refused in one line).
+and 4 x 1 ranks); it refuses its native MoE at ZeRO 3. Not yet with the experts split: MiCS, NVMe offload, a model
+built on the meta device, pipeline, tensor or sequence degrees beside the expert one, and checkpoints (each refused in
+one line).
+
+[Note: split experts in a ZeRO-3 job]
+At ZeRO-3 the dense parameters are sharded and gathered unit by unit as always, and the split experts' stage is stage
+2: each rank holds its own experts' parameters whole (the expert degree has already divided them by ep), their
+gradients reduced to shards and their fp32 masters and optimizer state sharded over the expert-data group. The dense
+stage leaves them out of its units' buckets, trainable and frozen alike (ShardedParameters.build's held_elsewhere), so
+nothing gathers them. Sharding the experts' parameters too, gathered per MoE layer over the expert-data group, would
+save the rest of their bytes where that group has more than one rank; it is not built yet.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerokit.comm import Communicator
-from zerokit.config.settings import EngineSettings
+from zerokit.config.settings import EngineSettings, StageSettings
 from zerokit.parallel.experts.groups import expert_group
 from zerokit.parallel.experts.layer import ExpertParallelMoE
 from zerokit.parallel.mesh import Layout
@@ -51,9 +60,15 @@ class ExpertShare:
     """ids of the experts' parameters."""
 
     def settings(self, dense: EngineSettings) -> EngineSettings:
-        """The expert stage's decisions: the dense stage's over the expert-data group, averaged over the job."""
+        """The expert stage's decisions: the dense stage's over the expert-data group, averaged over the job; at most
+        stage 2 (See [Note: split experts in a ZeRO-3 job])."""
         size = self.data.world_size
-        return replace(dense, world_size=size, shard_size=size, expert_degree=self.degree)
+        return replace(dense, stage=min(dense.stage, 2), world_size=size, shard_size=size, expert_degree=self.degree)
+
+    @staticmethod
+    def part(dense: StageSettings) -> StageSettings:
+        """The expert stage's part of the settings: the dense stage's, at most stage 2."""
+        return replace(dense, stage=min(dense.stage, 2))
 
 
 def expert_layers(model: nn.Module) -> list[ExpertParallelMoE]:
@@ -85,13 +100,12 @@ def expert_layout(layout: Layout | None, model: nn.Module) -> Layout | None:
     return Layout.resolve(dist.get_world_size(), expert=degree)
 
 
-def refuse_with_experts(stage: int, mics: bool, nvme: bool) -> None:
+def refuse_with_experts(mics: bool, nvme: bool, meta: bool) -> None:
     """One line for what the experts' own stage does not do yet (See [Note: ZeRO over experts split across
     ranks])."""
-    if stage == 3:
-        raise ValueError("zero_optimization.stage=3 with MoE experts split over ranks (ep_size > 1) is not offered "
-                         "yet; accepted: stages 0-2 with ep_size > 1, or stage 3 with ep_size=1 (every rank holding a "
-                         "shard of every expert)")
+    if meta:
+        raise ValueError("a model built on the meta device with MoE experts split over ranks (ep_size > 1) is not "
+                         "offered yet; build it on the CPU (each rank holds only its own experts), or use ep_size=1")
     if mics:
         raise ValueError("zero_optimization.mics_shard_size with MoE experts split over ranks (ep_size > 1) is not "
                          "offered yet; drop the key, or use ep_size=1")

@@ -84,6 +84,11 @@ IGNORE_INDEX = -100
 OVER_BUDGET = 3  # a rank's exit status when its peak crossed the budget during the search
 SKIPPED = 4  # a rank's exit status when its contender cannot run here (a module that does not import)
 ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+# What goes between `python` and this file in a DeepSpeed contender's rank command: nothing here. The smoke test
+# (tests/test_benchmarks.py) sets ["-m", "zerokit.testing.deepspeed_peer"], which runs this file unchanged without the
+# C++ all-reduce DeepSpeed would compile first (See [Note: DeepSpeed's shared-memory all-reduce, not built for a
+# peer] in zerokit/testing/deepspeed_peer.py); zerokit's ranks never import DeepSpeed.
+DEEPSPEED_RANK_PREFIX: list[str] = []
 
 
 @dataclass(frozen=True)
@@ -348,7 +353,8 @@ def launch(contender: str, length: int, warmup: int, steps: int, abort_mib: int,
     """Both ranks of one run, each a fresh interpreter (as torchrun starts them); what they measured, joined."""
     with tempfile.TemporaryDirectory(prefix="zerokit-bench-seq-") as directory:
         port = free_port()
-        command = [sys.executable, __file__, "--rank-out", directory, "--contender", contender, "--length",
+        prefix = DEEPSPEED_RANK_PREFIX if contender.startswith("deepspeed") else []
+        command = [sys.executable, *prefix, __file__, "--rank-out", directory, "--contender", contender, "--length",
                    str(length), "--warmup", str(warmup), "--steps", str(steps), "--abort-mib", str(abort_mib),
                    *(["--quick"] if plan.quick else [])]
         logs = [Path(directory) / f"log{rank}.txt" for rank in range(WORLD_SIZE)]

@@ -53,7 +53,7 @@ def runs(root: Path) -> tuple[Path, Outcomes]:
     jobs = [job("zerokit", switched, *case, "zerokit.deepspeed") for case in ZEROKIT]
     jobs.append(job("zerokit", switched, *ACCUMULATED, "zerokit.deepspeed", accumulation=2))
     if HAS_DEEPSPEED:
-        jobs += [job("deepspeed", SCRIPTS / "ds_moe.py", *case, "deepspeed") for case in DEEPSPEED]
+        jobs += [job("deepspeed", SCRIPTS / "ds_moe.py", *case, "zerokit.testing.deepspeed_peer") for case in DEEPSPEED]
     return root, launch(jobs, root / "jobs", ranks=RANKS)
 
 
@@ -69,16 +69,28 @@ def results_of(launched: tuple[Path, Outcomes], name: str) -> list[dict]:
 
 
 @functools.lru_cache(maxsize=None)
+def script_namespace() -> dict:
+    """tests/scripts/ds_moe.py's names, its imports switched to zerokit's."""
+    sys.path.insert(0, str(SCRIPTS))
+    source = switch_imports((SCRIPTS / "ds_moe.py").read_text())
+    namespace: dict = {"__name__": "ds_moe_reference"}
+    exec(compile(source, "ds_moe.py", "exec"), namespace)
+    return namespace
+
+
+def one_process_model() -> nn.Module:
+    """The script's model with every expert (ep_size=1), top-2."""
+    return script_namespace()["MoEModel"](2, 1)
+
+
+@functools.lru_cache(maxsize=None)
 def one_process(k: int, accumulation: int = 1) -> tuple[list[list[float]], list[float]]:
     """The script's model in one process, holding every expert (zerokit's MoE is the same module DeepSpeed's is,
     checked in tests/test_expert_dispatch.py): each micro-step, each rank's micro-batch through the model on its own,
     drawing the gate's random numbers from that rank's generator, the mean of the ranks' losses over the window's
     micro-steps, clipping at CLIP, SGD. Returns each rank's losses and each optimizer step's pre-clip norm. Experts
     split over ranks start alike: each is a copy of one module, as DeepSpeed makes them."""
-    sys.path.insert(0, str(SCRIPTS))
-    source = switch_imports((SCRIPTS / "ds_moe.py").read_text())
-    namespace: dict = {"__name__": "ds_moe_reference"}
-    exec(compile(source, "ds_moe.py", "exec"), namespace)
+    namespace = script_namespace()
     torch.manual_seed(0)
     model = namespace["MoEModel"](k, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -123,6 +135,19 @@ def test_the_script_finds_its_expert_groups_where_deepspeed_puts_them(launched, 
     stage, k, _ = next(case for case in ZEROKIT if case[2] == ep)
     got = [each["expert_groups"] for each in results_of(launched, name_of("zerokit", stage, k, ep))]
     assert got == [[ep, rank % ep, RANKS // ep, rank // ep, rank - rank % ep] for rank in range(RANKS)]
+
+
+def test_zero3_shards_split_experts_over_their_expert_data_group(launched) -> None:
+    """Counted bytes: at ZeRO 2 a rank holds the dense parameters and its 2 experts of each layer whole; at ZeRO 3 its
+    quarter of the dense ones (sharded over the 4 ranks) and half of its experts (over their expert-data group of 2).
+    SGD without momentum has no state, and fp32 trains the parameters themselves."""
+    model = one_process_model()
+    local_experts = sum(p.numel() for name, p in model.named_parameters() if ".deepspeed_experts." in name) // 2
+    stage2, stage3 = ([each["memory"] for each in results_of(launched, name_of("zerokit", stage, 2, 2))]
+                      for stage in (2, 3))
+    for held2, held3 in zip(stage2, stage3):
+        dense = held2["parameters"] - 4 * local_experts
+        assert held3 == {"parameters": dense // RANKS + 4 * local_experts // 2, "gradients": 0, "optimizer_state": 0}
 
 
 def test_split_experts_accumulate_as_one_process(launched) -> None:

@@ -28,14 +28,15 @@ EXIT_ABORT = "terminate called without an active exception"
 
 
 def _launch(script: Path, args: list[str], ranks: int, out: Path, timeout: int = 400) -> None:
-    """torchrun on this machine, as a user would start the script. The peer's run may abort at exit after every rank
-    wrote its result: torch's race between gloo's worker and the interpreter's finalization (See [Note: leaving at
-    exit] in zerokit/comm/process.py), which zerokit's own exit avoids and DeepSpeed's does not (once in the suite's
-    runs here); its results stand, any other failure fails."""
+    """torchrun on this machine, as a user would start the script (through zerokit.testing.deepspeed_peer, which runs
+    it unchanged without building DeepSpeed's shared-memory op: See its Note). The peer's run may abort at exit after
+    every rank wrote its result: torch's race between gloo's worker and the interpreter's finalization (See [Note:
+    leaving at exit] in zerokit/comm/process.py), which zerokit's own exit avoids and DeepSpeed's does not (once in the
+    suite's runs here); its results stand, any other failure fails."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-               str(script), *args, "--out", str(out)]
+               "-m", "zerokit.testing.deepspeed_peer", str(script), *args, "--out", str(out)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     finished = len(list(out.glob("rank*.json"))) == ranks
     aborted_at_exit = EXIT_ABORT in done.stderr + done.stdout and finished

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerokit.comm import Communicator
 from zerokit.parallel.experts.gate import Gate, GateSettings
 from zerokit.parallel.experts.groups import expert_parallel_group
 from zerokit.parallel.experts.layer import ExpertParallelMoE
@@ -204,11 +205,12 @@ def _as_deepspeed(state: dict) -> dict:
 
 def _against_deepspeed(rank: int) -> dict:
     import deepspeed
-    import deepspeed.comm.torch
 
-    # DeepSpeed compiles its shared-memory all-reduce at init_distributed (30-90 s on a new environment: See
-    # docs/testing.md); only inference's all-reduce uses it, so this forked rank goes without
-    deepspeed.comm.torch.build_shm_op = lambda: None
+    # DeepSpeed compiles its shared-memory all-reduce at init_distributed (30-90 s on a new environment); only
+    # inference's all-reduce uses it, so this forked rank goes without (See [Note: DeepSpeed's shared-memory
+    # all-reduce, not built for a peer] in zerokit/testing/deepspeed_peer.py)
+    import zerokit.testing.deepspeed_peer  # noqa: F401
+
     deepspeed.init_distributed(dist_backend="gloo")
     cases = {name: _deepspeed_case(rank, ep, options, training) for name, ep, options, training in DEEPSPEED_CASES}
     return {"cases": cases, "gates": [_gate_trial(rank * GATE_TRIALS + trial) for trial in range(GATE_TRIALS)]}
@@ -267,8 +269,17 @@ def _refusals(rank: int) -> dict:
             "capacities": _refusal(lambda: layer(torch.randn(4 if rank else 12, HIDDEN)))}
 
 
+def _split_twin(rank: int) -> dict:
+    """The engine's group split into expert-data groups, and that split's twin (the gather group of the split experts'
+    ZeRO-3 stage): every rank makes every part's groups, so the twin pairs the ranks of each part."""
+    part = Communicator.create(60.0).split([[0, 2], [1, 3]], "expert_data")
+    total = torch.tensor([float(rank)])
+    part.twin().all_reduce(total, op=dist.ReduceOp.SUM)
+    return {"siblings": part.siblings, "sum": total.item()}
+
+
 def _ranks(rank: int, world_size: int) -> dict:
-    return {"one_process": _against_one_process(rank), "refusals": _refusals(rank),
+    return {"one_process": _against_one_process(rank), "refusals": _refusals(rank), "split": _split_twin(rank),
             "deepspeed": _against_deepspeed(rank) if HAS_DEEPSPEED else None}
 
 
@@ -297,6 +308,13 @@ def test_the_layer_equals_deepspeeds_moe(ranks) -> None:
             bound = RTOL if result["dropless"] else 0.0
             for key in ("output", "l_aux", "input", "gate", "experts"):
                 assert result[key] <= bound, (rank, name, key, result[key])
+
+
+def test_a_split_groups_twin_pairs_the_ranks_of_each_part(ranks) -> None:
+    """A split's siblings are every part (See [Note: groups made beside the siblings'] in zerokit/comm/collectives.py):
+    with only its own part, rank 0 and rank 1 made different groups at the same point and a stage-3 gather hung."""
+    assert [each["split"]["siblings"] for each in ranks] == [[[0, 2], [1, 3]]] * WORLD
+    assert [each["split"]["sum"] for each in ranks] == [2.0, 4.0, 2.0, 4.0]
 
 
 def test_refusals_on_ranks(ranks) -> None:

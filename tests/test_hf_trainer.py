@@ -35,6 +35,9 @@ HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 ZEROKIT_ENGINE = "zerokit.deepspeed.engine.DeepSpeedEngine"
 # what the scripts import, imported once by each launch's ranks (See [Note: jobs forked inside one torchrun launch])
 HF_PRELOAD = ("transformers.trainer", "transformers.models.llama.modeling_llama")
+# real DeepSpeed's runs import it as the peer (See [Note: DeepSpeed's shared-memory all-reduce, not built for a peer]
+# in zerokit/testing/deepspeed_peer.py)
+PEER = "zerokit.testing.deepspeed_peer"
 
 pytest.importorskip("transformers")
 
@@ -94,9 +97,9 @@ class Runs:
             path.write_text(json.dumps({**json.loads(Path(stage_config(self.root, 2)).read_text()),
                                         "fp16": {"enabled": "auto"}}))
             return job(name, "hf_trainer.py", common + ["--deepspeed", str(path), "--fp16"], zerokit=True)
-        if name.startswith("deepspeed"):  # the real DeepSpeed (deepspeed1..3): no install()
+        if name.startswith("deepspeed"):  # the real DeepSpeed (deepspeed1..3): no install(), no shm op built
             return job(name, "hf_trainer.py", common + ["--deepspeed", stage_config(self.root, int(name[-1]))],
-                       zerokit=False, preload=("deepspeed", *HF_PRELOAD))
+                       zerokit=False, preload=(PEER, *HF_PRELOAD))
         raise KeyError(name)
 
     def zero3_auto(self) -> str:

@@ -294,14 +294,17 @@ HAS_DEEPSPEED = __import__("importlib").util.find_spec("deepspeed") is not None
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed (the bench extra)")
 def test_deepspeed_autotp_zero2_trains_the_same_as_the_drop_in(ranks, tmp_path) -> None:
     """tests/scripts/ds_autotp.py under DeepSpeed 0.19.8 itself (4 CPU ranks under torchrun, a process of its own:
-    DeepSpeed patches torch), against the drop-in's run of the same loop and config in the spawn."""
+    DeepSpeed patches torch), against the drop-in's run of the same loop and config in the spawn. The script runs
+    unchanged through zerokit.testing.deepspeed_peer: no shared-memory op built, so AutoTP's inference_all_reduce is
+    torch.distributed.all_reduce (See [Note: DeepSpeed's shared-memory all-reduce, not built for a peer])."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(deepspeed_config(AUTOTP_CASE, TENSOR)))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(SCRIPTS), str(Path(__file__).parents[1]),
                                           os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
-               str(SCRIPTS / "ds_autotp.py"), str(config), str(tmp_path / "out")]
+               "-m", "zerokit.testing.deepspeed_peer", str(SCRIPTS / "ds_autotp.py"), str(config),
+               str(tmp_path / "out")]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     for rank, ours in enumerate(ranks):

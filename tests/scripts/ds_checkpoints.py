@@ -83,6 +83,8 @@ def ds_config(stage: int, precision: str) -> dict:
 def _deepspeed_comm() -> None:
     import deepspeed
 
+    import zerokit.testing.deepspeed_peer  # noqa: F401  (no shared-memory op built: See its Note)
+
     os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()),
                       WORLD_SIZE=str(dist.get_world_size()))  # its engine reads these
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -81,8 +81,9 @@ def main() -> None:
             norms.append(float(engine.get_global_grad_norm()))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    memory = engine.memory_stats() if hasattr(engine, "memory_stats") else None  # zerokit's count of what it holds
     (out / f"rank{rank}.json").write_text(json.dumps({"losses": losses, "norms": norms, "groups": len(groups),
-                                                          "expert_groups": expert_groups}))
+                                                          "expert_groups": expert_groups, "memory": memory}))
 
 
 if __name__ == "__main__":

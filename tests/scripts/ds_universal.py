@@ -119,6 +119,8 @@ def deepspeed_stage(rank: int, root: str, stage: int, precision: str, unshare: b
 def _deepspeed_comm() -> None:
     import deepspeed
 
+    import zerokit.testing.deepspeed_peer  # noqa: F401  (no shared-memory op built: See its Note)
+
     with contextlib.redirect_stdout(io.StringIO()):
         deepspeed.init_distributed(dist_backend="gloo")
 

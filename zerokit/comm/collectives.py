@@ -122,13 +122,13 @@ class Communicator:
         too, where it needs a group of its own, as every rank makes every group in one order. `twin_of`: an earlier
         split of the same parts, whose control group this one shares, as `twin` does."""
         own_control = twin_of is None and self.backend not in ("gloo", "fake")
+        siblings = [[ranks[rank] for rank in part] for ranks in self.siblings for part in parts]  # every part's
         mine = None
         for part in parts:
             group = new_group_beside(self.siblings, part, self.backend, self.timeout_seconds)
             control = (new_group_beside(self.siblings, part, "gloo", self.timeout_seconds, "gloo")
                        if own_control else None)
             if self.rank in part:
-                siblings = [[ranks[rank] for rank in part] for ranks in self.siblings]
                 mine = self._member(group, self.stats, name, siblings=siblings)
                 if control is not None:
                     mine._control = self._member(control, CommStats(len(part)), "control", siblings=siblings)

@@ -59,7 +59,8 @@ def micro_step(engine: Any, roots: list[torch.Tensor], observed: torch.Tensor | 
             if must_reduce:
                 reducer.arm(roots, final=final)
         yield
-        engine.stage.end_of_autograd()  # stage 3: agree that every rank is done gathering
+        for stage, _ in rooms:
+            stage.end_of_autograd()  # stage 3: agree that every rank is done gathering
         lap("backward_inner")
         for _, reducer in rooms:
             reducer.flush()

@@ -281,14 +281,22 @@ def _build_stage(model: nn.Module, optimizer: Optimizers | None, model_parameter
     expert_stage = None
     if experts is not None:
         expert = [(p, g) for p, g in zip(params, group_of_param) if id(p) in split]
-        settings = experts.settings(parts.decisions)
-        expert_stage = STAGES[settings.stage].build(model, [p for p, _ in expert], [g for _, g in expert], plan,
-                                                    experts.part(parts.stage), settings, experts.data)
+        expert_stage = _expert_stage(model, expert, plan, config.stage, parts, experts)
         share_optimizers(stage.masters, expert_stage.masters, plan)
     # Frozen parameters (stages 0-2; stage 3 shards them in the compute dtype already) and buffers; trainable ones
     # are cast.
     model.to(dtype=config.precision.param_dtype)
     return stage, expert_stage, kinds
+
+
+def _expert_stage(model: nn.Module, expert: list[tuple[nn.Parameter, int]], plan: OptimizerPlan, stage: int,
+                  parts: RunSettings, experts: ExpertShare) -> ZeroStage:
+    """The split experts' stage over their expert-data group: `expert`, their trainable parameters with each one's
+    param group (See [Note: ZeRO over experts split across ranks] in zerokit/parallel/experts/share.py)."""
+    others = frozenset(id(p) for p in model.parameters()) - experts.params  # the dense stage's, trainable or frozen
+    extra = {"held_elsewhere": others} if stage == 3 else {}
+    return STAGES[stage].build(model, [p for p, _ in expert], [g for _, g in expert], plan, experts.part(parts.stage),
+                               experts.settings(parts.decisions), experts.data, **extra)
 
 
 def _reducer_and_hooks(stage: ZeroStage | None) -> tuple[BucketReducer | None, list[RemovableHandle]]:

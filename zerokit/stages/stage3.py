@@ -79,7 +79,7 @@ class ShardedParameters(ShardedGradients):
         ranks] in zerokit/parallel/experts/share.py), neither trainable nor frozen here."""
         process_groups = ProcessGroups.for_stage(comm, settings)
         global_rank, comm = comm.rank, process_groups.shard  # See [Note: hybrid sharding] in comm/groups.py
-        units = find_units(model, part.units)
+        units = find_units(model, part.units, held_elsewhere)
         unit_of = {param_id: unit.index for unit in units for param_id in unit.param_ids}
         per_unit = max(groups, default=0) + 1
         keys = [unit_of[id(p)] * per_unit + g for p, g in zip(params, groups)]

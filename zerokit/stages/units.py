@@ -56,9 +56,11 @@ class Unit:
     parent: int | None = None  # index of the innermost unit around this one (0: the root); None for the root
 
 
-def find_units(model: nn.Module, policy: Stage3Policy) -> list[Unit]:
+def find_units(model: nn.Module, policy: Stage3Policy, held_elsewhere: frozenset[int] = frozenset()) -> list[Unit]:
     """The root, then every unit in registration pre-order: an outer unit before the units inside it.
-    Named units may nest (See [Note: nested units]); auto-wrapped ones never do."""
+    Named units may nest (See [Note: nested units]); auto-wrapped ones never do. `held_elsewhere`: ids of parameters
+    another stage holds (split MoE experts), which do not count towards auto-wrapping: a module of nothing else is
+    no unit of this stage."""
     named = bool(policy.unit_classes or policy.units)
     if named:
         _check_every_name_matches(model, policy)
@@ -71,7 +73,7 @@ def find_units(model: nn.Module, policy: Stage3Policy) -> list[Unit]:
                 continue
             visited.add(id(child))
             qualified = f"{prefix}{name}"
-            is_unit = _is_named(child, policy) if named else _is_auto_wrapped(child, module, policy)
+            is_unit = _is_named(child, policy) if named else _is_auto_wrapped(child, module, policy, held_elsewhere)
             if is_unit:
                 units.append(Unit(len(units), child, qualified, parent=around))
                 if named:
@@ -108,9 +110,10 @@ def _is_named(module: nn.Module, policy: Stage3Policy) -> bool:
     return any(module is item if isinstance(item, nn.Module) else isinstance(module, item) for item in policy.units)
 
 
-def _is_auto_wrapped(module: nn.Module, parent: nn.Module, policy: Stage3Policy) -> bool:
+def _is_auto_wrapped(module: nn.Module, parent: nn.Module, policy: Stage3Policy, held_elsewhere: frozenset[int]
+                     ) -> bool:
     # Repeated blocks, i.e. members of a ModuleList/Sequential, large enough to be worth it.
-    size = sum(p.numel() for p in module.parameters())
+    size = sum(p.numel() for p in module.parameters() if id(p) not in held_elsewhere)
     return isinstance(parent, CONTAINERS) and size >= policy.min_unit_params
 
 

@@ -26,12 +26,12 @@ built on the meta device, pipeline, tensor or sequence degrees beside the expert
 one line).
 
 [Note: split experts in a ZeRO-3 job]
-At ZeRO-3 the dense parameters are sharded and gathered unit by unit as always, and the split experts' stage is stage
-2: each rank holds its own experts' parameters whole (the expert degree has already divided them by ep), their
-gradients reduced to shards and their fp32 masters and optimizer state sharded over the expert-data group. The dense
-stage leaves them out of its units' buckets, trainable and frozen alike (ShardedParameters.build's held_elsewhere), so
-nothing gathers them. Sharding the experts' parameters too, gathered per MoE layer over the expert-data group, would
-save the rest of their bytes where that group has more than one rank; it is not built yet.
+At ZeRO-3 both stages are stage 3, each over its own parameters: the dense one cuts the model into units as always,
+leaving the experts' parameters out of its buckets, trainable and frozen alike (ShardedParameters.build's
+held_elsewhere); the experts' one makes each local expert a unit (the layer calls each expert, not their container),
+sharded over the expert-data group, gathered before the expert runs and freed after, forward and backward, and leaves
+every other parameter to the dense one. Each stage's hooks run their own units; an expert gathers over its
+expert-data group only. hpZ's secondary copy is the dense stage's alone.
 """
 
 from __future__ import annotations
@@ -58,17 +58,20 @@ class ExpertShare:
     """The expert-data group: the ranks that hold this rank's experts (See [Note: the expert dimension])."""
     params: frozenset[int]
     """ids of the experts' parameters."""
+    modules: tuple[nn.Module, ...]
+    """Every local expert module of every MoE layer: at ZeRO-3, the experts' stage's units (the layers call each
+    expert, not their container)."""
 
     def settings(self, dense: EngineSettings) -> EngineSettings:
-        """The expert stage's decisions: the dense stage's over the expert-data group, averaged over the job; at most
-        stage 2 (See [Note: split experts in a ZeRO-3 job])."""
+        """The expert stage's decisions: the dense stage's over the expert-data group, averaged over the job (no hpZ
+        copy: See [Note: split experts in a ZeRO-3 job])."""
         size = self.data.world_size
-        return replace(dense, stage=min(dense.stage, 2), world_size=size, shard_size=size, expert_degree=self.degree)
+        return replace(dense, world_size=size, shard_size=size, secondary_size=1, expert_degree=self.degree)
 
-    @staticmethod
-    def part(dense: StageSettings) -> StageSettings:
-        """The expert stage's part of the settings: the dense stage's, at most stage 2."""
-        return replace(dense, stage=min(dense.stage, 2))
+    def part(self, dense: StageSettings) -> StageSettings:
+        """The expert stage's part of the settings: the dense stage's, with each local expert a unit at ZeRO-3 (and no
+        small parameter kept whole with the root, which holds none of the experts')."""
+        return replace(dense, units=replace(dense.units, unit_classes=(), units=self.modules, persistence_threshold=0))
 
 
 def expert_layers(model: nn.Module) -> list[ExpertParallelMoE]:
@@ -136,7 +139,8 @@ def expert_share(layout: Layout | None, model: nn.Module, comm: Communicator) ->
                              f"rank's expert group of the job's layout, {dist.get_process_group_ranks(group)}")
     params = {id(param) for layer in layers for param in layer.experts.parameters()}
     _refuse_shared(model, params)
-    return ExpertShare(layout.expert, comm.split(layout.expert_data_groups(), "expert_data"), frozenset(params))
+    return ExpertShare(layout.expert, comm.split(layout.expert_data_groups(), "expert_data"), frozenset(params),
+                       tuple(expert for layer in layers for expert in layer.experts))
 
 
 def _refuse_shared(model: nn.Module, params: set[int]) -> None:

@@ -1,0 +1,65 @@
+"""Real DeepSpeed as the tests' peer, without the C++ op it compiles at every start on a CPU and training never calls.
+
+    import zerokit.testing.deepspeed_peer                      # in a process, before deepspeed.init_distributed()
+    Job(name, argv, preload=("zerokit.testing.deepspeed_peer",))  # a job of zerokit.testing.jobs
+    python -m zerokit.testing.deepspeed_peer script.py args...   # an unchanged script, as `python script.py args...`
+    torchrun --standalone --nproc_per_node 2 -m zerokit.testing.deepspeed_peer script.py args...
+
+Importing this module imports deepspeed and replaces `deepspeed.comm.torch.build_shm_op` with a function that
+returns None; run as a command, it then runs the script (`-m module args...`: the module) as `python` would.
+
+[Note: DeepSpeed's shared-memory all-reduce, not built for a peer]
+DeepSpeed 0.19.8's TorchBackend, made by every `deepspeed.init_distributed()` (and so by `deepspeed.initialize`,
+accelerate's and the HF Trainer's DeepSpeed paths), calls `build_shm_op()` on a CPU: it JIT-compiles its
+shared-memory all-reduce (deepspeed_shm_comm) into TORCH_EXTENSIONS_DIR, 30-90 s of both cores on a new
+environment (the build depends on the environment's paths, so a fresh clone's first peer run pays it), then about
+0.5 s to load in every process after. Training never calls that op: its one user is `inference_all_reduce`
+(DeepSpeed's AutoTP layers, deepspeed/module_inject/layers.py), which, when the op is absent
+(`shm_comm_op is None`, no `torch.ops.deepspeed.inference_all_reduce_`), falls back to
+`torch.distributed.all_reduce` with the same op: the same sum. So a peer DeepSpeed run in the tests trains
+exactly as it does without this module, and no test builds or loads the op.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import runpy
+import sys
+
+from zerokit._support.extras import MissingExtra, installed, missing_message
+
+if not installed("deepspeed"):  # the module IS the peer: refused in one line naming the extra
+    raise MissingExtra(missing_message("deepspeed", "zerokit.testing.deepspeed_peer"))
+
+# The module itself: the attribute `deepspeed.comm.torch` is the torch package (deepspeed/comm/__init__.py's
+# `from .comm import *` rebinds the name after the submodule's import), so setting build_shm_op on it changes nothing
+TORCH_BACKEND = importlib.import_module("deepspeed.comm.torch")
+
+USAGE = "usage: python -m zerokit.testing.deepspeed_peer (script.py | -m module) [args...]"
+
+
+def no_shm_op() -> None:
+    """DeepSpeed's build_shm_op, without building: no op (See [Note: DeepSpeed's shared-memory all-reduce, not
+    built for a peer])."""
+    return None
+
+
+TORCH_BACKEND.build_shm_op = no_shm_op
+
+
+def main(argv: list[str]) -> None:
+    """What `python *argv` runs, in this process (sys.argv and sys.path[0] as that command would set them)."""
+    if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
+        raise SystemExit(USAGE)
+    if argv[0] == "-m":
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        return
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # where `python script.py` would look first
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -145,7 +145,7 @@ class Stepper:
         ranks] in zerokit/parallel/experts/share.py)."""
         experts = self.experts
         mine = experts.masters.unscaled_square_sum(self.loss_scaler.scale)
-        if experts.norm_comm is not None:  # stages 1-2: each expert element is on one rank; its usage agreed here
+        if experts.norm_comm is not None:  # stages 1-3: each expert element is on one rank; its usage agreed here
             flags = experts.usage.flags(torch.float64, experts.comm.device)
             experts.comm.all_reduce(flags, op=dist.ReduceOp.SUM, purpose="which expert parameters each rank used")
             experts.usage.agree(flags)  # (stage 0 agreed in its last bucket's all-reduce)

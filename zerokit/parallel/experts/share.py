@@ -12,7 +12,7 @@ reductions), beside the dense stage. What differs from one stage alone:
     the sum over the expert-data group holds every rank's part; one process's average divides that sum by the whole
     data degree, which is ep times the group's own average (the stage's `expert_degree`: stages/averaging.py);
   - the norm and overflow are one number over both stages on every rank, as one process clips: the experts' squares
-    join the dense ones in the boundary's all-reduce over every rank (at stages 1-2 each expert element is held by
+    join the dense ones in the boundary's all-reduce over every rank (at stages 1-3 each expert element is held by
     one rank; at stage 0, where a group's ranks hold the same full gradients, its first rank counts them and the
     others add theirs times zero, so an inf still counts), so an inf anywhere is a nan everywhere and every rank skips
     the step together (zerokit/engine/step.py);

@@ -77,7 +77,7 @@ from torch import nn
 
 if __package__ in (None, ""):  # run as a script: benchmarks/ is not a package on the path yet
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.bench_sequence import free_port, reset_peak, status_bytes, wait_for  # noqa: E402
+from benchmarks.bench_sequence import free_port, reset_peak, status_bytes, versions, wait_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2 ** 20
@@ -578,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = summary(rounds, skipped, plan)
     print("\n".join(lines))
     command = ["python", "benchmarks/bench_moe.py", *(sys.argv[1:] if argv is None else argv)]
-    report = {"command": " ".join(command), "torch": torch.__version__, "versions": versions(),
+    report = {"command": " ".join(command), "torch": torch.__version__, "versions": versions(("torch", "deepspeed")),
               "shape": asdict(shape), "plan": asdict(plan), "world_size": WORLD_SIZE,
               "rows": {name: {**asdict(ROWS[name]), "best_round": runs.index(chosen(runs)), "rounds": runs}
                        for name, runs in rounds.items()},
@@ -587,18 +587,6 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
-
-
-def versions() -> dict[str, str | None]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found: dict[str, str | None] = {}
-    for package in ("torch", "deepspeed"):
-        try:
-            found[package] = version(package)
-        except PackageNotFoundError:
-            found[package] = None
-    return found
 
 
 if __name__ == "__main__":

@@ -614,11 +614,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def versions() -> dict[str, str | None]:
+def versions(packages: tuple[str, ...] = ("transformers", "deepspeed")) -> dict[str, str | None]:
+    """Each package's installed version, None where it is not installed."""
     from importlib.metadata import PackageNotFoundError, version
 
     found: dict[str, str | None] = {}
-    for package in ("transformers", "deepspeed"):
+    for package in packages:
         try:
             found[package] = version(package)
         except PackageNotFoundError:

@@ -10,9 +10,9 @@ In code, call zerokit.deepspeed.install() (this file is the command; importing i
 
 from __future__ import annotations
 
-import os
-import runpy
 import sys
+
+from zerokit._support.run_script import run_as_python
 
 USAGE = "usage: python -m zerokit.deepspeed.install (script.py | -m module) [args...]"
 
@@ -20,16 +20,7 @@ USAGE = "usage: python -m zerokit.deepspeed.install (script.py | -m module) [arg
 def main(argv: list[str]) -> None:
     from zerokit.deepspeed.aliases import install
 
-    if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
-        raise SystemExit(USAGE)
-    install()
-    if argv[0] == "-m":
-        sys.argv = argv[1:]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        return
-    sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # where `python script.py` would look first
-    runpy.run_path(argv[0], run_name="__main__")
+    run_as_python(argv, USAGE, first=install)
 
 
 if __name__ == "__main__":

@@ -23,11 +23,10 @@ exactly as it does without this module, and no test builds or loads the op.
 from __future__ import annotations
 
 import importlib
-import os
-import runpy
 import sys
 
 from zerokit._support.extras import MissingExtra, installed, missing_message
+from zerokit._support.run_script import run_as_python
 
 if not installed("deepspeed"):  # the module IS the peer: refused in one line naming the extra
     raise MissingExtra(missing_message("deepspeed", "zerokit.testing.deepspeed_peer"))
@@ -48,18 +47,5 @@ def no_shm_op() -> None:
 TORCH_BACKEND.build_shm_op = no_shm_op
 
 
-def main(argv: list[str]) -> None:
-    """What `python *argv` runs, in this process (sys.argv and sys.path[0] as that command would set them)."""
-    if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
-        raise SystemExit(USAGE)
-    if argv[0] == "-m":
-        sys.argv = argv[1:]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        return
-    sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # where `python script.py` would look first
-    runpy.run_path(argv[0], run_name="__main__")
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_as_python(sys.argv[1:], USAGE)

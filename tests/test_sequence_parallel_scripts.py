@@ -39,6 +39,8 @@ def launched(tmp_path_factory) -> tuple[Path, Outcomes]:
     jobs += [Job(f"accelerate{stage}", [str(SCRIPTS / "accelerate_sp.py"), "--stage", str(stage), "--out",
                                         str(root / f"accelerate{stage}")], install=True,
                  preload=("accelerate", "transformers")) for stage in (2, 3)]
+    jobs.append(Job("accelerate_cp1", [str(SCRIPTS / "accelerate_cp.py"), "--stage", "1", "--out",
+                                       str(root / "accelerate_cp1")], install=True, preload=("accelerate", "transformers")))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
     return root, launch(jobs, root / "jobs", ranks=RANKS, env=env)
@@ -75,6 +77,8 @@ def trainer_launched(tmp_path_factory) -> tuple[Path, Outcomes]:
     jobs = [Job(f"trainer{stage}", [str(SCRIPTS / "trainer_sp.py"), "--stage", str(stage), "--out",
                                     str(root / f"trainer{stage}")], install=True,
                 preload=("accelerate", "transformers")) for stage in (1, 3)]
+    jobs.append(Job("trainer_cp3", [str(SCRIPTS / "trainer_cp.py"), "--stage", "3", "--out", str(root / "trainer_cp3")],
+                    install=True, preload=("accelerate", "transformers")))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
     return root, launch(jobs, root / "jobs", ranks=alst_common.SEQUENCE_PARALLEL, env=env)
@@ -147,3 +151,71 @@ def test_the_hf_trainers_sequence_parallelism_trains_on_zerokit_as_one_process(t
         assert len(got["losses"]) == 6
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(expected["norms"]), rtol=1e-4, atol=0)
+
+
+def test_the_hf_trainers_context_parallelism_trains_on_zerokit_as_one_process(trainer_launched) -> None:
+    """TrainingArguments(parallelism_config=ParallelismConfig(cp_size=2), deepspeed=...) under
+    zerokit.deepspeed.install: Ulysses in place of torch's ring attention (See zerokit/integrations/accelerate_cp.py).
+    The Trainer counts the step's targets before it cuts the rows, so the masked prompt (fewer targets in the first
+    piece) still gives one process's token mean."""
+    root, outcomes = trainer_launched
+    outcomes.check("trainer_cp3")
+    expected = one_process_on_rows(tuple(range(6)))  # both ranks read every row, each its half
+    for rank in range(alst_common.SEQUENCE_PARALLEL):
+        got = json.loads((root / "trainer_cp3" / f"rank{rank}.json").read_text())
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=0)
+        torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(expected["norms"]), rtol=1e-4, atol=0)
+
+
+def rows_read(root: Path) -> list[list[int]]:
+    """Which of alst_common.accelerate_rows() each replica read at each step, from the pieces its 2 cp ranks held
+    (each rank's piece must sit at its place: rank 2r + q holds tokens [8q, 8q + 8) of the row)."""
+    rows = alst_common.accelerate_rows().tolist()
+    got = [json.loads((root / f"rank{rank}.json").read_text())["pieces"] for rank in range(RANKS)]
+    read = []
+    for replica in range(RANKS // alst_common.SEQUENCE_PARALLEL):
+        first, second = got[2 * replica], got[2 * replica + 1]
+        for a, b in zip(first, second):
+            assert a["positions"] + b["positions"] == list(range(alst_common.SEQ_LENGTH))
+        read.append([rows.index(a["tokens"] + b["tokens"]) for a, b in zip(first, second)])
+    return read
+
+
+@functools.lru_cache(maxsize=None)
+def one_process_on_pieces(read: tuple[tuple[int, ...], ...]) -> list[float]:
+    """accelerate_cp.py's loss on one process: each replica's row whole through the model, its loss the mean of its two
+    pieces' token means (the model's own loss on each rank), the step's the mean over replicas; clipping at 1.0."""
+    model = alst_common.build_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    rows, half, losses = alst_common.accelerate_rows(), alst_common.SEQ_LENGTH // 2, []
+    for step in range(len(read[0])):
+        replica_losses = []
+        for replica_rows in read:
+            batch = alst_common.whole_row_batch([(rows[replica_rows[step]],)])
+            logits = model(input_ids=batch["input_ids"]).logits[0]
+            targets = batch["shift_labels"][0]
+            pieces = [torch.nn.functional.cross_entropy(logits[part], targets[part], ignore_index=-100)
+                      for part in (slice(0, half), slice(half, None))]
+            replica_losses.append(torch.stack(pieces).mean())
+        loss = torch.stack(replica_losses).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_accelerates_context_parallelism_trains_on_zerokit_as_one_process(launched) -> None:
+    """accelerate's own context-parallel loop (ParallelismConfig(cp_size=2, dp_shard_size=2), maybe_context_parallel,
+    `outputs.loss`) with a DeepSpeed plugin, under zerokit.deepspeed.install: both ranks of a cp group read the same
+    row, each its contiguous half, the two replicas different rows (accelerate's DeepSpeed loader alone would deal
+    every rank its own row), and the losses are one process's on the whole rows."""
+    root, outcomes = launched
+    outcomes.check("accelerate_cp1")
+    read = rows_read(root / "accelerate_cp1")
+    assert sorted(row for rows in read for row in rows) == list(range(8))
+    expected = one_process_on_pieces(tuple(map(tuple, read)))
+    for rank in range(RANKS):
+        got = json.loads((root / "accelerate_cp1" / f"rank{rank}.json").read_text())
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected), rtol=1e-5, atol=0)

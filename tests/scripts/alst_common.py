@@ -26,6 +26,16 @@ def collate(rows: list) -> dict:
     return {"input_ids": input_ids, "position_ids": positions, "labels": labels}
 
 
+def whole_row_batch(rows: list) -> dict:
+    """Every token a target (each piece of a row counts as many), with the shifted labels a context-parallel loop
+    passes (accelerate_cp.py)."""
+    input_ids = torch.stack([row[0] for row in rows])
+    shift_labels = torch.nn.functional.pad(input_ids, (0, 1), value=-100)[:, 1:].contiguous()
+    positions = torch.arange(SEQ_LENGTH).expand_as(input_ids).contiguous()
+    return {"input_ids": input_ids, "position_ids": positions, "labels": input_ids.clone(),
+            "shift_labels": shift_labels}
+
+
 def accelerate_rows() -> torch.Tensor:
     """accelerate_sp.py's dataset: 8 rows."""
     return torch.cat([rank_samples(rank) for rank in range(4)])

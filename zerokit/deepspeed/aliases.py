@@ -31,6 +31,8 @@ import types
 from pathlib import Path
 from typing import Any, Iterable
 
+from zerokit.integrations.accelerate_cp import hook_accelerate_cp
+
 ALIAS = "deepspeed"
 TARGET = "zerokit.deepspeed"
 DEEPSPEED_VERSION = "0.19.8"  # the DeepSpeed release whose API and behaviour zerokit.deepspeed follows
@@ -117,6 +119,7 @@ def install() -> None:
                            "accelerate or lightning are imported, or run `python -m zerokit.deepspeed.install "
                            "script.py ...`")
     sys.meta_path.insert(0, DeepSpeedAlias())
+    hook_accelerate_cp()  # See [Note: accelerate's cp_size runs as Ulysses on zerokit]
     importlib.invalidate_caches()
 
 

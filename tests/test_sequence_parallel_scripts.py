@@ -40,7 +40,8 @@ def launched(tmp_path_factory) -> tuple[Path, Outcomes]:
                                         str(root / f"accelerate{stage}")], install=True,
                  preload=("accelerate", "transformers")) for stage in (2, 3)]
     jobs.append(Job("accelerate_cp1", [str(SCRIPTS / "accelerate_cp.py"), "--stage", "1", "--out",
-                                       str(root / "accelerate_cp1")], install=True, preload=("accelerate", "transformers")))
+                                       str(root / "accelerate_cp1")], install=True,
+                    preload=("accelerate", "transformers")))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
     return root, launch(jobs, root / "jobs", ranks=RANKS, env=env)
@@ -77,8 +78,8 @@ def trainer_launched(tmp_path_factory) -> tuple[Path, Outcomes]:
     jobs = [Job(f"trainer{stage}", [str(SCRIPTS / "trainer_sp.py"), "--stage", str(stage), "--out",
                                     str(root / f"trainer{stage}")], install=True,
                 preload=("accelerate", "transformers")) for stage in (1, 3)]
-    jobs.append(Job("trainer_cp3", [str(SCRIPTS / "trainer_cp.py"), "--stage", "3", "--out", str(root / "trainer_cp3")],
-                    install=True, preload=("accelerate", "transformers")))
+    jobs.append(Job("trainer_cp3", [str(SCRIPTS / "trainer_sp.py"), "--stage", "3", "--out", str(root / "trainer_cp3"),
+                                    "--context-parallel"], install=True, preload=("accelerate", "transformers")))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
     return root, launch(jobs, root / "jobs", ranks=alst_common.SEQUENCE_PARALLEL, env=env)

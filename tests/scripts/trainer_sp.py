@@ -6,6 +6,12 @@ works over a gloo group of ranks 0 and 1: 2 ranks). Unchanged, it runs on zeroki
 (its parallel_state_sp asserts an initialised deepspeed.comm the Trainer never starts on a CPU).
 
     torchrun --nproc_per_node 2 -m zerokit.deepspeed.install trainer_sp.py --stage 3 --out results/
+
+With --context-parallel the same Trainer takes accelerate's context parallelism instead, ParallelismConfig(cp_size=2):
+it cuts each batch's input ids, labels, shifted labels and position ids inside accelerator.maybe_context_parallel
+and scales each rank's loss (its tokens' sum over the step's target count, times the processes) so that the average
+over ranks is the step's mean; on zerokit, Ulysses runs in place of torch's ring attention
+(zerokit/integrations/accelerate_cp.py).
 """
 
 import argparse
@@ -44,6 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stage", type=int, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--context-parallel", action="store_true")
     cli = parser.parse_args()
     ds_config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
                  "zero_optimization": {"stage": cli.stage},
@@ -51,6 +58,8 @@ def main() -> None:
     parallelism = ParallelismConfig(sp_size=SEQUENCE_PARALLEL, sp_backend="deepspeed", dp_shard_size=1,
                                     sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True,
                                                                                sp_attn_implementation="sdpa"))
+    if cli.context_parallel:
+        parallelism = ParallelismConfig(cp_size=SEQUENCE_PARALLEL, dp_shard_size=1)
     args = TrainingArguments(output_dir=cli.out, per_device_train_batch_size=1, max_steps=STEPS, logging_steps=1,
                              report_to=[], deepspeed=ds_config, parallelism_config=parallelism, save_strategy="no",
                              learning_rate=1e-3, max_grad_norm=1.0, use_cpu=True, remove_unused_columns=False,

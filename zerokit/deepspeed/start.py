@@ -141,6 +141,17 @@ def with_sequence_of(typed: ZeroConfig, mpu: Any, model: nn.Module) -> ZeroConfi
     return replace(typed, sequence_parallel_size=degree)
 
 
+def _refuse_sequence_ranks_in_pipeline_module(degree: int) -> None:
+    """A PipelineModule's layers pass their activations alone between stages, with no position ids for a split
+    sequence, its loss_fn sees one rank's shard, and its grid knows no sequence ranks: zerokit's own pipeline
+    composes the two (See docs/pipeline.md)."""
+    if degree > 1:
+        raise ValueError(f"sequence_parallel_size={degree} with a DeepSpeed PipelineModule is not offered by zerokit "
+                         "(its stages pass no position ids and its loss_fn sees one rank's shard); accepted: "
+                         "sequence_parallel_size 1 with PipelineModule, or zerokit.pipeline.initialize with "
+                         "Layout.resolve(world_size, pipeline=p, sequence=s) (docs/pipeline.md)")
+
+
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
                model_parameters: Iterable[Any] | None = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
@@ -171,6 +182,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         if lr_scheduler is not None:
             raise ValueError("deepspeed.initialize(model=PipelineModule, lr_scheduler=) is not offered by zerokit: use "
                              "the config's scheduler block")
+        _refuse_sequence_ranks_in_pipeline_module(typed.sequence_parallel_size)
         given = config_dict(source)  # the dict, so that stage 2 reduces once a step unless it says otherwise
         pipeline = PipelineEngine(model, optimizer, given or typed, model_parameters=model_parameters,
                                   training_data=training_data, collate_fn=collate_fn)

@@ -25,6 +25,8 @@ sequence ranks alike (its data group is every rank of a stage's tensor index, as
 is), while `data` still counts the replicas that read distinct batches. The sequence ranks of a replica are
 consecutive, as DeepSpeed's mpu numbers them (`initialize_sequence_parallel`), so its all-to-alls stay in a node:
     rank = ((stage * data + replica) * sequence + sequence_index) * tensor + tensor_index
+Under a pipeline every stage's ranks split alike, and a pipeline group joins the same replica and sequence index of
+every stage: the activations of a shard's tokens go to the next stage's rank that holds the same tokens.
 
 [Note: the expert dimension]
 Expert parallelism (a mixture-of-experts layer's experts split over `expert` ranks, each token sent to its

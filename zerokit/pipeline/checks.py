@@ -74,12 +74,37 @@ def warn_about_the_bubble(micro_batches: int, stages: int) -> None:
                       BubbleWarning, stacklevel=3)
 
 
-def check_stage_shapes(engine: Any, stage_index: int, num_stages: int, first_inputs: Any) -> None:
+def check_sequence_stages(stage_module: Any, layout: Layout) -> None:
+    """With a sequence dimension, before any engine is built: every stage's module has Hugging Face attention that
+    Ulysses can split (See zerokit/parallel/sequence/attention.py). Each stage holds other layers, so a stage's
+    problem is found on its ranks alone; every rank learns the first stage's, and raises it, instead of the other
+    stages waiting for that stage's engine until the group's timeout."""
+    if layout.sequence == 1:
+        return
+    import torch.distributed as dist
+    from zerokit.parallel.sequence.attention import check_attachable
+    stage = layout.coordinates(dist.get_rank()).stage
+    problem = None
+    try:
+        check_attachable(stage_module, layout.sequence, layout.tensor)
+    except ValueError as error:
+        problem = f"pipeline stage {stage}: {error}"
+    problems: list[Any] = [None] * dist.get_world_size()
+    # Python objects, once, at start-up, before the engine's groups exist: a pickled all-gather over the job
+    dist.all_gather_object(problems, problem)
+    first = next((each for each in problems if each), None)
+    if first:
+        raise ValueError(first)
+
+
+def check_stage_shapes(engine: Any, stage_index: int, num_stages: int, first_inputs: Any,
+                       check_output: Callable[[Any], Any] | None = None) -> None:
     """Before the first step: each stage runs one forward (no gradients) on what the stage before it outputs for the
     first micro-batch, stage after stage, and every rank learns the outcome. A stage that does not accept its
     input (a width the next stage's first layer was not built for, say) is then one ValueError naming both stages
     and the shapes, on every rank, before anything trains, instead of an error on one rank while the others wait
-    for it in the schedule's point-to-point exchanges until the group's timeout."""
+    for it in the schedule's point-to-point exchanges until the group's timeout. `check_output`: run by the last
+    stage on its output (the loss of the first micro-batch), whose error every rank learns alike."""
     import torch
     import torch.distributed as dist
     group = engine.stages_comm.group
@@ -88,7 +113,7 @@ def check_stage_shapes(engine: Any, stage_index: int, num_stages: int, first_inp
     for sender in range(num_stages):
         message: list[Any] = [None]
         if stage_index == sender:
-            message = [_probe(engine.module, received, sender)]
+            message = [_probe(engine.module, received, sender, check_output if sender == num_stages - 1 else None)]
         # Python objects, once, at start-up: a pickled broadcast on the pipeline group (nothing in comm/ sends objects)
         dist.broadcast_object_list(message, src=ranks[sender], group=group)
         outcome, value = message[0]
@@ -144,7 +169,7 @@ def _batch_problem(what: str, rows: int, expected: int, micro_batches: int, why:
     return None
 
 
-def _probe(module: Any, inputs: Any, stage: int) -> tuple[str, Any]:
+def _probe(module: Any, inputs: Any, stage: int, check_output: Callable[[Any], Any] | None) -> tuple[str, Any]:
     import torch
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
@@ -153,8 +178,17 @@ def _probe(module: Any, inputs: Any, stage: int) -> tuple[str, Any]:
             output = module(*args)
     except Exception as error:  # the user's module, any error: reported on every rank as one line
         source = "the first micro-batch's inputs" if stage == 0 else f"stage {stage - 1}'s output"
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return "error", (f"pipeline stage {stage} does not accept {source} of shape(s) {shapes}: {reason}; accepted: "
-                         f"the shapes its first layer was built for")
+        return "error", (f"pipeline stage {stage} does not accept {source} of shape(s) {shapes}: {_reason(error)}; "
+                         "accepted: the shapes its first layer was built for")
+    if check_output is not None:
+        try:
+            with torch.no_grad():
+                check_output(output)
+        except Exception as error:  # the user's loss function, any error: reported on every rank as one line
+            return "error", f"pipeline stage {stage}'s loss_fn failed on the first micro-batch: {_reason(error)}"
     outputs = output if isinstance(output, (tuple, list)) else (output,)
     return "ok", [(tuple(t.shape), t.dtype) for t in outputs if isinstance(t, torch.Tensor)]
+
+
+def _reason(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -17,6 +17,26 @@ unit, but 2m all-gathers of the stage's parameters per step instead of one). The
 (Training.stage3_gathering in zerokit/planner/spec.py); "step" is the default because a pipeline's m is large where
 the bubble is small.
 
+[Note: a pipeline's loss over a sequence split across ranks]
+With a sequence dimension (Layout.resolve(world, pipeline=p, sequence=s), or the config's sequence_parallel_size
+beside a pipeline layout), each sequence rank of the last stage holds the logits of its shard of every micro-batch,
+while the micro-batch's loss is the replica's mean over all its target tokens, which no rank can take alone. So
+loss_fn returns this rank's TokenLosses (its tokens' summed loss and their count of targets: next_token_losses, or
+any per-token loss summed) and the pipeline combines them over the stage's sequence group: the sums and the counts
+added over the ranks (See [Note: one loss over a sequence split across ranks] in parallel/sequence/batch.py). The
+pipeline combines, not loss_fn, because the sequence group is made inside initialize, after loss_fn is given; and
+TokenLosses without a sequence dimension are the mean over the micro-batch's targets, so one loss_fn serves both.
+The backward of the sum hands each sequence rank's sum the whole gradient; it flows back through that rank's own
+pipeline (the same sequence index on every stage: Layout.pipeline_groups, the group torch's PipelineStage sends
+over), and ZeRO's average over the stage's data group (replicas x sequence ranks) makes it one process's gradient.
+torch's schedule calls loss_fn once more at the first step, on the output of a forward made to learn the shapes
+(PipelineStage's backward metadata inference), and backpropagates it for the input gradients' shapes: that call
+combines too, with the collectives of its forward and backward on every sequence rank of the last stage at the same
+point, so they pair up; its result trains nothing. A mean over this rank's tokens (a plain tensor) is refused under a
+sequence degree, found on the last stage's probe of the first micro-batch, on every rank (See check_stage_shapes): it
+would weigh shards with different counts of targets as equals. The reported loss needs nothing more: every sequence
+rank holds its replica's loss, so the average over the data group is still the mean over the replicas.
+
 [Note: a pipeline batch is checked on every rank]
 torch's schedule splits the first stage's inputs and the last stage's target along dim 0 into the step's micro-batches
 (tensor_split: as evenly as it can). A batch of 12 rows under a config of 2 micro-batches of 2 would train as 2
@@ -42,14 +62,16 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 from torch import nn
 
+from zerokit.comm.process import ensure_process_group
 from zerokit.engine.engine import Engine, Optimizers, initialize as initialize_engine
 from zerokit.parallel.mesh import Layout
-from zerokit.pipeline.checks import (check_pipeline_arguments, check_stage_shapes, check_step_batch, check_tied,
-                                     schedule_class_of, warn_about_the_bubble)
+from zerokit.parallel.sequence.batch import TokenLosses, combined_loss
+from zerokit.parallel.sequence.share import with_sequence_degree
+from zerokit.pipeline.checks import (check_pipeline_arguments, check_sequence_stages, check_stage_shapes,
+                                     check_step_batch, check_tied, schedule_class_of, warn_about_the_bubble)
 from zerokit.pipeline.stage import engine_stage
 from zerokit.pipeline.tied import TiedWeight, TiedWeights
 from zerokit.precision.result import StepResult
-
 
 
 class PipelineStep(NamedTuple):
@@ -96,16 +118,30 @@ class PipelineEngine:
         window's average) and multiplied by the fp16 loss scale. The user's loss is kept for the report under the
         result's id: torch's schedule also calls the loss function once on placeholder tensors, to learn the
         gradients' shapes, and only the results it returns in `losses` are the micro-batches'."""
-        loss = self.loss_fn(output, target)
+        loss = self._micro_batch_loss(self.loss_fn(output, target))
         scaled = loss * (self.engine.loss_scaler.scale / self.micro_batches)
         self._unscaled[id(scaled)] = loss.detach().float()
         return scaled
+
+    def _micro_batch_loss(self, given: Any) -> torch.Tensor:
+        """The loss of one micro-batch from what loss_fn returned: a tensor as it is; TokenLosses (a summed loss and
+        its count of targets) as the mean over the replica's targets, combined over its sequence ranks where there
+        are any (See [Note: a pipeline's loss over a sequence split across ranks])."""
+        sequence = self.engine.sequence
+        if isinstance(given, tuple) and len(given) == 2:
+            return combined_loss(TokenLosses(*given), None if sequence is None else sequence.group)
+        if sequence is not None:
+            raise ValueError(f"with {sequence.ranks} sequence ranks, loss_fn must return this rank's TokenLosses (its "
+                             "tokens' summed loss and their count of targets: zerokit.parallel.sequence."
+                             f"next_token_losses), not {type(given).__name__}: a mean over each rank's tokens weighs "
+                             "shards with different counts of targets wrongly")
+        return given
 
     def train_step(self, inputs: Any = None, target: Any = None) -> PipelineStep:
         """One optimizer step over this replica's batch: `inputs` (first stage; split along dim 0 into the micro-
         batches) and `target` (last stage); the other stages pass nothing."""
         self._check_batch(inputs, target)
-        self._check_shapes(inputs)
+        self._check_shapes(inputs, target)
         keep = self.engine.config.stage == 3 and self.gathering == "step"
         scaled: list[torch.Tensor] = []
         with self.engine.unsharded() if keep else nullcontext():
@@ -122,13 +158,14 @@ class PipelineEngine:
         """The mean loss of one batch, without gradients, on every rank (DeepSpeed's eval_batch)."""
         self._losses = []
         self._check_batch(inputs, target)
-        self._check_shapes(inputs)
+        self._check_shapes(inputs, target)
         with torch.no_grad():
             output = self._run(self.eval_schedule, inputs, None, None)
             if self.is_last_stage():
                 chunks = output.chunk(self.micro_batches) if isinstance(output, torch.Tensor) else output
                 targets = target.chunk(self.micro_batches)
-                self._losses = [self.loss_fn(o, t).detach().float() for o, t in zip(chunks, targets)]
+                self._losses = [self._micro_batch_loss(self.loss_fn(o, t)).detach().float()
+                                for o, t in zip(chunks, targets)]
         return self._reported_loss()
 
     def _check_batch(self, inputs: Any, target: Any) -> None:
@@ -142,15 +179,22 @@ class PipelineEngine:
                                   source)
         self.micro_rows = agreed  # the first step's, where the config fixes none
 
-    def _check_shapes(self, inputs: Any) -> None:
-        """Once, before the first step: every stage accepts what the one before it outputs (See check_stage_shapes)."""
+    def _check_shapes(self, inputs: Any, target: Any) -> None:
+        """Once, before the first step: every stage accepts what the one before it outputs, and under sequence
+        parallelism the last stage's loss_fn returns what can be combined over its sequence ranks (See
+        check_stage_shapes)."""
         if self._shapes_checked or self.num_stages == 1:
             return
-        first = None
+        first, check_output = None, None
         if self.is_first_stage():
             parts = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
             first = tuple(part.tensor_split(self.micro_batches)[0] for part in parts)
-        check_stage_shapes(self.engine, self.stage_index, self.num_stages, first)
+        if self.is_last_stage() and self.engine.sequence is not None and target is not None:
+            first_target = target.tensor_split(self.micro_batches)[0]
+
+            def check_output(output: Any) -> None:  # the first micro-batch's loss, combined over the sequence ranks
+                self._micro_batch_loss(self.loss_fn(output, first_target))
+        check_stage_shapes(self.engine, self.stage_index, self.num_stages, first, check_output)
         self._shapes_checked = True
 
     def _run(self, schedule: Any, inputs: Any, target: Any, losses: list | None) -> Any:
@@ -218,15 +262,20 @@ def initialize(stage_module: nn.Module, optimizer: Optimizers | None, config: An
     """This rank's stage (`stage_module`: the part of the model its pipeline stage runs, layout.coordinates(rank)
     .stage) under a zerokit engine over its stage's data group, driven by torch's `schedule` ("GPipe", "1F1B", or
     the class). The config's gradient_accumulation_steps is the schedule's micro-batch count. Every rank calls it at
-    the same point. `loss_fn(output, target)`: the last stage's loss of one micro-batch. `stage3_gathering`: "step"
-    or "micro_batch" (See [Note: stage 3 under a pipeline: gather once per step, or per micro-batch]). `tied`: this
-    stage's copies of weights tied across stages, with their groups (See [Note: a tied weight's gradient across
-    stages] in tied.py); the copies take the first stage's values here. `micro_batch_from`: "config" (a step's batch
-    must be the config's micro-batches: See [Note: a pipeline batch is checked on every rank]) or "batch" (the first
-    step's batch, split evenly, decides them: DeepSpeed's train_batch, whose iterator gives the micro-batches)."""
+    the same point. `layout` with a sequence degree (or the config's sequence_parallel_size beside it): each stage's
+    sequences split over its sequence ranks, Ulysses attached to the stage's Hugging Face attention (See
+    docs/pipeline.md). `loss_fn(output, target)`: the last stage's loss of one micro-batch, a tensor or this rank's
+    TokenLosses, which a sequence degree needs (See [Note: a pipeline's loss over a sequence split across ranks]).
+    `stage3_gathering`: "step" or "micro_batch" (See [Note: stage 3 under a pipeline: gather once per step, or per
+    micro-batch]). `tied`: this stage's copies of weights tied across stages, with their groups (See [Note: a tied
+    weight's gradient across stages] in tied.py); the copies take the first stage's values here. `micro_batch_from`:
+    "config" (a step's batch must be the config's micro-batches: See [Note: a pipeline batch is checked on every
+    rank]) or "batch" (the first step's batch, split evenly, decides them: DeepSpeed's train_batch, whose iterator
+    gives the micro-batches)."""
     check_pipeline_arguments(layout, loss_fn, stage3_gathering, micro_batch_from)
     schedule_class = schedule_class_of(schedule)
     config = reduced_once_per_step(config)
+    layout = _with_sequence_ranks(stage_module, layout, config.sequence_parallel_size)
     # the micro-batch size the config fixes: its own key, or train_batch_size's (resolve derives it); else none
     fixed = micro_batch_from == "config" and (config.train_micro_batch_size_per_gpu is not None
                                              or config.train_batch_size is not None)
@@ -237,3 +286,14 @@ def initialize(stage_module: nn.Module, optimizer: Optimizers | None, config: An
     warn_about_the_bubble(engine.config.gradient_accumulation_steps, layout.pipeline)
     micro_rows = engine.config.train_micro_batch_size_per_gpu if fixed else None
     return PipelineEngine(engine, layout, schedule_class, loss_fn, stage3_gathering, tied_weights, micro_rows)
+
+
+def _with_sequence_ranks(stage_module: nn.Module, layout: Layout, degree: int) -> Layout:
+    """The layout with the config's sequence degree (its pipeline and tensor degrees kept), and every stage's module
+    checked for attention to split, on every rank, before any engine is built (See check_sequence_stages)."""
+    if degree <= 1 and layout.sequence == 1:
+        return layout
+    ensure_process_group()
+    layout = with_sequence_degree(layout, degree)
+    check_sequence_stages(stage_module, layout)
+    return layout

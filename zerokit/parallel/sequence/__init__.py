@@ -13,12 +13,18 @@ and of the logits alive at a time:
 
     hidden = engine.sequence.hidden_states(engine, input_ids=shard["input_ids"], position_ids=shard["position_ids"])
     loss = engine.sequence.tiled_loss(hidden, engine.module.lm_head, shard["shift_labels"], tiles=4)
+
+Under a pipeline (zerokit.pipeline.initialize with a layout of pipeline x sequence ranks), each stage makes its
+tokens' positions with shard_position_ids and the last stage's loss_fn returns next_token_losses (See
+docs/pipeline.md).
 """
 
 from zerokit.parallel.sequence.attention import ULYSSES, attach
-from zerokit.parallel.sequence.batch import IGNORE_INDEX, sequence_loss, shard_batch
+from zerokit.parallel.sequence.batch import (IGNORE_INDEX, TokenLosses, combined_loss, next_token_losses,
+                                             sequence_loss, shard_batch, shard_position_ids)
 from zerokit.parallel.sequence.exchange import all_to_all, summed
 from zerokit.parallel.sequence.tiling import final_hidden_states, tile_mlp, tiled_loss
 
-__all__ = ["IGNORE_INDEX", "ULYSSES", "all_to_all", "attach", "final_hidden_states", "sequence_loss", "shard_batch",
-           "summed", "tile_mlp", "tiled_loss"]
+__all__ = ["IGNORE_INDEX", "TokenLosses", "ULYSSES", "all_to_all", "attach", "combined_loss", "final_hidden_states",
+           "next_token_losses", "sequence_loss", "shard_batch", "shard_position_ids", "summed", "tile_mlp",
+           "tiled_loss"]

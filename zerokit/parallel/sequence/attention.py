@@ -18,13 +18,24 @@ Heads: the query's are split evenly (a degree that does not divide them is refus
 where there are fewer of them than sequence ranks (grouped-query attention) each is repeated so that every rank has
 the ones its query heads read, which needs the degree to be a multiple of their number. The core is handed the
 module with the number of query heads per key head as this rank sees it.
+
+[Note: position ids where a model makes them]
+A shard's tokens sit at their places in the whole sequence, and a Hugging Face model called without position_ids
+numbers the tokens it is given from 0: on a shard, the wrong positions, trained on without a word. So each Hugging
+Face model (transformers' PreTrainedModel) holding the split attention, the model itself or the outermost ones inside a
+module of the user's, refuses a forward without position_ids as a keyword. A pipeline stage that holds some of a
+model's layers in a module of the user's gets no such check, and needs none: torch's schedule calls a stage with
+positional arguments only, so a check of the keyword would refuse every call, and the layers make no positions of
+their own (a Llama layer's attention cannot run without the rotary embeddings the stage computes from position ids
+it makes itself: zerokit.parallel.sequence.shard_position_ids makes them from the layout's sequence index). A stage
+that holds a whole Hugging Face model, pruned to its layers, keeps the check: that model would number from 0.
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -93,27 +104,48 @@ def _causal_mask(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         hidden, torch.finfo(query.dtype).min)[None, None]
 
 
+class _Plan(NamedTuple):
+    """What attaching a model changes, found (and checked) before anything is changed."""
+    attention: list[nn.Module]  # the modules transformers hands to the attention function
+    core: Callable[..., tuple[torch.Tensor, Any]]
+    causal_mask: bool
+    key_repeats: int
+
+
 def attach(model: nn.Module, group: Any, ranks: int, tensor: int = 1) -> None:
     """Run the model's attention as Ulysses over `group` (`ranks` sequence ranks); refused in one line where its
-    heads or its attention implementation cannot be split. `tensor`: the tensor degree the model's heads were split
-    over first (a rank's attention holds 1 / tensor of them: See zerokit/parallel/tensor/autotp.py)."""
+    heads or its attention implementation cannot be split. `model`: a Hugging Face model, or a module of the user's
+    holding some of one's layers (a pipeline stage). `tensor`: the tensor degree the model's heads were split over
+    first (a rank's attention holds 1 / tensor of them: See zerokit/parallel/tensor/autotp.py)."""
     from transformers import AttentionInterface
-    config = _hf_config(model)
-    implementation = config._attn_implementation
-    core, causal_mask = _core(model, implementation)
-    heads, key_heads = (count // tensor for count in _heads(config))
-    _check_heads(heads, key_heads, ranks)
-    state = UlyssesState(group, ranks, core, causal_mask, key_repeats=ranks // key_heads if key_heads < ranks else 1)
-    attention = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
-    if not attention:
-        raise ValueError(f"{type(model).__name__} has no Hugging Face attention module (one with "
-                         "num_key_value_groups) for sequence parallelism to split")
+    plan = _plan(model, ranks, tensor)
+    state = UlyssesState(group, ranks, plan.core, plan.causal_mask, key_repeats=plan.key_repeats)
     AttentionInterface.register(ULYSSES, ulysses_attention)
-    for module in attention:
+    for module in plan.attention:
         setattr(module, STATE, state)
     for each in _configs(model):
         each._attn_implementation = ULYSSES
-    model.register_forward_pre_hook(_require_position_ids, with_kwargs=True)
+    # See [Note: position ids where a model makes them]
+    for hf_model in _outermost_hf_models(model, plan.attention):
+        hf_model.register_forward_pre_hook(_require_position_ids, with_kwargs=True)
+
+
+def check_attachable(model: nn.Module, ranks: int, tensor: int = 1) -> None:
+    """Raise the ValueError `attach` would, changing nothing (a pipeline checks every stage before any is built)."""
+    _plan(model, ranks, tensor)
+
+
+def _plan(model: nn.Module, ranks: int, tensor: int) -> _Plan:
+    attention = [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
+    if not attention:
+        raise ValueError(f"{type(model).__name__} has no Hugging Face attention module (one with "
+                         "num_key_value_groups) for sequence parallelism to split; accepted: a Hugging Face model, "
+                         "or a module holding some of its decoder layers (a pipeline stage: at least one)")
+    config = _hf_config(model, attention)
+    core, causal_mask = _core(model, config._attn_implementation)
+    heads, key_heads = (count // tensor for count in _heads(config))
+    _check_heads(heads, key_heads, ranks)
+    return _Plan(attention, core, causal_mask, key_repeats=ranks // key_heads if key_heads < ranks else 1)
 
 
 def keep_whole_in_eval(model: nn.Module) -> None:
@@ -127,7 +159,8 @@ def keep_whole_in_eval(model: nn.Module) -> None:
 
 def _require_position_ids(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     """A shard's tokens sit at their places in the whole sequence: without its position ids, the model would number
-    them from 0 on every rank and train on wrong positions without a word."""
+    them from 0 on every rank and train on wrong positions without a word (See [Note: position ids where a model
+    makes them])."""
     states = (getattr(m, STATE) for m in module.modules() if hasattr(m, STATE))
     if not module.training and not next(states).in_eval:
         return
@@ -136,12 +169,30 @@ def _require_position_ids(module: nn.Module, args: tuple, kwargs: dict[str, Any]
                          "tokens' positions in the whole sequence), as engine.sequence.shard(batch) makes them")
 
 
-def _hf_config(model: nn.Module) -> Any:
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "_attn_implementation"):
-        raise ValueError(f"sequence parallelism splits the attention of Hugging Face models; {type(model).__name__} "
-                         "has no transformers config")
-    return config
+def _hf_config(model: nn.Module, attention: list[nn.Module]) -> Any:
+    """The model's transformers config: its own, or, for a module of the user's holding some of a model's layers (a
+    pipeline stage), the one its attention modules were built with."""
+    for holder in (model, *attention):
+        config = getattr(holder, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            return config
+    raise ValueError(f"sequence parallelism splits the attention of Hugging Face models; {type(model).__name__} "
+                     "has no transformers config, nor do its attention modules")
+
+
+def _outermost_hf_models(model: nn.Module, attention: list[nn.Module]) -> list[nn.Module]:
+    """The Hugging Face models (transformers' PreTrainedModel) in `model` that hold some of `attention`, itself
+    included, none inside another."""
+    from transformers import PreTrainedModel
+    attached = {id(module) for module in attention}
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        inside = any(outer == "" or name.startswith(f"{outer}.") for outer, _ in found)
+        if inside or not isinstance(module, PreTrainedModel):
+            continue
+        if any(id(sub) in attached for sub in module.modules()):
+            found.append((name, module))
+    return [module for _, module in found]
 
 
 def _configs(model: nn.Module) -> list[Any]:

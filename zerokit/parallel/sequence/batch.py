@@ -14,7 +14,7 @@ computes. Shards with different numbers of target tokens (masked labels) are wei
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +47,41 @@ def _per_token(value: Any, tokens: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == tokens
 
 
+class TokenLosses(NamedTuple):
+    """A loss over some tokens, before its mean: what a pipeline's last stage returns from its loss_fn under sequence
+    parallelism (See [Note: a pipeline's loss over a sequence split across ranks] in zerokit/pipeline/engine.py)."""
+    total: torch.Tensor
+    """The sum of the tokens' losses (a scalar, with its graph)."""
+    targets: torch.Tensor
+    """How many tokens have a target (a scalar)."""
+
+
+def next_token_losses(logits: torch.Tensor, shift_labels: torch.Tensor) -> TokenLosses:
+    """The summed next-token loss of this rank's tokens and their count of targets (labels IGNORE_INDEX have none)."""
+    total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1),
+                            ignore_index=IGNORE_INDEX, reduction="sum")
+    return TokenLosses(total, (shift_labels != IGNORE_INDEX).sum().to(total.dtype))
+
+
+def combined_loss(losses: TokenLosses, group: Any) -> torch.Tensor:
+    """The mean over every target token of the ranks of `group` (None: this rank's alone), on every one of them (See
+    [Note: one loss over a sequence split across ranks])."""
+    if group is None:
+        return losses.total / losses.targets.detach()
+    return summed(losses.total, group) / summed(losses.targets.detach(), group)
+
+
 def sequence_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group: Any) -> torch.Tensor:
     """The replica's mean next-token loss over every token with a target, on every sequence rank, from this rank's
     logits and shifted labels (See [Note: one loss over a sequence split across ranks])."""
-    losses = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift_labels.reshape(-1),
-                             ignore_index=IGNORE_INDEX, reduction="sum")
-    count = (shift_labels != IGNORE_INDEX).sum().to(losses.dtype)
-    return summed(losses, group) / summed(count, group).detach()
+    return combined_loss(next_token_losses(logits, shift_labels), group)
+
+
+def shard_position_ids(shard: torch.Tensor, index: int) -> torch.Tensor:
+    """The (rows, tokens) position ids of a shard of unpacked sequences, part `index` of each: its tokens' places in
+    the whole sequence, as shard_batch makes them for a batch without position_ids. `shard`: anything shaped (rows,
+    tokens, ...), the shard's input_ids or its hidden states; a pipeline stage makes its positions with it (See
+    [Note: position ids where a model makes them] in attention.py)."""
+    rows, tokens = shard.shape[0], shard.shape[1]
+    positions = torch.arange(index * tokens, (index + 1) * tokens, device=shard.device)
+    return positions.expand(rows, tokens)

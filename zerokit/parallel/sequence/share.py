@@ -46,9 +46,15 @@ class SequenceShare:
 
 
 def sequence_layout(layout: Layout | None, part: TensorSettings) -> Layout | None:
-    """The job's layout with the config's sequence degree: `layout` where the config asks for none or the same one;
-    else the layout resolved again with it (sequence ranks inside each replica)."""
-    degree = part.sequence_parallel_size
+    """The job's layout with the config's sequence degree (See with_sequence_degree)."""
+    return with_sequence_degree(layout, part.sequence_parallel_size)
+
+
+def with_sequence_degree(layout: Layout | None, degree: int) -> Layout | None:
+    """The job's layout with a sequence degree: `layout` where there is none to add or it has the same one; else
+    the layout resolved again with it, its pipeline and tensor degrees kept (sequence ranks inside each replica, the
+    replicas what is left). A pipeline stage's rank stays at its stage: the ranks of a stage are consecutive whatever
+    splits them (See [Note: the sequence dimension] in parallel/mesh.py)."""
     if degree <= 1:
         return layout
     if layout is not None and layout.sequence == degree:
@@ -56,10 +62,8 @@ def sequence_layout(layout: Layout | None, part: TensorSettings) -> Layout | Non
     if layout is not None and layout.sequence > 1:
         raise ValueError(f"sequence_parallel_size={degree} but the layout has {layout.sequence} sequence rank(s) "
                          f"({layout.describe()}): give the same degree, or leave one of them out")
-    if layout is not None and layout.pipeline > 1:
-        raise ValueError(f"sequence_parallel_size={degree} with {layout.describe()}: sequence parallelism composes "
-                         "with ZeRO's data parallelism and tensor parallelism here, not yet with pipeline parallelism")
-    return Layout.resolve(dist.get_world_size(), sequence=degree, tensor=1 if layout is None else layout.tensor)
+    pipeline, tensor = (1, 1) if layout is None else (layout.pipeline, layout.tensor)
+    return Layout.resolve(dist.get_world_size(), pipeline=pipeline, sequence=degree, tensor=tensor)
 
 
 def sequence_share(layout: Layout | None, model: nn.Module) -> SequenceShare | None:
@@ -79,5 +83,7 @@ def sequence_share(layout: Layout | None, model: nn.Module) -> SequenceShare | N
 def startup_lines(layout: Layout | None) -> list[str]:
     if layout is None or layout.sequence == 1:
         return []
+    zero_ranks = layout.data * layout.sequence  # a data group: a stage's ranks of one tensor index
     return [f"sequence parallel (Ulysses): {layout.describe()}; each replica's sequences split over {layout.sequence} "
-            f"consecutive ranks, ZeRO over all {layout.world_size}; batch sizes count the {layout.data} replica(s)"]
+            f"consecutive ranks, ZeRO over {zero_ranks} (replicas x sequence ranks); batch sizes count the "
+            f"{layout.data} replica(s)"]

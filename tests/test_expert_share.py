@@ -22,8 +22,11 @@ def moe(ep: int, experts: int = 4) -> ExpertParallelMoE:
 def test_layers_that_split_their_experts_differently_are_refused() -> None:
     model = nn.Sequential(moe(2), moe(4))
     with pytest.raises(ValueError, match=r"^the model's MoE layers split their experts over \[2, 4\] ranks; zerokit "
-                                         r"shards experts over one expert degree: give every layer the same ep_size$"):
+                                         r"shards experts over one expert degree: give every layer the same ep_size "
+                                         r"\(and expert_parallel.autoep_size\)$"):
         expert_degree(model)
+    with pytest.raises(ValueError, match=r"split their experts over \[2, 4\] ranks"):
+        expert_degree(nn.Sequential(moe(2)), configured=4)
     assert expert_degree(nn.Sequential(moe(1), nn.Linear(2, 2))) == 1 and expert_degree(nn.Linear(2, 2)) == 1
 
 
@@ -73,3 +76,62 @@ def test_a_layer_without_its_expert_group_says_how_to_get_one() -> None:
     with pytest.raises(RuntimeError, match=r"^this MoE layer splits its experts over 2 ranks but has no expert group "
                                            r"yet: wrap the model with zerokit\.initialize \(or deepspeed\.initialize\)"):
         layer(torch.zeros(3, HIDDEN))
+
+
+# --- a Hugging Face model's experts, split by the config's expert_parallel block (zerokit/parallel/experts/hf.py) ---
+def hf_experts(experts: int = 4, family: str = "mixtral") -> nn.Module:
+    if family == "gpt_oss":
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssConfig, GptOssExperts
+        return GptOssExperts(GptOssConfig(hidden_size=8, intermediate_size=12, num_local_experts=experts))
+    from transformers.models.mixtral.modeling_mixtral import MixtralConfig, MixtralExperts
+    return MixtralExperts(MixtralConfig(hidden_size=8, intermediate_size=12, num_local_experts=experts))
+
+
+def split_with(model: nn.Module, degree: int = 2):
+    from zerokit.config.settings import TensorSettings
+    from zerokit.parallel.experts.hf import split_hf_experts
+    part = TensorSettings(autotp_size=0, expert_parallel_size=degree, ranks_per_node=None,
+                          launcher_ranks_per_node=None, timeout_seconds=60)
+    return split_hf_experts(model, Layout(data=4, expert=degree), part, None, None)
+
+
+@pytest.mark.parametrize("model, message", [
+    (lambda: nn.Linear(4, 4), r"^expert_parallel.autoep_size=2, but Linear has no transformers MoE experts module"),
+    (lambda: nn.ModuleDict({"experts": hf_experts(family="gpt_oss")}),
+     r"^GptOssExperts's experts are not the Mixtral/Qwen-MoE layout .*; train it without expert_parallel"),
+    (lambda: nn.ModuleDict({"experts": hf_experts(experts=3)}),
+     r"^MixtralExperts has 3 experts, which do not split over expert_parallel.autoep_size=2 ranks; use a divisor of 3$"),
+])
+def test_what_the_expert_parallel_block_cannot_split_is_one_line(model, message: str, monkeypatch) -> None:
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *args: 0)  # the split reads this rank's place only
+    with pytest.raises(ValueError, match=message):
+        split_with(model())
+
+
+def test_a_hugging_face_experts_parameter_used_elsewhere_is_refused(monkeypatch) -> None:
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *args: 0)
+    experts = hf_experts()
+    model = nn.ModuleDict({"experts": experts, "tied": nn.Module()})
+    model["tied"].weight = experts.down_proj
+    with pytest.raises(ValueError, match=r"^tied\.weight is an MoE experts parameter used outside its experts module"):
+        split_with(model)
+
+
+def test_a_rank_keeps_its_experts_and_the_optimizer_names_them(monkeypatch) -> None:
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda *args: 3)  # place 1 of expert group [2, 3]
+    from zerokit.config.settings import TensorSettings
+    from zerokit.parallel.experts.hf import split_hf_experts
+    experts = hf_experts()
+    torch.nn.init.normal_(experts.gate_up_proj)
+    model = nn.ModuleDict({"experts": experts, "norm": nn.LayerNorm(8)})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    part = TensorSettings(autotp_size=0, expert_parallel_size=2, ranks_per_node=None, launcher_ranks_per_node=None,
+                          timeout_seconds=60)
+    split_hf_experts(model, Layout(data=4, expert=2), part, optimizer, None)
+    split = model["experts"]
+    assert (split.first_expert, len(split.experts)) == (2, 2)
+    assert torch.equal(split.experts[1].gate_up_proj, experts.gate_up_proj[3])
+    assert {id(p) for p in optimizer.param_groups[0]["params"]} == {id(p) for p in model.parameters()}

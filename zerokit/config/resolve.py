@@ -41,6 +41,7 @@ def parts_before_facts(config: ZeroConfig, launcher_per_node: int | None) -> tup
     its dimensions), with the launcher's ranks per node (a fact known before), and comm/'s, for the engine's group
     (its size and back-end are facts). No "auto" reaches them: resolve hands out the same."""
     return (TensorSettings(autotp_size=config.autotp_size, sequence_parallel_size=config.sequence_parallel_size,
+                           expert_parallel_size=config.expert_parallel_size,
                            ranks_per_node=config.ranks_per_node,
                            launcher_ranks_per_node=launcher_per_node, timeout_seconds=config.comm_timeout_seconds),
             CommSettings(timeout_seconds=config.comm_timeout_seconds, logger=config.comms_logger))

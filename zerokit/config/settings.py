@@ -329,6 +329,9 @@ class TensorSettings:
     """tensor_parallel.autotp_size: the degree the model's tp_plan is split over; 0 and 1: none."""
     sequence_parallel_size: int = 1
     """sequence_parallel_size: the ranks each replica's sequences are split over (zerokit/parallel/sequence)."""
+    expert_parallel_size: int = 1
+    """expert_parallel.autoep_size where the block is enabled: the data ranks a Hugging Face MoE model's experts split
+    over (zerokit/parallel/experts/hf.py); 1: none."""
     ranks_per_node: int | None
     """The config's ranks_per_node (None: the launcher's, See ranks_per_node): a tensor group stays inside a node."""
     launcher_ranks_per_node: int | None

@@ -253,6 +253,8 @@ class ZeroConfig:
     ranks_per_node: int | None = default("ranks_per_node")
     """Ranks on each node, numbered consecutively. None: torchrun's LOCAL_WORLD_SIZE, else one node (the start-up
     fingerprint checks that every rank agrees on the outcome)."""
+    expert_parallel_size: int = 1
+    """AutoEP's expert degree: expert_parallel.autoep_size where enabled (zerokit/parallel/experts/hf.py); 1: none."""
     sequence_parallel_size: int = default("sequence_parallel_size")
     """Ulysses sequence parallelism: each replica's sequences split over this many consecutive ranks (DeepSpeed's
     sequence_parallel_size; zerokit/parallel/sequence); 1: none."""
@@ -434,6 +436,10 @@ def _check_sizes(config: ZeroConfig) -> None:
     if config.tag_validation not in ("Ignore", "Warn", "Fail"):
         raise ValueError(f"checkpoint.tag_validation={config.tag_validation!r} is not accepted; use Ignore, Warn or "
                          "Fail")
+    experts = config.expert_parallel_size
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"expert_parallel.autoep_size={experts!r} is not an expert degree; use a positive divisor of "
+                         "the data-parallel ranks and of each layer's experts (1: none)")
     degree = config.autotp_size
     if isinstance(degree, bool) or not isinstance(degree, int) or degree < 0:
         raise ValueError(f"tensor_parallel.autotp_size={degree!r} is not a tensor degree; use a positive divisor of "
@@ -563,6 +569,8 @@ def typed_fields(config: DeepSpeedConfig) -> dict[str, Any]:
     precision, scaling = _precision(config)
     data_types = config.get("data_types.grad_accum_dtype")
     return dict(**given, precision=precision, loss_scaling=scaling, stage3=Stage3Policy(**stage3),
+                expert_parallel_size=config.get("expert_parallel.autoep_size") if config.get("expert_parallel.enabled")
+                else 1,
                 reduce_bucket_bytes=_bucket_bytes(config, precision.reduce_dtype),
                 grad_accum_dtype=None if data_types is None else DTYPES_BY_NAME[data_types], **block_fields(config),
                 pending_auto=unknown.pending, unknowns=unknown,

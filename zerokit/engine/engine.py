@@ -43,6 +43,7 @@ from zerokit.stages import STAGES, BucketReducer, ZeroStage, install_hooks
 from zerokit.stages.base import gathered, memory_by_tier
 from zerokit.engine.step import Progress, Stepper
 from zerokit.engine.startup import log_startup
+from zerokit.parallel.experts.hf import split_hf_experts
 from zerokit.parallel.experts.share import ExpertShare, expert_layout, expert_share, refuse_with_experts
 from zerokit.parallel.experts.share import startup_lines as expert_startup_lines
 from zerokit.parallel.sequence.share import sequence_layout, sequence_share
@@ -75,7 +76,9 @@ class Engine(ExternalBackward, Checkpoints):
         tensor_part, comm_part = parts_before_facts(config, launcher_per_node)
         # the expert degree of the model's MoE layers last: it splits the data dimension the others leave
         self.layout = checked_layout(expert_layout(sequence_layout(tensor_layout(layout, tensor_part), tensor_part),
-                                                   model))
+                                                   model, tensor_part))
+        # a Hugging Face model's experts split over the layout's expert groups, where the config asks (See hf.py)
+        optimizer, model_parameters = split_hf_experts(model, self.layout, tensor_part, optimizer, model_parameters)
         hidden_size = hidden_size_of(model)  # a fact for "auto" sizes, from the model's Hugging Face config
         self.tensor, optimizer, model_parameters = parallelize(model, self.layout, tensor_part, optimizer,
                                                                model_parameters)

@@ -122,16 +122,43 @@ TENSOR_PARALLEL = (
     alias(TP + "kernel_inject", TP + "replace_with_kernel_inject", Kind.BOOL),
 )
 
+EP = "expert_parallel."
+OWN_ROUTER = ("zerokit splits the model's own experts module and keeps its own router, which already says this "
+              "(zerokit/parallel/experts/hf.py)")
+EXPERT_PARALLEL = (
+    block("expert_parallel", "DeepSpeed's AutoEP: a Hugging Face MoE model's experts split over consecutive data "
+          "ranks, ZeRO over their expert-data groups (zerokit/parallel/experts/hf.py, docs/moe.md)"),
+    honoured(EP + "enabled", Kind.BOOL, False, "splits the experts (with autoep_size > 1)", auto=False),
+    honoured(EP + "autoep_size", Kind.INT, 1, "the expert degree: the data ranks each layer's experts split over",
+             auto=False),
+    always(EP + "preset_model", "zerokit finds transformers' experts modules by their layout (Mixtral, Qwen2-MoE, "
+           "Qwen3-MoE, OLMoE, DeepSeek-V3) and keeps each block's router", Kind.ANY, None),
+    refused(EP + "expert_tensor_parallel_size", "experts split by tensor parallelism", "zerokit splits whole experts "
+            "over ranks", Kind.INT, 1),
+    *(always(EP + name, "zerokit's dispatch is its own (torch's all_to_all_single, each expert its own linears)",
+             Kind.ANY, None)
+      for name in ("use_grouped_mm", "disable_triton_grouped_mm", "async_split_plan", "validate_folding_routing",
+                   "comm_backend", "comm_num_sm", "comm_qp_margin", "comm_max_tokens_per_rank", "gate_up_impl",
+                   "combine_impl", "row_weighting_impl", "score_apply")),
+    *(refused(EP + name, f"a {name} of your own", OWN_ROUTER, Kind.ANY, None, accepts=(None,))
+      for name in ("moe_layer_pattern", "expert_pattern", "router_pattern", "route_norm", "score_func", "top_k",
+                   "routed_scaling_factor", "num_expert_groups", "num_limited_groups", "load_balance_coeff",
+                   "expert_w1", "expert_w2", "expert_w3", "num_experts_attr", "top_k_attr", "has_shared_experts",
+                   "shared_experts_pattern", "shared_experts_gate_pattern", "expert_activation")),
+    refused(EP + "route_scale", "a route scale of your own", OWN_ROUTER, Kind.FLOAT, 1.0),
+)
+
 PARALLEL = (
     refused_block("pipeline", "pipeline parallelism", PARALLELISM, switch=""),
     *TENSOR_PARALLEL,
-    refused_block("expert_parallel", "AutoEP expert parallelism", PARALLELISM),
+    *EXPERT_PARALLEL,
     honoured("sequence_parallel_size", Kind.INT, 1, "Ulysses sequence parallelism: each replica's sequences split "
              "over this many consecutive ranks, ZeRO over all (zerokit/parallel/sequence, docs/sequence_parallel.md)"),
     always("seq_parallel_communication_data_type", "zerokit's all-to-alls move the activations in their own dtype",
            Kind.DTYPE, "fp32"),
-    always("use_data_before_expert_parallelism", "orders data- and expert-parallel groups; zerokit has no expert "
-           "parallelism for it to order", Kind.BOOL, False),
+    always("use_data_before_expert_parallelism", "zerokit's expert groups are consecutive replicas, DeepSpeed's "
+           "default order (zerokit/parallel/mesh.py); which ranks share experts changes no number trained", Kind.BOOL,
+           False),
     refused_block("hybrid_engine", "DeepSpeed's RLHF hybrid training/inference engine", "zerokit trains; generate "
                   "inside engine.unsharded()"),
     Key("compile", KeyClass.ALWAYS, Kind.BLOCK, None, "zerokit runs your module as you give it: compile it with "

@@ -24,10 +24,11 @@ goes to block i of rank j, and back), so `exchange_slots` is its own backward. N
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 def group_size(group: Any) -> int:
@@ -64,6 +65,44 @@ def combine(routed: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> 
     """[k, S, M] expert outputs weighted by the [k, S] fp32 combine weights, summed over the routes in fp32 (as
     DeepSpeed does: summing in bf16 loses precision), in the model's dtype."""
     return (routed * weights.unsqueeze(-1)).sum(0).to(dtype)
+
+
+def dropless(tokens: torch.Tensor, routes: torch.Tensor, num_experts: int, group: Any,
+             experts: Sequence[nn.Module]) -> torch.Tensor:
+    """The routes' expert outputs, [k, S, M], from `tokens` [S, M] and `routes` [k, S] (route j * S + s: token s's
+    j-th choice; -1 none), sending each rank of `group` exactly the rows for its experts and `experts` (this rank's,
+    in order) running on the rows every rank sent (See [Note: the expert exchange])."""
+    flat = routes.reshape(-1)
+    taken = torch.nonzero(flat >= 0).squeeze(1)
+    order = taken[torch.argsort(flat[taken], stable=True)]  # the routes by expert
+    counts = torch.bincount(flat[taken], minlength=num_experts)
+    incoming = exchange_counts(counts, group)  # [ep, E / ep]
+    sent, received = counts.view(group_size(group), -1).sum(1).tolist(), incoming.sum(1).tolist()
+    rows = exchange_rows(tokens[order % tokens.shape[0]], sent, received, group)
+    returned = exchange_rows(run_local_experts(experts, rows, incoming), received, sent, group)
+    width = returned.shape[-1]
+    routed = returned.new_zeros(flat.shape[0], width).index_copy(0, order, returned)
+    return routed.view(*routes.shape, width)
+
+
+def run_local_experts(experts: Sequence[nn.Module], rows: torch.Tensor, incoming: torch.Tensor) -> torch.Tensor:
+    """Rows received source by source, expert by expert ([ep, E / ep] counts), through their experts, in the same
+    order. Every expert runs, on no rows if none came, so each has a gradient (and, at ZeRO-3, is gathered and freed
+    on every rank alike)."""
+    pieces = rows.split(incoming.reshape(-1).tolist())
+    local = len(experts)
+    outputs: list[torch.Tensor | None] = [None] * len(pieces)
+    for index, expert in enumerate(experts):
+        mine = list(range(index, len(pieces), local))  # expert `index`'s rows from each source
+        result = expert_output(expert(torch.cat([pieces[at] for at in mine])))
+        for at, part in zip(mine, result.split([pieces[at].shape[0] for at in mine])):
+            outputs[at] = part
+    return torch.cat(outputs)
+
+
+def expert_output(result: Any) -> torch.Tensor:
+    """An expert's output; of a tuple (output, bias), the output, as DeepSpeed takes it."""
+    return result[0] if isinstance(result, tuple) else result
 
 
 def exchange_slots(buffer: torch.Tensor, group: Any) -> torch.Tensor:

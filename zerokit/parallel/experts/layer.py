@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from zerokit.parallel.experts.dispatch import (combine, exchange_counts, exchange_rows, exchange_slots, group_size,
+from zerokit.parallel.experts.dispatch import (combine, dropless, exchange_slots, expert_output, group_size,
                                                pack_slots, slot_indices, unpack_slots)
 from zerokit.parallel.experts.gate import NOISY_GATE_POLICIES, Gate, GateSettings, Routes
 
@@ -96,7 +96,7 @@ class ExpertParallelMoE(nn.Module):
         received = exchange_slots(pack_slots(tokens, slots, self.num_experts, capacity), self.group)
         # [ep, E / ep, C, M]; each expert gets DeepSpeed's [ep, 1, C, M] slice, the slots every source sent it
         received = received.view(self.ep, self.num_local_experts, capacity, tokens.shape[-1])
-        outputs = [_output(expert(part)) for part, expert in zip(received.chunk(self.num_local_experts, dim=1),
+        outputs = [expert_output(expert(part)) for part, expert in zip(received.chunk(self.num_local_experts, dim=1),
                                                                   self.experts)]
         returned = exchange_slots(torch.cat(outputs, dim=1).reshape(self.num_experts, capacity, -1), self.group)
         return unpack_slots(returned, slots)
@@ -115,41 +115,13 @@ class ExpertParallelMoE(nn.Module):
 
     def _dropless(self, tokens: torch.Tensor, routes: Routes) -> torch.Tensor:
         """The routes' expert outputs, [k, S, M], sending each rank exactly the rows for its experts."""
-        experts = routes.experts.reshape(-1)  # route j * S + s: token s's j-th choice
-        taken = torch.nonzero(experts >= 0).squeeze(1)
-        order = taken[torch.argsort(experts[taken], stable=True)]  # the routes by expert
-        counts = torch.bincount(experts[taken], minlength=self.num_experts)
-        incoming = exchange_counts(counts, self.group)  # [ep, E / ep]
-        sent, received = counts.view(self.ep, -1).sum(1).tolist(), incoming.sum(1).tolist()
-        rows = exchange_rows(tokens[order % tokens.shape[0]], sent, received, self.group)
-        returned = exchange_rows(self._run_experts(rows, incoming), received, sent, self.group)
-        width = returned.shape[-1]
-        routed = returned.new_zeros(experts.shape[0], width).index_copy(0, order, returned)
-        return routed.view(*routes.experts.shape, width)
-
-    def _run_experts(self, rows: torch.Tensor, incoming: torch.Tensor) -> torch.Tensor:
-        """Rows received source by source, expert by expert ([ep, E / ep] counts), through their experts, in the same
-        order. Every expert runs, on no rows if none came, so each has a gradient."""
-        pieces = rows.split(incoming.reshape(-1).tolist())
-        local = self.num_local_experts
-        outputs: list[torch.Tensor | None] = [None] * len(pieces)
-        for index, expert in enumerate(self.experts):
-            mine = list(range(index, len(pieces), local))  # expert `index`'s rows from each source
-            result = _output(expert(torch.cat([pieces[at] for at in mine])))
-            for at, part in zip(mine, result.split([pieces[at].shape[0] for at in mine])):
-                outputs[at] = part
-        return torch.cat(outputs)
+        return dropless(tokens, routes.experts, self.num_experts, self.group, self.experts)
 
     def _with_residual(self, hidden_states: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """DeepSpeed's residual MoE: the mixture and the dense expert mixed by a learned per-token softmax."""
-        dense = _output(self.mlp(hidden_states))
+        dense = expert_output(self.mlp(hidden_states))
         coefficient = F.softmax(self.coefficient(hidden_states), dim=-1)
         return output * coefficient[..., 0:1] + dense * coefficient[..., 1:]
-
-
-def _output(result: Any) -> torch.Tensor:
-    """An expert's output; of a tuple (output, bias), the output, as DeepSpeed takes it."""
-    return result[0] if isinstance(result, tuple) else result
 
 
 def _check(num_experts: int, ep: int, k: int, noisy_gate_policy: str | None) -> None:

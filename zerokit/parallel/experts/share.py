@@ -2,8 +2,9 @@
 groups, and which parameters are experts', sharded and averaged over their expert-data group.
 
 [Note: ZeRO over experts split across ranks]
-A layer that splits its experts over an expert group of `ep` ranks (ExpertParallelMoE, and DeepSpeed's MoE through the
-drop-in) gives each rank of the group other experts. The dense parameters are the same on every rank and shard over
+A layer that splits its experts over an expert group of `ep` ranks (ExpertParallelMoE, DeepSpeed's MoE through the
+drop-in, and a Hugging Face model's experts under the config's expert_parallel block: hf.py) gives each rank of the
+group other experts. The dense parameters are the same on every rank and shard over
 the whole data group; expert e lives only on the ranks at its place in every expert group, its expert-data group of
 data / ep ranks (See [Note: the expert dimension] in zerokit/parallel/mesh.py). So the engine builds a second stage
 over the experts' parameters alone, sharded over the expert-data group (its own flat buffer, masters, hooks and
@@ -42,8 +43,9 @@ import torch.distributed as dist
 from torch import nn
 
 from zerokit.comm import Communicator
-from zerokit.config.settings import EngineSettings, StageSettings
+from zerokit.config.settings import EngineSettings, StageSettings, TensorSettings
 from zerokit.parallel.experts.groups import expert_group
+from zerokit.parallel.experts.hf import SplitHFExperts
 from zerokit.parallel.experts.layer import ExpertParallelMoE
 from zerokit.parallel.mesh import Layout
 
@@ -74,23 +76,28 @@ class ExpertShare:
         return replace(dense, units=replace(dense.units, unit_classes=(), units=self.modules, persistence_threshold=0))
 
 
-def expert_layers(model: nn.Module) -> list[ExpertParallelMoE]:
-    return [module for module in model.modules() if isinstance(module, ExpertParallelMoE)]
+SPLIT_LAYERS = (ExpertParallelMoE, SplitHFExperts)
+"""What holds experts split over an expert group: `ep`, `group`, `set_group(group)` and `experts`, this rank's."""
 
 
-def expert_degree(model: nn.Module) -> int:
-    """The ranks the model's MoE layers split their experts over (1: none split, or no MoE layer)."""
-    degrees = sorted({layer.ep for layer in expert_layers(model)})
+def expert_layers(model: nn.Module) -> list[ExpertParallelMoE | SplitHFExperts]:
+    return [module for module in model.modules() if isinstance(module, SPLIT_LAYERS)]
+
+
+def expert_degree(model: nn.Module, configured: int = 1) -> int:
+    """The ranks the model's MoE layers split their experts over (1: none split, or no MoE layer); `configured`: the
+    config's expert_parallel degree, which splits a Hugging Face model's experts once the layout is made."""
+    degrees = sorted({layer.ep for layer in expert_layers(model)} | ({configured} if configured > 1 else set()))
     if len(degrees) > 1:
         raise ValueError(f"the model's MoE layers split their experts over {degrees} ranks; zerokit shards experts "
-                         "over one expert degree: give every layer the same ep_size")
+                         "over one expert degree: give every layer the same ep_size (and expert_parallel.autoep_size)")
     return degrees[0] if degrees else 1
 
 
-def expert_layout(layout: Layout | None, model: nn.Module) -> Layout | None:
-    """The job's layout with the model's expert degree (See [Note: the expert dimension] in zerokit/parallel/mesh.py);
-    `layout` itself where no layer splits its experts."""
-    degree = expert_degree(model)
+def expert_layout(layout: Layout | None, model: nn.Module, part: TensorSettings | None = None) -> Layout | None:
+    """The job's layout with the model's expert degree (See [Note: the expert dimension] in zerokit/parallel/mesh.py),
+    its layers' or the config's (`part.expert_parallel_size`); `layout` itself where nothing splits experts."""
+    degree = expert_degree(model, 1 if part is None else part.expert_parallel_size)
     if degree == 1:
         return layout
     if layout is not None and (layout.pipeline, layout.tensor, layout.sequence) != (1, 1, 1):
@@ -146,7 +153,7 @@ def expert_share(layout: Layout | None, model: nn.Module, comm: Communicator) ->
 def _refuse_shared(model: nn.Module, params: set[int]) -> None:
     """An expert's parameter used outside its MoE layer too would be averaged as an expert's on one path and a dense
     one's on the other: refused."""
-    expert_names = {name for layer_name, layer in model.named_modules() if isinstance(layer, ExpertParallelMoE)
+    expert_names = {name for layer_name, layer in model.named_modules() if isinstance(layer, SPLIT_LAYERS)
                     for name, _ in layer.experts.named_parameters(prefix=f"{layer_name}.experts" if layer_name
                                                                   else "experts", remove_duplicate=False)}
     for name, param in model.named_parameters(remove_duplicate=False):

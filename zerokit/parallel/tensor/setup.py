@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from zerokit.comm import Communicator
 from zerokit.parallel.mesh import Layout
+from zerokit.parallel.remap import refuse_stepped_state, remap_parameters
 from zerokit.config.settings import TensorSettings, ranks_per_node
 from zerokit.parallel.tensor.autotp import planned_splits, split_model
 from zerokit.parallel.tensor.layers import split_parameters
@@ -80,46 +80,6 @@ def parallelize(model: nn.Module, layout: Layout | None, part: TensorSettings, o
     optimizer, model_parameters = remap_parameters(optimizer, model_parameters, replaced)
     made_whole = tuple(plan.name for plan in adoptions if plan.how == "whole")
     return TensorShare(comm, split_parameters(model), made_whole), optimizer, model_parameters
-
-
-def refuse_stepped_state(optimizer: Any, split_ids: set[int]) -> None:
-    """An optimizer (or list of them) that has stepped a parameter tensor parallelism splits already holds state of
-    the whole shape, which no piece can take: refused."""
-    for one in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
-        if not isinstance(one, torch.optim.Optimizer):
-            continue
-        stepped = [p for p in one.state if id(p) in split_ids and one.state[p]]
-        if stepped:
-            raise ValueError(f"the optimizer holds state for {len(stepped)} parameter(s) that tensor parallelism "
-                             "splits; build it (or load its state) after the split, or pass a fresh one")
-
-
-def remap_parameters(optimizer: Any, model_parameters: Iterable[Any] | None,
-                     replaced: dict[int, nn.Parameter]) -> tuple[Any, Iterable[Any] | None]:
-    """An optimizer (or list of them) and model_parameters built over the whole model, made to name the pieces that
-    replaced its split parameters, as DeepSpeed remaps them after AutoTP's replacement: the optimizers' param groups in
-    place, model_parameters (tensors, (name, tensor) pairs or param-group dicts) as a new list (an optimizer that
-    has stepped a split parameter is refused before: See refuse_stepped_state)."""
-    def swap(param: Any) -> Any:
-        return replaced.get(id(param), param)
-
-    for one in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
-        if not isinstance(one, torch.optim.Optimizer):
-            continue
-        for group in one.param_groups:
-            group["params"] = [swap(p) for p in group["params"]]
-    if model_parameters is None:
-        return optimizer, None
-    remapped = []
-    for item in model_parameters:
-        if isinstance(item, dict):
-            item = {**item, "params": [swap(p) for p in item["params"]]} if "params" in item else item
-        elif isinstance(item, tuple) and len(item) == 2:
-            item = (item[0], swap(item[1]))
-        else:
-            item = swap(item)
-        remapped.append(item)
-    return optimizer, remapped
 
 
 def batch_ranks(layout: Layout | None, part: TensorSettings) -> int | None:

@@ -189,3 +189,10 @@ def test_the_frameworks_train_a_split_mixtral_as_their_own_ddp(framework_runs, f
         torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), rtol=1e-5, atol=0)
         if "norms" in theirs:
             torch.testing.assert_close(torch.tensor(ours["norms"]), torch.tensor(theirs["norms"]), rtol=1e-4, atol=0)
+    if framework == "trainer":  # save_model writes the whole model, which loads as DDP's run's does
+        from transformers import MixtralForCausalLM
+        theirs = MixtralForCausalLM.from_pretrained(root / f"{framework}-ddp" / "model").state_dict()
+        ours = MixtralForCausalLM.from_pretrained(root / f"{framework}-{split}" / "model").state_dict()
+        assert list(ours) == list(theirs)
+        for key, value in theirs.items():
+            torch.testing.assert_close(ours[key].float(), value.float(), rtol=0, atol=2e-5, msg=key)

@@ -8,7 +8,7 @@ gloo ranks:
 The DeepSpeed config is the user's: `"expert_parallel": {"enabled": true, "autoep_size": EP}` beside the ZeRO stage.
 The router's auxiliary loss is part of the loss (output_router_logits), clipping at 0.5, SGD (Adam would hide a
 constant factor in the experts' gradients). Each rank writes DIR/rank{r}.json: its per-step losses and, from the
-Trainer, its logged grad norms, and what trained it.
+Trainer, its logged grad norms, and what trained it; the Trainer then saves the model (save_model) in DIR/model.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def with_trainer(args: argparse.Namespace, world: int) -> dict:
                                  lr_scheduler_type="constant", disable_tqdm=True, average_tokens_across_devices=False)
     trainer = InOrder(model=tiny_mixtral(), args=training, train_dataset=Rows(ROWS * STEPS * world))
     trainer.train()
+    trainer.save_model(str(Path(args.out) / "model"))  # split experts: the whole model, under its own keys
     history = [entry for entry in trainer.state.log_history if "loss" in entry]
     return {"losses": [entry["loss"] for entry in history], "norms": [entry["grad_norm"] for entry in history],
             "engine": type(trainer.model_wrapped).__module__}

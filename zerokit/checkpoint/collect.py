@@ -19,7 +19,7 @@ from zerokit.checkpoint.manifest import BUFFER, FROZEN, MASTER, PartRecord, dtyp
 from zerokit.checkpoint.optimizer_state import split_piece_state
 from zerokit.checkpoint.rng import capture_rng
 from zerokit.flat import assign_owners
-from zerokit.stages.view import ParameterView, TrainableView
+from zerokit.stages.view import ParameterView, PlacedView, TrainableView
 from zerokit.checkpoint.checkpointed import Checkpointed
 
 
@@ -42,7 +42,8 @@ class RankPayload:
 def collect(engine: Checkpointed) -> RankPayload:
     view = engine.view
     payload = RankPayload([], [], {})
-    _trainable(view, payload)
+    for section in view.sections() if hasattr(view, "sections") else [view]:  # See SplitView in stages/view.py
+        _trainable(section, payload, view.rank)
     _frozen(view, payload)
     if view.rank == 0:
         for name, buffer in view.buffers():
@@ -57,7 +58,9 @@ def _writers(sizes: list[int], world_size: int) -> list[int]:
     return assign_owners(sizes, world_size)
 
 
-def _trainable(view: ParameterView, payload: RankPayload) -> None:
+def _trainable(view: ParameterView | PlacedView, payload: RankPayload, file_rank: int) -> None:
+    """This rank's parts of the view's trainable parameters, in the rank file `file_rank` (the view's rank and world
+    are its own group's: a split experts' stage writes over its expert-data group)."""
     if not view.writes_shards:  # a MiCS replica: replica 0 saves the same shards
         return
     params = view.trainable()
@@ -66,7 +69,7 @@ def _trainable(view: ParameterView, payload: RankPayload) -> None:
         writers = _writers([sum(piece.values.numel() for piece in param.pieces) for param in params], view.world_size)
     for index, param in enumerate(params):
         if writers is None or writers[index] == view.rank:
-            _param_part(payload, param, view.rank)
+            _param_part(payload, param, file_rank)
 
 
 def _param_part(payload: RankPayload, param: TrainableView, rank: int) -> None:

@@ -194,6 +194,13 @@ def raise_first(session: Any, error: str | None) -> None:
         raise ValueError(errors[0])
 
 
+def foreign_format(load_dir: str | os.PathLike, tag: str | None) -> str | None:
+    """"DCP" or "DeepSpeed" for a checkpoint of those formats at load_dir/tag; None for zerokit's (or nothing)."""
+    if dcp_directory(load_dir, tag) is not None:
+        return "DCP"
+    return "DeepSpeed" if _deepspeed_checkpoint(load_dir, tag) is not None else None
+
+
 def _deepspeed_checkpoint(load_dir: str | os.PathLike, tag: str | None) -> Path | None:
     """The tag directory of a DeepSpeed checkpoint at load_dir/tag (or the tag `latest` names), None for a
     zerokit checkpoint or nothing there."""

@@ -37,7 +37,7 @@ class ModuleView:
     tensor: Any  # the engine's tensor-parallel share (None without tensor parallelism)
     rank: int
     _refuse_if_closed: Any
-    _refuse_with_split_experts: Any
+    checkpointed: Any  # the engine as checkpoints see it (the unsplit model's names where experts are split)
     _answering_ds_status: list[nn.Parameter] = []  # parameters given the class ZeroParameter, until close()
 
     def show_zero3_names(self) -> None:
@@ -86,9 +86,9 @@ class ModuleView:
         model. What accelerate's get_state_dict reads (See [Note: the whole state dict at the compute precision])."""
         from zerokit.checkpoint.pretrained import gathered_state_dict  # safetensors, imported on first save
 
-        self._refuse_with_split_experts("_zero3_consolidated_16bit_state_dict")
-        if self.tensor is None:
-            return gathered_state_dict(self.view, self.module, None, exclude_frozen_parameters, keep=True)
+        if self.tensor is None:  # split experts: the unsplit model's (See [Note: split experts gathered whole])
+            saved = self.checkpointed()
+            return gathered_state_dict(saved.view, saved.module, None, exclude_frozen_parameters, keep=True)
         dtype = self.config.precision.param_dtype  # tensor-parallel: whole tensors come from full_state_dict()
         state = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
                  for name, tensor in self.full_state_dict().items()}
@@ -107,12 +107,11 @@ class ModuleView:
         from zerokit.checkpoint.pretrained import gathered_state_dict, save_weights_file
 
         self._refuse_if_closed("save_16bit_model")
-        self._refuse_with_split_experts("save_16bit_model")
-        path = Path(save_dir) / save_filename
+        path, saved = Path(save_dir) / save_filename, self.checkpointed()  # split experts: the unsplit model's
         if path.suffix == ".safetensors":
-            save_weights_file(self, path, None, exclude_frozen_parameters)
+            save_weights_file(saved, path, None, exclude_frozen_parameters)
             return True
-        state = gathered_state_dict(self.view, self.module, None, exclude_frozen_parameters, keep=self.rank == 0)
+        state = gathered_state_dict(saved.view, saved.module, None, exclude_frozen_parameters, keep=self.rank == 0)
         if self.rank == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             temporary = path.with_name(path.name + ".tmp")

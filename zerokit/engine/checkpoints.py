@@ -11,7 +11,37 @@ import torch
 
 from zerokit.checkpoint.locate import layout_directory
 from zerokit.engine.state import engine_state_dict, load_engine_state
-from zerokit.parallel.experts.share import split_experts_error
+from zerokit.masters.optimizer import ELEMENTWISE, WHOLE_TENSOR
+from zerokit.parallel.experts.names import unsplit_model, whole_places, without_experts
+from zerokit.parallel.experts.share import expert_layers, split_experts_error
+from zerokit.stages.view import ParameterView, Place, PlacedView, SplitView
+
+
+class SplitCheckpointed:
+    """The engine as checkpoints save and load it when its experts are split over ranks: the model's names and shapes
+    without expert parallelism (`module`) and the SplitView of both stages (See [Note: split experts saved as the
+    unsplit model's parameters] in zerokit/parallel/experts/names.py); everything else is the engine's, the progress
+    a load sets included."""
+
+    def __init__(self, engine: Any) -> None:
+        kinds = [WHOLE_TENSOR if whole else ELEMENTWISE for whole in engine.view.whole_tensor]
+        split = [(name, p) for name, p in engine.module.named_parameters() if id(p) in engine.experts.params]
+        frozen = [name for name, p in split if not p.requires_grad]
+        if frozen:
+            raise ValueError(f"{frozen[0]} is a frozen expert split over ranks: a checkpoint saves split experts that "
+                             "train; freeze them after loading, or train without expert parallelism")
+        places = whole_places(engine.module)
+        places = {name: Place(*places[id(p)]) for name, p in split}
+        dense = ParameterView(engine.stage, without_experts(engine.module), kinds)
+        experts = PlacedView(ParameterView(engine.expert_stage, engine.module, kinds), places)
+        module, group = unsplit_model(engine.module), expert_layers(engine.module)[0].group
+        self.__dict__.update(engine=engine, module=module, view=SplitView(dense, experts, module, group))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["engine"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self.engine, name, value)  # a load sets the engine's progress
 
 
 class Checkpoints:
@@ -23,7 +53,8 @@ class Checkpoints:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict on CPU in fp32 (parameters at their compute precision), gathered
         one unit at a time at stage 3 so the extra peak is the largest unit, not the model."""
-        self._refuse_with_split_experts("full_state_dict")
+        if self.expert_stage is not None:  # See [Note: split experts gathered whole] in parallel/experts/names.py
+            return self.checkpointed().view.full_state_dict()
         state = self.view.full_state_dict()
         return state if self.tensor is None else self.tensor.consolidate(state, self.module)  # whole tensors
 
@@ -43,6 +74,15 @@ class Checkpoints:
         if self.expert_stage is not None:
             raise split_experts_error(f"engine.{call}()")
 
+    def checkpointed(self, made: bool = True) -> Any:
+        """What checkpoints save and load: the engine, or with experts split over ranks the engine seen as the unsplit
+        model (SplitCheckpointed, made once; made=False: only if it was)."""
+        if self.expert_stage is None:
+            return self
+        if "_split_checkpointed" not in self.__dict__ and made:
+            self.__dict__["_split_checkpointed"] = SplitCheckpointed(self)
+        return self.__dict__.get("_split_checkpointed", self)
+
 
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict[str, Any] | None = None,
                         save_latest: bool = True, async_save: bool = False, within_window: bool = False,
@@ -56,9 +96,10 @@ class Checkpoints:
         See zerokit/checkpoint and docs/checkpoints.md."""
         from zerokit.checkpoint import save_checkpoint
         self._refuse_if_closed("save_checkpoint")
-        self._refuse_with_split_experts("save_checkpoint")
+        if self.expert_stage is not None and format != "zerokit":
+            raise split_experts_error(f"engine.save_checkpoint(format={format!r})")
         background = async_save or (self.parts.checkpoint.async_save if asynchronous is None else asynchronous)
-        return save_checkpoint(self, layout_directory(save_dir, self.layout), tag, client_state,
+        return save_checkpoint(self.checkpointed(), layout_directory(save_dir, self.layout), tag, client_state,
                                save_latest=save_latest, async_save=background, within_window=within_window,
                                format=format)
 
@@ -68,9 +109,11 @@ class Checkpoints:
         """Resume from load_dir/tag (default: the tag in load_dir/latest), saved at any world size, stage and
         layout, by zerokit or DeepSpeed; returns (load_path, client_state). See zerokit/checkpoint."""
         from zerokit.checkpoint import load_checkpoint
+        from zerokit.checkpoint.load import foreign_format
         self._refuse_if_closed("load_checkpoint")
-        self._refuse_with_split_experts("load_checkpoint")
-        return load_checkpoint(self, load_dir, tag, load_optimizer_states=load_optimizer_states,
+        if self.expert_stage is not None and foreign_format(load_dir, tag):
+            raise split_experts_error(f"engine.load_checkpoint() of a {foreign_format(load_dir, tag)} checkpoint")
+        return load_checkpoint(self.checkpointed(), load_dir, tag, load_optimizer_states=load_optimizer_states,
                                load_module_only=load_module_only, load_lr_scheduler_states=load_lr_scheduler_states)
 
     def save_pretrained(self, save_directory: str | Path, max_shard_size: int | str = "5GB",
@@ -83,11 +126,10 @@ class Checkpoints:
         from zerokit.checkpoint.hf_layout import parse_size
         from zerokit.checkpoint.pretrained import output_dtype, save_pretrained
         self._refuse_if_closed("save_pretrained")
-        self._refuse_with_split_experts("save_pretrained")
         if not safe_serialization:
             raise ValueError("save_pretrained(safe_serialization=False) is not offered: zerokit writes safetensors "
                              "files, which transformers loads by default (and 5.x writes only)")
-        return save_pretrained(self, save_directory, parse_size(max_shard_size, "max_shard_size"),
+        return save_pretrained(self.checkpointed(), save_directory, parse_size(max_shard_size, "max_shard_size"),
                                output_dtype(dtype))
 
     def load_pretrained(self, directory: str | Path) -> None:
@@ -97,5 +139,4 @@ class Checkpoints:
         the first of each, and nothing loaded. See zerokit/checkpoint/pretrained.py."""
         from zerokit.checkpoint.pretrained import load_pretrained
         self._refuse_if_closed("load_pretrained")
-        self._refuse_with_split_experts("load_pretrained")
-        load_pretrained(self, directory)
+        load_pretrained(self.checkpointed(), directory)

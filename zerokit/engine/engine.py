@@ -232,7 +232,7 @@ class Engine(ExternalBackward, Checkpoints):
         self.monitor.close()
         self.preemption.close()
         try:
-            close_checkpoints(self)
+            close_checkpoints(self.checkpointed(made=False))  # the split experts' view, where one was made
         finally:
             self.stage.close()
             if self.expert_stage is not None:

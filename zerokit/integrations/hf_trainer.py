@@ -48,12 +48,15 @@ def stream_trainer_saves() -> None:
 
 
 def _streams(trainer: Any, trainer_module: Any) -> bool:
-    """Whether this Trainer's model trains on a zerokit engine at stage 3 and is not a PEFT model."""
+    """Whether this Trainer's model trains on a zerokit engine at stage 3, or with its experts split over ranks at any
+    stage (the model's own state dict then holds this rank's experts only: See [Note: split experts gathered whole] in
+    zerokit/parallel/experts/names.py), and is not a PEFT model."""
     from zerokit.deepspeed.engine import DeepSpeedEngine
 
     engine = getattr(trainer, "model_wrapped", None)
     return (getattr(trainer, "is_deepspeed_enabled", False) and isinstance(engine, DeepSpeedEngine)
-            and engine.zero_optimization_stage() == 3 and not trainer_module._is_peft_model(trainer.model))
+            and (engine.zero_optimization_stage() == 3 or engine.expert_stage is not None)
+            and not trainer_module._is_peft_model(trainer.model))
 
 
 def _save_streamed(trainer: Any, trainer_module: Any, output_dir: str) -> None:

@@ -151,18 +151,160 @@ class ParameterView:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict on CPU in fp32 (parameters at their compute precision), gathered
         one unit at a time at stage 3 so the extra peak is the largest unit, not the model."""
-        names: dict[int, list[str]] = {}
-        for name, param in self.module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(param), []).append(name)
-        state: dict[str, torch.Tensor] = {}
-        with closing(self.gathered_in_turn()) as groups:  # an error inside releases the group it holds, now
+        return full_state_dict_of(self)
+
+
+def full_state_dict_of(view: Any) -> dict[str, torch.Tensor]:
+    """What ParameterView.full_state_dict returns, for any view with a module and gathered_in_turn()."""
+    names: dict[int, list[str]] = {}
+    for name, param in view.module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    state: dict[str, torch.Tensor] = {}
+    with closing(view.gathered_in_turn()) as groups:  # an error inside releases the group it holds, now
+        for params in groups:
+            for param in params:
+                for name in names[id(param)]:
+                    state[name] = param.detach().float().cpu().clone()
+    for name, buffer in persistent_buffers(view.module):
+        state[name] = buffer.detach().cpu().clone()
+    return {name: state[name] for name in view.module.state_dict(keep_vars=True)}  # the state dict's key order
+
+
+class Place(NamedTuple):
+    """Where a parameter of one stage sits in the model a checkpoint names (See PlacedView)."""
+
+    name: str
+    shape: tuple[int, ...]  # the whole parameter's
+    offset: int  # the first element of this parameter within the whole one, flattened
+
+
+class PlacedView:
+    """A stage's trainable parameters named and placed as the model a checkpoint holds names them: each under its
+    place's name and whole shape, its pieces' begins moved by the place's offset, the parameters of one name merged
+    (split experts as the unsplit model's parameters: See [Note: split experts saved as the unsplit model's
+    parameters] in zerokit/parallel/experts/names.py). `places`: by the stage's own name of each parameter."""
+
+    def __init__(self, view: ParameterView, places: dict[str, Place]) -> None:
+        self.view, self.places = view, places
+        self.rank, self.world_size = view.rank, view.world_size  # in the stage's own group
+
+    @property
+    def replicated(self) -> bool:
+        return self.view.replicated
+
+    @property
+    def writes_shards(self) -> bool:
+        return self.view.writes_shards
+
+    def trainable(self) -> list[TrainableView]:
+        merged: dict[str, tuple[tuple[int, ...], list[PieceView]]] = {}
+        for param in self.view.trainable():
+            place = self.places[param.name]
+            if param.whole_tensor:
+                raise ValueError(f"{param.name}: its optimizer keeps state per whole tensor, which a checkpoint of "
+                                 f"experts split over ranks cannot save as {place.name}'s; use an element-wise "
+                                 "optimizer (Adam, SGD, ...) for the experts")
+            pieces = [piece._replace(begin=piece.begin + place.offset) for piece in param.pieces]
+            merged.setdefault(place.name, (place.shape, []))[1].extend(pieces)
+        return [TrainableView(name, shape, False, sorted(pieces, key=lambda piece: piece.begin))
+                for name, (shape, pieces) in merged.items()]
+
+
+class SplitView:
+    """What checkpoints and saves read of an engine whose experts are a stage of their own, seen as the model without
+    expert parallelism (`module`, its experts stand-ins of their whole shapes): the dense stage's view (over a module
+    without the experts), and the experts' placed as the unsplit model's (See PlacedView). Checkpoints save each
+    section's parameters with the writers of its own group; frozen parameters and buffers are the dense view's.
+    Saving whole weights gathers each whole expert parameter over the expert group into its stand-in, one at a time
+    (See [Note: split experts gathered whole] in zerokit/parallel/experts/names.py)."""
+
+    def __init__(self, dense: ParameterView, experts: PlacedView, module: nn.Module, group: Any) -> None:
+        self.dense, self.experts, self.module, self.group = dense, experts, module, group
+        self.rank, self.world_size = dense.rank, dense.world_size
+        self.optimizers = dense.optimizers  # one optimizer steps both stages (share_optimizers)
+        self.stand_ins = [(name, param) for name, param in module.named_parameters()
+                          if name in {place.name for place in experts.places.values()}]
+
+    @property
+    def layout(self) -> FlatLayout:
+        return self.dense.layout
+
+    @property
+    def replicated(self) -> bool:
+        return self.dense.replicated
+
+    @property
+    def writes_shards(self) -> bool:
+        return self.dense.writes_shards
+
+    def sections(self) -> list[ParameterView | PlacedView]:
+        return [self.dense, self.experts]
+
+    def trainable(self) -> list[TrainableView]:
+        return self.dense.trainable() + self.experts.trainable()
+
+    def frozen(self) -> list[FrozenView]:
+        return self.dense.frozen()
+
+    def buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return self.dense.buffers()
+
+    @contextmanager
+    def resident(self, publish: bool = False) -> Iterator[None]:
+        with self.dense.resident(publish), self.experts.view.resident(publish):
+            yield
+
+    def after_load(self) -> None:
+        self.dense.after_load()
+        self.experts.view.after_load()
+
+    def gather_groups(self) -> list[list[nn.Parameter]]:
+        return self.dense.gather_groups() + [[param] for _, param in self.stand_ins]
+
+    def gathered_in_turn(self) -> Iterator[list[nn.Parameter]]:
+        """The dense groups as the dense view gathers them, then each whole expert parameter in its stand-in, held
+        until the next is asked for (every rank must go through all of them)."""
+        yield from self.dense.gathered_in_turn()
+        local = self._local_experts()
+        for name, stand_in in self.stand_ins:
+            empty = stand_in.data
+            stand_in.data = _whole(name, tuple(stand_in.shape), local.get(name, []), self.group)
+            try:
+                yield [stand_in]
+            finally:
+                stand_in.data = empty
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return full_state_dict_of(self)
+
+    def _local_experts(self) -> dict[str, list[tuple[int, torch.Tensor]]]:
+        """This rank's pieces of each whole expert parameter, (offset, values) on the CPU, gathered one unit at a
+        time at stage 3."""
+        by_id = {id(param): name for name, param in self.experts.view.module.named_parameters()}
+        local: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        with closing(self.experts.view.gathered_in_turn()) as groups:
             for params in groups:
                 for param in params:
-                    for name in names[id(param)]:
-                        state[name] = param.detach().float().cpu().clone()
-        for name, buffer in persistent_buffers(self.module):
-            state[name] = buffer.detach().cpu().clone()
-        return {name: state[name] for name in self.module.state_dict(keep_vars=True)}  # the state dict's key order
+                    place = self.experts.places.get(by_id.get(id(param), ""))
+                    if place is not None:
+                        local.setdefault(place.name, []).append((place.offset, param.detach().cpu().clone()))
+        return local
+
+
+def _whole(name: str, shape: tuple[int, ...], pieces: list[tuple[int, torch.Tensor]], group: Any) -> torch.Tensor:
+    """Parameter `name` whole, from every rank's pieces of it over `group` (each rank of an expert group holds other
+    experts; together they hold each once)."""
+    import torch.distributed as dist
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, pieces, group=group)
+    parts = [piece for ranks_pieces in gathered for piece in ranks_pieces]
+    if not parts:
+        raise RuntimeError(f"{name}: no rank of the expert group holds any of it (an internal bug)")
+    whole = torch.empty(shape, dtype=parts[0][1].dtype)
+    flat = whole.view(-1)
+    for offset, values in parts:
+        flat[offset:offset + values.numel()] = values.reshape(-1)
+    return whole
 
 
 def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -171,4 +313,6 @@ def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, buffer) for name, buffer in module.named_buffers() if name in keys]
 
 
-__all__ = ["FrozenView", "ParameterView", "PieceView", "TrainableView", "persistent_buffers"]
+__all__ = ["FrozenView", "ParameterView", "full_state_dict_of", "Place", "PlacedView", "PieceView", "SplitView",
+           "TrainableView",
+           "persistent_buffers"]

@@ -37,6 +37,7 @@ expert-data group only. hpZ's secondary copy is the dense stage's alone.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, replace
 
 import torch.distributed as dist
@@ -78,6 +79,16 @@ class ExpertShare:
 
 SPLIT_LAYERS = (ExpertParallelMoE, SplitHFExperts)
 """What holds experts split over an expert group: `ep`, `group`, `set_group(group)` and `experts`, this rank's."""
+
+
+_SPLIT = weakref.WeakSet()  # the split layers of engines built so far (See split_expert_storages)
+
+
+def split_expert_storages() -> set[int]:
+    """The data pointers of every split expert's parameters in the process: a state dict holding one of them holds
+    one rank's experts, not the model's (zerokit/deepspeed/checkpoint/utils.py refuses to pass it off as the
+    model's)."""
+    return {param.data_ptr() for layer in list(_SPLIT) for param in layer.experts.parameters()}
 
 
 def expert_layers(model: nn.Module) -> list[ExpertParallelMoE | SplitHFExperts]:
@@ -125,9 +136,10 @@ def refuse_with_experts(mics: bool, nvme: bool, meta: bool) -> None:
 
 
 def split_experts_error(call: str) -> ValueError:
-    """What a checkpoint call says while the experts' states are not saved per expert (issue 45, item 6)."""
-    return ValueError(f"{call} with MoE experts split over ranks (ep_size > 1) is not offered yet: zerokit does not "
-                      "yet save the experts' states per expert; use ep_size=1 where you need it")
+    """What a state or checkpoint call that does not gather split experts says (issue 45, item 6)."""
+    return ValueError(f"{call} with MoE experts split over ranks (ep_size > 1) is not offered yet; accepted: "
+                      "save_checkpoint()/load_checkpoint() in zerokit's format (any expert degree, stage and world "
+                      "size), and `zerokit consolidate` for the whole model's weights")
 
 
 def expert_share(layout: Layout | None, model: nn.Module, comm: Communicator) -> ExpertShare | None:
@@ -146,6 +158,7 @@ def expert_share(layout: Layout | None, model: nn.Module, comm: Communicator) ->
                              f"rank's expert group of the job's layout, {dist.get_process_group_ranks(group)}")
     params = {id(param) for layer in layers for param in layer.experts.parameters()}
     _refuse_shared(model, params)
+    _SPLIT.update(layers)
     return ExpertShare(layout.expert, comm.split(layout.expert_data_groups(), "expert_data"), frozenset(params),
                        tuple(expert for layer in layers for expert in layer.experts))
 

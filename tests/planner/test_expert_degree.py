@@ -1,17 +1,24 @@
 """The planner's expert degree (issue 45, item 7): mixture-of-experts shapes and presets, memory per rank by category
 with the experts sharded over their expert-data group, the all-to-alls of dispatch and combine, and the tree trying
 expert degrees before offloading (See [Note: the expert degree] in zerokit/planner/memory.py and [Note: an expert
-degree in the tree] in zerokit/planner/advice.py)."""
+degree in the tree] in zerokit/planner/advice.py); then the plan against a run whose experts are split: a tiny Mixtral
+on 4 gloo ranks at an expert degree of 2 (one spawn serves every case), its model states and every collective exact on
+every rank at ZeRO 0-3, and recorded at ZeRO 1 and 3 with record_run, checked row by row (See [Note: split experts in
+the engine model] in zerokit/planner/engine_model.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 
 import zerokit.cli
 from zerokit.planner.advice import plan
+from zerokit.planner.check import check_rows
 from zerokit.planner.emit import emit
+from zerokit.planner.engine_model import EngineSetup, ParamEntry, ParamInventory, engine_comm, engine_states
+from zerokit.planner.engine_offload import engine_transfers
 from zerokit.planner.estimate import estimate, make_scenario
 from zerokit.planner.memo import render_memo
 from zerokit.planner.models import PRESETS, Architecture, Experts, from_hf_dict
@@ -178,3 +185,147 @@ def test_the_cli_takes_a_degree_and_refuses_a_bad_one(capsys) -> None:
     assert zerokit.cli.main(["plan", "--model", "mixtral-8x7b", "--ep", "3"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "ep=3" in err
+
+
+# --- the plan against runs with split experts ---------------------------------------------------------------------
+SPLIT_RANKS, SPLIT_EP = 4, 2  # 2 expert groups of 2 ranks; each rank's 2 experts a layer shard over 2 ranks
+TINY_MIXTRAL = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+SPLIT_CASES = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "cpu")]
+RECORDED_STAGES = (3, 1)
+
+
+def _split_mixtral(stage: int, offload: str = "none") -> tuple:
+    import torch
+    import transformers
+
+    import zerokit
+    from zerokit.testing.models import param_groups
+
+    torch.manual_seed(0)
+    net = transformers.MixtralForCausalLM(transformers.MixtralConfig(**TINY_MIXTRAL))
+    optimizer = torch.optim.AdamW(param_groups(net))
+    # small buckets (several per stage) and a low persistence threshold (the blocks are units, the norms the root's)
+    zero = {"stage": stage, "reduce_bucket_bytes": 40_000, "stage3_param_persistence_threshold": 100,
+            **({"offload_optimizer": {"device": offload}} if offload != "none" else {})}
+    engine = zerokit.initialize(net, optimizer, {"zero_optimization": zero, "bf16": {"enabled": True},
+                                                 "expert_parallel": {"enabled": True, "autoep_size": SPLIT_EP}})
+    return net, optimizer, engine
+
+
+def _split_states_and_counts(rank: int, stage: int, offload: str) -> dict:
+    """memory_stats() after backward and after the step, and comm_stats()' growth over the second step."""
+    from dataclasses import asdict
+
+    import torch
+
+    from zerokit.profiling.inventory import param_inventory
+    from zerokit.profiling.record import engine_setup
+
+    net, optimizer, engine = _split_mixtral(stage, offload)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(2):  # the second step: the optimizer's state exists
+        before = engine.comm_stats()
+        tokens = torch.randint(0, TINY_MIXTRAL["vocab_size"], (2, 16), generator=generator)
+        engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+        after_backward = engine.memory_stats()
+        engine.step()
+    after = engine.comm_stats()
+    run = {"after_backward": after_backward, "after_step": engine.memory_stats(),
+           "comm": {k: {key: after[k][key] - before[k][key] for key in after[k]} for k in after
+                    if after[k]["calls"] != before[k]["calls"]},
+           "inventory": param_inventory(net, optimizer, engine.config.stage3).as_dict(),
+           "setup": asdict(engine_setup(engine, "adamw"))}
+    engine.close()
+    return run
+
+
+def _recorded_split_mixtral(rank: int, stage: int) -> dict:
+    from dataclasses import asdict
+
+    import torch
+
+    from zerokit.profiling.record import record_run
+
+    net, optimizer, engine = _split_mixtral(stage)
+    generator = torch.Generator().manual_seed(rank)
+    batches = iter(lambda: torch.randint(0, TINY_MIXTRAL["vocab_size"], (2, 32), generator=generator), None)
+    record = record_run(engine, batches, lambda e, tokens: e(input_ids=tokens, labels=tokens).loss,
+                        optimizer=optimizer, micro_batch=2, seq_len=32, warmup=1, steps=1)
+    engine.close()
+    return asdict(record)
+
+
+def _split_runs(rank: int, world: int) -> dict:
+    runs = {case: _split_states_and_counts(rank, *case) for case in SPLIT_CASES}
+    runs.update({f"record {stage}": _recorded_split_mixtral(rank, stage) for stage in RECORDED_STAGES})
+    return runs
+
+
+@functools.lru_cache(maxsize=None)
+def split_runs() -> list[dict]:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from zerokit.testing.spawn import spawn
+
+    return spawn(_split_runs, SPLIT_RANKS, timeout=600)
+
+
+@pytest.mark.parametrize("stage, offload", SPLIT_CASES)
+def test_split_experts_states_and_collectives_are_exact_on_every_rank(stage: int, offload: str) -> None:
+    """Each rank's memory_stats() and comm_stats() from the plan's two stages (the dense one over 4 ranks, the experts'
+    over their expert-data group of 2, rank r at place r // 2 of it), to the byte; with the optimizer on the host, its
+    transfers too. (Under optimizer offload the engine keeps its host gradients after the step, with experts or
+    without, which engine_states does not count: only the state after backward is compared there.)"""
+    for rank, out in enumerate(split_runs()):
+        run = out[(stage, offload)]
+        setup, inventory = EngineSetup(**run["setup"]), ParamInventory.from_dict(run["inventory"])
+        assert setup.expert == SPLIT_EP
+        states = engine_states(inventory, setup, rank)
+        assert states.after_backward == run["after_backward"], rank
+        if offload == "none":
+            assert states.after_step == run["after_step"], rank
+        assert engine_comm(inventory, setup, rank) | engine_transfers(inventory, setup, rank) == run["comm"], rank
+
+
+@pytest.mark.parametrize("stage", RECORDED_STAGES)
+def test_the_plan_meets_a_recorded_mixtral_with_split_experts(stage: int) -> None:
+    """record_run at ZeRO 3 and 1, checked by check_rows: every model-state category and every collective kind to the
+    byte, the expert exchange's all-to-alls exactly in a rank's mean; the sharded categories by hand: the dense part
+    over the 4 ranks, each rank's experts over their 2."""
+    from zerokit.profiling.record import engine_config
+
+    record = split_runs()[0][f"record {stage}"]
+    assert record["setup"]["expert"] == SPLIT_EP
+    assert engine_config(record["setup"])["expert_parallel"] == {"enabled": True, "autoep_size": SPLIT_EP}
+    rows = {row.category: row for row in check_rows(record)}
+    states = [name + after for name in ("parameters", "gradients", "optimizer_state") for after in ("", "_after_step")]
+    kinds = [f"{kind}.{key}" for kind in record["measured"]["comm_per_step"] for key in ("calls", "elements", "bytes")]
+    for name in states + kinds + ["wire_bytes", "all_to_all.calls", "all_to_all.elements", "all_to_all.bytes"]:
+        assert rows[name].error == 0, (name, rows[name])
+    entries = [ParamEntry(**e) for e in record["inventory"]["entries"]]
+    dense, experts = (sum(e.numel for e in entries if e.expert == split) for split in (False, True))
+    assert experts == 2 * 2 * 3 * 32 * 48  # 2 layers x this rank's 2 experts x (gate, up, down)
+    # the fp32 reduced gradient shards; at stage 1 beside the whole bf16 gradient buffer
+    shards = 4 * (dense // SPLIT_RANKS + experts // (SPLIT_RANKS // SPLIT_EP))
+    assert rows["gradients"].measured == shards + (2 * (dense + experts) if stage == 1 else 0)
+    # 2 MoE layers x dispatch and combine, forward and backward, each of 64 tokens x top-2 x hidden 32, in bf16
+    assert (rows["all_to_all.calls"].measured, rows["all_to_all.bytes"].measured) == (8, 8 * 64 * 2 * 32 * 2)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"expert": 3}, "expert=3 does not divide the 4 ranks"),
+    ({"expert": 2, "sequence": 2}, "expert=2 beside a sequence degree, MiCS or NVMe offload"),
+    ({"expert": 2, "mics_shard_size": 2}, "expert=2 beside a sequence degree, MiCS or NVMe offload"),
+])
+def test_an_expert_degree_the_engine_refuses_is_refused_in_one_line(changes: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as error:
+        EngineSetup(stage=2, world=4, **changes)
+    assert "\n" not in str(error.value)
+
+
+def test_an_expert_degree_needs_the_experts_marked_in_the_inventory() -> None:
+    """An inventory recorded before split experts were marked holds no expert entry: refused, not priced as flat."""
+    inventory = ParamInventory((ParamEntry("w", 64, 0, 0),))
+    with pytest.raises(ValueError, match="marks no trainable expert parameter"):
+        engine_states(inventory, EngineSetup(stage=2, world=4, expert=2))

@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 from zerokit.config.defaults import MAX_BUCKETS_IN_FLIGHT
 from zerokit.planner.calibration import Calibration
+from zerokit.planner.comms import expert_exchange_size
 from zerokit.planner.compute import flops_per_token
 from zerokit.planner.device import DeviceProfile, optimizer_key
 from zerokit.planner.engine_model import (
@@ -40,6 +41,8 @@ from zerokit.planner.engine_model import (
     per_kind,
     persistent_units,
     stage3_units,
+    stage_buckets,
+    stage_parts,
     wire_bytes,
 )
 from zerokit.planner.memory import activation_bytes
@@ -107,12 +110,13 @@ def engine_extras(inventory: ParamInventory, setup: EngineSetup, grads_kept: int
     copies = setup.stage >= 2 or (setup.stage == 1 and setup.precision != setup.reduce_dtype)
     staging = r * sum(largest) if copies else 0
     root = gathered = 0
-    if setup.stage == 3:
-        units = stage3_units(inventory, setup, buckets)
-        kept = {u.index for u in persistent_units(units, setup)}
-        root = p * units[0].gathered_numel if 0 not in kept else 0
+    for part in stage_parts(inventory, setup) if setup.stage == 3 else ():  # the dense stage's units, the experts'
+        units = stage3_units(part.inventory, part.setup, stage_buckets(part.inventory, part.setup))
+        kept = {u.index for u in persistent_units(units, part.setup)}
+        part_root = p * units[0].gathered_numel if 0 not in kept else 0
         blocks = sorted((u.gathered_numel for u in units[1:] if u.index not in kept), reverse=True)[:2]
-        gathered = root + p * sum(blocks)
+        root += part_root
+        gathered += part_root + p * sum(blocks)
     return {"forward": gathered, "head": gathered, "blocks": gathered + staging,
             "tail": root + staging + grads_kept}
 
@@ -228,7 +232,25 @@ def check_rows(record: dict, calibration: Calibration | None = None, device: Dev
                  for key in keys]
     rows.append(Row("wire_bytes", "bytes", sum(wire_bytes(comm, setup).values()),
                     sum(wire_bytes(measured["comm_per_step"], setup).values()), "sent per rank on a ring"))
+    rows += exchange_rows(record, setup)
     return rows + time_rows(record, setup, inventory, comm, calibration, device, mfu)
+
+
+def exchange_rows(record: dict, setup: EngineSetup) -> list[Row]:
+    """The split experts' all-to-alls, where the record measured them (a rank's mean), beside the plan's: dispatch
+    and combine per MoE layer, forward and backward (See [Note: the expert exchange in the plan] in comms.py)."""
+    measured = record["measured"].get("all_to_all")
+    if measured is None:
+        return []
+    spec = model_spec(record)
+    training = _training(record, setup)
+    planned = None
+    if spec is not None and spec.architecture is not None and spec.architecture.experts is not None:
+        calls, elements = expert_exchange_size(spec, training)
+        planned = {"calls": calls, "elements": elements, "bytes": elements * training.act_bytes}
+    note = "the expert exchange, mean over ranks" + ("" if planned else "; no MoE shapes to plan it from")
+    return [Row(f"all_to_all.{key}", "bytes" if key == "bytes" else "count", planned[key] if planned else None,
+                measured[key], note) for key in ("calls", "elements", "bytes")]
 
 
 def time_rows(record: dict, setup: EngineSetup, inventory: ParamInventory, comm: dict,

@@ -366,12 +366,19 @@ def expert_exchange(model: ModelSpec, training: Training, group: Group) -> Colle
     expert's rank (dispatch) and back (combine): two all-to-alls over the expert group of tokens x top-k x capacity x
     hidden elements, (ep - 1) / ep of them leaving the rank; backward sends their gradients the same two ways, and a
     recomputed forward (full checkpointing) repeats its two. On the compute path: nothing overlaps them."""
+    calls, elements = expert_exchange_size(model, training)
+    return _collective("all_to_all", group, "critical", calls, elements, training.act_bytes)
+
+
+def expert_exchange_size(model: ModelSpec, training: Training) -> tuple[int, int]:
+    """(calls, elements) per optimizer step of [Note: the expert exchange in the plan], elements in the activation
+    dtype."""
     arch, m = model.architecture, training.grad_accum
     x = arch.experts
     passes = 2 + (1 if training.checkpointing == "full" else 0)
     calls = m * passes * 2 * arch.moe_layers
     routed = math.ceil(training.tokens_per_micro_batch * x.top_k * x.capacity)
-    return _collective("all_to_all", group, "critical", calls, calls * routed * arch.hidden, training.act_bytes)
+    return calls, calls * routed * arch.hidden
 
 
 def sharded_parts(model: ModelSpec, rank: RankParams, layout: Layout, groups: dict[str, Group],

@@ -36,13 +36,29 @@ zerokit.profiling.inventory). From it, as the engine does (zerokit/flat/layout.p
     the job spans nodes, each is also counted under its group and, per rank, in the bytes that cross nodes
     (See [Note: bytes that cross nodes] in zerokit/comm/collectives.py).
   - offload transfers: See [Note: offload traffic, copy by copy] in engine_offload.py.
+
+[Note: split experts in the engine model]
+With MoE experts split over `expert` ranks (EngineSetup.expert > 1) the engine runs two ZeRO stages (See [Note: ZeRO
+over experts split across ranks] in zerokit/parallel/experts/share.py), and so does this model (`stage_parts`): the
+inventory's entries marked `expert` (this rank's experts' parameters) make the experts' part, every other entry the
+dense part, and each part is priced by the same functions with its own setup:
+  dense    the setup as given, with the module's buffers and fixed bytes;
+  experts  over their expert-data group of world / expert ranks as one shard group (MiCS is refused, hpZ's copy is the
+           dense stage's alone), rank r at place r // expert of it (the groups are strided: See [Note: the expert
+           dimension] in zerokit/parallel/mesh.py); at stage 3 each local expert is a unit (the entries' `unit`) and
+           none stays gathered (persistence threshold 0, as ExpertShare.part sets it).
+Model states are the parts' sums; so are the collectives, but for the norm: at stages 1-3 the experts' usage flags
+are all-reduced over their expert-data group alone (float64) while their squares join the dense norm's all-reduce, and
+at stage 0 their flags ride behind their last bucket and one float64 scalar, their squares, is all-reduced over
+every rank. Across nodes the experts' collectives are counted by kind only: their split by group and the bytes that
+cross nodes are not modelled yet.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from functools import cached_property
 
@@ -71,6 +87,9 @@ class ParamEntry:
     trainable: bool = True
     floating: bool = True
     """Frozen integer parameters stay whole and keep their dtype (their bytes are in `fixed_bytes`)."""
+    expert: bool = False
+    """One of this rank's MoE experts split over ranks: held by the experts' own stage, `unit` its unit there (See
+    [Note: split experts in the engine model])."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +114,11 @@ class ParamInventory:
     @property
     def total_numel(self) -> int:
         return sum(e.numel for e in self.entries)
+
+    @property
+    def trainable_count(self) -> int:
+        """Trainable parameters: one usage flag each (See [Note: parameters no rank used])."""
+        return len([e for e in self.entries if e.trainable])
 
     def as_dict(self) -> dict:
         return {"entries": [vars(e).copy() for e in self.entries], "fixed_bytes": self.fixed_bytes,
@@ -148,6 +172,9 @@ class EngineSetup:
     """Ranks each replica's sequences are split over (Ulysses): a rank's activations are 1 / sequence of its
     replica's; the model states shard over every rank alike (See [Note: the sequence dimension] in
     zerokit/parallel/mesh.py)."""
+    expert: int = 1
+    """Ranks each MoE layer's experts are split over (ep): this rank's experts shard over their expert-data group of
+    world / expert ranks, the rest over every rank (See [Note: split experts in the engine model]); 1: none split."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
@@ -172,6 +199,18 @@ class EngineSetup:
         if isinstance(self.buffer_size, bool) or not isinstance(self.buffer_size, int) or self.buffer_size < 0:
             raise ValueError(f"buffer_size={self.buffer_size!r} must be an integer >= 0")
         self.settings  # the engine's own one-line errors for shard, hpZ and node sizes that do not divide the world
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """The expert degrees the engine trains (zerokit/parallel/experts/share.py refuses the rest in one line)."""
+        _positive_int("expert", self.expert)
+        if self.expert == 1:
+            return
+        if self.world % self.expert:
+            raise ValueError(f"expert={self.expert} does not divide the {self.world} ranks; use a divisor of them")
+        if self.sequence > 1 or self.settings.replicas > 1 or "nvme" in (self.offload_optimizer, self.offload_param):
+            raise ValueError(f"expert={self.expert} beside a sequence degree, MiCS or NVMe offload: the engine refuses "
+                             "split experts with them; accepted: an expert degree over flat data parallelism")
 
     @cached_property
     def settings(self) -> EngineSettings:
@@ -239,9 +278,45 @@ class BucketPlan:
         return parts
 
 
+@dataclass(frozen=True)
+class StagePart:
+    """One ZeRO stage of the engine: the model's, or its split experts' own (See [Note: split experts in the engine
+    model])."""
+
+    inventory: ParamInventory
+    setup: EngineSetup
+    stride: int = 1
+    """Global rank r is rank r // stride of this part's group (the experts' strided expert-data groups: the expert
+    degree; the dense part: 1)."""
+
+    def rank(self, rank: int) -> int:
+        return rank // self.stride
+
+
+def stage_parts(inventory: ParamInventory, setup: EngineSetup) -> tuple[StagePart, ...]:
+    """The dense part, then, with split experts, the experts' part (See [Note: split experts in the engine model])."""
+    if setup.expert == 1:
+        return (StagePart(inventory, setup),)
+    dense = tuple(e for e in inventory.entries if not e.expert)
+    experts = tuple(e for e in inventory.entries if e.expert)
+    if not any(e.trainable for e in experts):
+        raise ValueError(f"expert={setup.expert}, but the inventory marks no trainable expert parameter; record the "
+                         "run with zerokit.profiling (its inventory marks split experts), or give expert=1")
+    expert_setup = replace(setup, world=setup.world // setup.expert, expert=1, mics_shard_size=None,
+                           hpz_partition_size=None, ranks_per_node=None, persistence_threshold=0)
+    return (StagePart(replace(inventory, entries=dense), replace(setup, expert=1)),
+            StagePart(ParamInventory(experts, source=inventory.source), expert_setup, setup.expert))
+
+
 def engine_buckets(inventory: ParamInventory, setup: EngineSetup) -> tuple[BucketPlan, ...]:
     """The engine's bucket layout, made by the engine's own function (zerokit/flat/layout.py `build_layout`)
-    from the parameters in expected backward order, keyed as the stages key them."""
+    from the parameters in expected backward order, keyed as the stages key them; with split experts, the dense
+    stage's buckets, then the experts' (each bucket split over its own part's ranks)."""
+    return tuple(b for part in stage_parts(inventory, setup) for b in stage_buckets(part.inventory, part.setup))
+
+
+def stage_buckets(inventory: ParamInventory, setup: EngineSetup) -> tuple[BucketPlan, ...]:
+    """One stage's buckets: See `engine_buckets`."""
     trainable = [e for e in reversed(inventory.entries) if e.trainable]  # expected backward order
     settings = setup.settings
     if setup.stage == 3:  # one bucket per (unit, param group): See ShardedParameters.build
@@ -319,11 +394,22 @@ def optimizer_state_bytes(buckets: tuple[BucketPlan, ...], setup: EngineSetup, r
 
 
 def engine_states(inventory: ParamInventory, setup: EngineSetup, rank: int = 0) -> EngineStates:
-    """See [Note: the engine's bookkeeping, element by element]."""
-    buckets = engine_buckets(inventory, setup)
+    """See [Note: the engine's bookkeeping, element by element]; with split experts, the sum of both stages' (See
+    [Note: split experts in the engine model])."""
+    states = [stage_states(part.inventory, part.setup, part.rank(rank)) for part in stage_parts(inventory, setup)]
+
+    def summed(which: str) -> dict[str, int]:
+        return {name: sum(getattr(each, which)[name] for each in states) for name in states[0].after_backward}
+
+    return EngineStates(summed("after_backward"), summed("after_step"), sum(each.gradient_buffer for each in states))
+
+
+def stage_states(inventory: ParamInventory, setup: EngineSetup, rank: int = 0) -> EngineStates:
+    """One stage's model states: See `engine_states`."""
+    buckets = stage_buckets(inventory, setup)
     p, r = BYTES_PER_ELEMENT[setup.precision], BYTES_PER_ELEMENT[setup.reduce_dtype]
     numel = sum(b.numel for b in buckets)
-    flags = len([e for e in inventory.entries if e.trainable]) if setup.stage == 0 else 0
+    flags = inventory.trainable_count if setup.stage == 0 else 0
     shard = numel // setup.shard_size
     units = stage3_units(inventory, setup, buckets) if setup.stage == 3 else None
     if setup.stage == 3:
@@ -409,13 +495,48 @@ class StepCounts:
 def engine_comm(inventory: ParamInventory, setup: EngineSetup, rank: int = 0) -> dict[str, dict[str, int]]:
     """The growth of `engine.comm_stats()` of `rank` over one optimizer step of `setup.grad_accum` micro-steps: per
     kind, and when the job spans nodes per "<group>.<kind>" and the "cross_node" bytes, which differ by rank. One rank
-    calls the same collectives (each a local copy, none on a wire) but broadcasts no buffer."""
-    counts = StepCounts(setup, rank)
-    buckets = engine_buckets(inventory, setup)
+    calls the same collectives (each a local copy, none on a wire) but broadcasts no buffer. With split experts, both
+    stages' (See [Note: split experts in the engine model])."""
+    dense, *experts = stage_parts(inventory, setup)
+    counts = StepCounts(dense.setup, rank)
+    stage_collectives(counts, dense.inventory, dense.setup)
+    flags = dense.inventory.trainable_count  # one usage flag per trainable parameter
+    mics = setup.settings.replicas > 1
+    if setup.stage >= 1:  # the float64 sum of squares behind the global norm, and the usage flags
+        counts.add("mics_shard" if mics else "shard", "all_reduce", 1, 1 + flags, 8)
+    if mics:  # the usage flags again, summed across the replicas
+        counts.add("mics_replica", "all_reduce", 1, flags, 8)
+    # rank 0's buffers, per dtype, before each forward after the first and at the step (one rank sends none)
+    if setup.broadcast_buffers and setup.world > 1:
+        for numel, element_bytes in dense.inventory.buffers:  # over the engine's group of every rank
+            counts.add("shard", "broadcast", setup.grad_accum, setup.grad_accum * numel, element_bytes)
+    for part in experts:
+        _expert_collectives(counts, part, rank)
+    return counts.result()
+
+
+def _expert_collectives(counts: StepCounts, part: StagePart, rank: int) -> None:
+    """The split experts' stage's collectives added to the dense ones' `counts`, by kind (See [Note: split experts in
+    the engine model])."""
+    own = StepCounts(part.setup, part.rank(rank))
+    stage_collectives(own, part.inventory, part.setup)
+    if part.setup.stage >= 1:  # which expert parameters each rank used, over their expert-data group
+        own.add("expert_data", "all_reduce", 1, part.inventory.trainable_count, 8)
+    else:  # the experts' sum of squares (their flags rode behind their last bucket), over every rank
+        counts.add("shard", "all_reduce", 1, 1, 8)
+    for kind, entry in own.result().items():
+        total = counts.stats.setdefault(kind, {"calls": 0, "elements": 0, "bytes": 0})
+        for key in total:
+            total[key] += entry[key]
+
+
+def stage_collectives(counts: StepCounts, inventory: ParamInventory, setup: EngineSetup) -> None:
+    """One stage's gradient reductions and parameter gathers (its norm aside): See `engine_comm`."""
+    buckets = stage_buckets(inventory, setup)
     p, r = BYTES_PER_ELEMENT[setup.precision], BYTES_PER_ELEMENT[setup.reduce_dtype]
     reductions = setup.grad_accum if setup.reduce_every_step else 1
     kind = "all_reduce" if setup.stage == 0 or not setup.reduces_by_scatter else "reduce_scatter"
-    flags = len([e for e in inventory.entries if e.trainable])  # one usage flag per trainable parameter
+    flags = inventory.trainable_count  # one usage flag per trainable parameter
     mics = setup.settings.replicas > 1
     shard = "mics_shard" if mics else "shard"  # See ProcessGroups.for_stage
     for bucket in buckets:
@@ -430,15 +551,6 @@ def engine_comm(inventory: ParamInventory, setup: EngineSetup, rank: int = 0) ->
             counts.add(shard, "all_gather", 1, bucket.numel, p)
     if setup.stage == 3:
         _stage3_gathers(counts, inventory, setup, buckets)
-    if setup.stage >= 1:  # the float64 sum of squares behind the global norm, and the usage flags
-        counts.add(shard, "all_reduce", 1, 1 + flags, 8)
-    if mics:  # the usage flags again, summed across the replicas
-        counts.add("mics_replica", "all_reduce", 1, flags, 8)
-    # rank 0's buffers, per dtype, before each forward after the first and at the step (one rank sends none)
-    if setup.broadcast_buffers and setup.world > 1:
-        for numel, element_bytes in inventory.buffers:  # over the engine's group of every rank
-            counts.add("shard", "broadcast", setup.grad_accum, setup.grad_accum * numel, element_bytes)
-    return counts.result()
 
 
 def _stage3_gathers(counts: StepCounts, inventory: ParamInventory, setup: EngineSetup,

@@ -47,8 +47,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerokit.config.defaults import NVME_SUB_GROUP_NUMEL
-from zerokit.planner.engine_model import (BucketPlan, EngineSetup, ParamInventory, UnitPlan, add_count, engine_buckets,
-                                          persistent_units, round_up, stage3_units)
+from zerokit.planner.engine_model import (BucketPlan, EngineSetup, ParamInventory, UnitPlan, add_count,
+                                          persistent_units, round_up, stage3_units, stage_buckets, stage_parts)
 from zerokit.planner.spec import BYTES_PER_ELEMENT
 from zerokit.tiers.read_order import ReadOrder
 
@@ -65,11 +65,18 @@ TRANSFERS = ("device_to_host", "host_to_device", "nvme_read", "nvme_write")
 def engine_transfers(inventory: ParamInventory, setup: EngineSetup, rank: int = 0) -> dict[str, dict[str, int]]:
     """The growth of comm_stats()'s transfer kinds over one optimizer step of `setup.grad_accum` micro-steps,
     the optimizer's state existing (from the second step on), on rank `rank`. Kinds with no call are absent.
-    See [Note: offload traffic, copy by copy]."""
+    See [Note: offload traffic, copy by copy]; with split experts, both stages' (See [Note: split experts in the
+    engine model] in engine_model.py)."""
     stats: dict[str, dict[str, int]] = {}
     if setup.offload_optimizer == "none" and setup.offload_param == "none":
         return stats
-    buckets = engine_buckets(inventory, setup)
+    for part in stage_parts(inventory, setup):
+        _stage_transfers(stats, part.inventory, part.setup, part.rank(rank))
+    return {kind: stats[kind] for kind in TRANSFERS if kind in stats}
+
+
+def _stage_transfers(stats: dict, inventory: ParamInventory, setup: EngineSetup, rank: int) -> None:
+    buckets = stage_buckets(inventory, setup)
     rank %= setup.shard_size  # its index in its shard group (See [Note: hybrid sharding] in zerokit/comm/groups.py)
     _gradients_down(stats, buckets, setup, rank)
     _updates_out(stats, buckets, setup, rank)
@@ -80,7 +87,6 @@ def engine_transfers(inventory: ParamInventory, setup: EngineSetup, rank: int = 
                 add_count(stats, "nvme_write", 1, record.nbytes, 1)
     if setup.offload_param != "none":
         _parameter_fetches(stats, inventory, setup, buckets)
-    return {kind: stats[kind] for kind in TRANSFERS if kind in stats}
 
 
 def _gradients_down(stats: dict, buckets: tuple[BucketPlan, ...], setup: EngineSetup, rank: int) -> None:

@@ -16,11 +16,19 @@ recording on it reports every allocation and free. Summing them in time order gi
 allocated bytes over the window (frees of blocks allocated before the window are not reported and so not
 subtracted: the peak is over what the window allocated). The profiler slows the step, so a recorder
 measures times and resident memory in other steps.
+
+[Note: counting the all-to-alls no communicator counts]
+The expert exchange (zerokit/parallel/experts/dispatch.py) calls torch.distributed.all_to_all_single itself, so
+comm_stats() never sees it. The profiler does: each call is a c10d::alltoall_base_ op whose recorded input shapes
+(record_shapes) give the tensor this rank sends, the logical size as comm_stats() counts a collective. Only floating
+inputs are counted, the tokens and their gradients; a dropless exchange's integer routing counts (E int64 per MoE
+layer and forward) only size the exchange.
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import resource
 from contextlib import contextmanager
 from functools import partial
@@ -95,6 +103,30 @@ class SavedTensorCounter:
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+ALL_TO_ALL_OP = "c10d::alltoall_base_"
+FLOATING_BYTES = {"float": 4, "double": 8, "c10::BFloat16": 2, "c10::Half": 2}
+"""Bytes per element of the floating dtypes, by the names the profiler records an op's input types with."""
+
+
+@contextmanager
+def all_to_all_counts() -> Iterator[dict[str, int]]:
+    """Yields a dict that holds, on exit, the calls, elements and bytes of the floating all-to-alls issued inside the
+    block (See [Note: counting the all-to-alls no communicator counts])."""
+    from torch.profiler import ProfilerActivity, profile
+
+    counts = {"calls": 0, "elements": 0, "bytes": 0}
+    profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+    with profiler:
+        yield counts
+    for event in profiler.profiler.kineto_results.events():
+        if event.name() != ALL_TO_ALL_OP or event.dtypes()[1] not in FLOATING_BYTES:
+            continue
+        sent = math.prod(event.shapes()[1])  # the input: (output, input, group, split sizes, ...)
+        counts["calls"] += 1
+        counts["elements"] += sent
+        counts["bytes"] += sent * FLOATING_BYTES[event.dtypes()[1]]
 
 
 PHASES = ("forward", "head", "blocks", "tail")

@@ -10,6 +10,9 @@
                        comm_stats() over the step
   a collective replay  the profiled step's collectives again, alone (same kinds, calls and sizes): the
                        time communication takes without compute beside it
+  an exchange step     with MoE experts split over ranks, one more step under the profiler: the all-to-alls of the
+                       expert exchange, which no communicator counts (See [Note: counting the all-to-alls no
+                       communicator counts] in measure.py), the mean over ranks (a rank's share of the routes varies)
 Peaks and times are the maximum over ranks (what the job sees); memory_stats() and comm_stats() are
 rank 0's (every rank holds and sends the same, up to the shard padding, which rank 0 has the most of, and,
 across nodes, the bytes that cross them, which the planner predicts per rank: rank 0's here). A MiCS or hpZ
@@ -35,7 +38,8 @@ from zerokit.config.typed import DTYPE_NAMES
 from zerokit.masters.optimizer import fused_group
 from zerokit.planner.engine_model import EngineSetup, per_kind
 from zerokit.profiling.inventory import blocks_of, param_inventory
-from zerokit.profiling.measure import AllocationTimeline, SavedTensorCounter, backward_phases, resident_peak
+from zerokit.profiling.measure import (AllocationTimeline, SavedTensorCounter, all_to_all_counts, backward_phases,
+                                      resident_peak)
 from zerokit._support.jsonfile import JsonRecord
 from zerokit.comm.process import default_device
 
@@ -79,7 +83,8 @@ def engine_setup(engine: Any, optimizer_name: str) -> EngineSetup:
                        broadcast_buffers=config.broadcast_buffers, mics_shard_size=settings.shard_size,
                        ranks_per_node=settings.ranks_per_node,
                        hpz_partition_size=settings.secondary_size,  # See [Note: hybrid sharding] in comm/groups.py
-                       sequence=engine.layout.sequence if engine.layout is not None else 1)
+                       sequence=engine.layout.sequence if engine.layout is not None else 1,
+                       expert=engine.layout.expert if engine.layout is not None else 1)
 
 
 def engine_config(setup: dict) -> dict:
@@ -109,6 +114,8 @@ def engine_config(setup: dict) -> dict:
         config["ranks_per_node"] = setup["ranks_per_node"]
     if setup["precision"] != "fp32":
         config[setup["precision"]] = {"enabled": True}
+    if setup.get("expert", 1) > 1:  # copies are Hugging Face models (calibrate_for_record), split by this key
+        config["expert_parallel"] = {"enabled": True, "autoep_size": setup["expert"]}
     return config
 
 
@@ -233,6 +240,15 @@ def step_collectives(engine: Any, loss_fn: LossFn, batches: Iterator) -> dict:
     return _diff(engine.comm_stats(), before)
 
 
+def step_exchanges(engine: Any, loss_fn: LossFn, batches: Iterator) -> dict[str, float]:
+    """The all-to-alls of one optimizer step that no communicator counts: calls, elements and bytes, the mean over
+    ranks (See [Note: what a record measures, step by step])."""
+    with all_to_all_counts() as counts:
+        _one_step(engine, loss_fn, batches)
+    summed = _over_ranks(list(counts.values()), dist.ReduceOp.SUM)
+    return {key: value / engine.world_size for key, value in zip(counts, summed)}
+
+
 def communication_seconds(engine: Any, comm: dict) -> float:
     """`comm` (a step's collectives) replayed alone, each kind in the dtype the engine sends it in."""
     dtypes = {"all_gather": engine.config.precision.param_dtype}
@@ -282,8 +298,12 @@ def _replay_one(kind: str, tensor: torch.Tensor, world: int) -> None:
 
 
 def _max_over_ranks(values: list[float]) -> list[float]:
+    return _over_ranks(values, dist.ReduceOp.MAX)
+
+
+def _over_ranks(values: list[float], op: Any) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=default_device())  # NCCL reduces GPU tensors only
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    dist.all_reduce(tensor, op=op)
     return tensor.tolist()
 
 
@@ -308,6 +328,8 @@ def record_run(engine: Any, batches: Iterable, loss_fn: LossFn, *, optimizer: An
         _one_step(engine, loss_fn, batches)
     measured = timed_steps(engine, loss_fn, batches, steps)  # before profiling, whose buffers would stay resident
     measured.update(_profiled_step(engine, loss_fn, batches, blocks))
+    if setup.expert > 1:
+        measured["all_to_all"] = step_exchanges(engine, loss_fn, batches)
     device = next(engine.module.parameters()).device
     measured["seconds"]["communication"] = communication_seconds(engine, measured["comm_per_step"])
     keys = ["peak_allocated", "peak_resident", "resident_at_start"]

@@ -11,6 +11,7 @@ what every resumed run must repeat (rtol 1e-6: the same arithmetic up to the ord
 from __future__ import annotations
 
 import functools
+import os
 import tempfile
 from pathlib import Path
 
@@ -49,11 +50,17 @@ class MoENet(torch.nn.Module):
 
 
 def engine_at(ep: int, stage: int, kind: str = "mixtral") -> zerokit.Engine:
+    """kind: "mixtral", "moe" (MoENet) or "drop-in" (MoENet through zerokit.deepspeed.initialize)."""
     model = mixtral() if kind == "mixtral" else MoENet(ep)
     experts = {"expert_parallel": {"enabled": True, "autoep_size": ep}} if ep > 1 and kind == "mixtral" else {}
-    return zerokit.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                              {"zero_optimization": {"stage": stage}, "gradient_clipping": 0.5,
-                               "train_micro_batch_size_per_gpu": ROWS, **experts})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = {"zero_optimization": {"stage": stage}, "gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": ROWS,
+              **experts}
+    if kind == "drop-in":
+        import zerokit.deepspeed as deepspeed
+        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # torchrun's, which DeepSpeed's initialize asks for
+        return deepspeed.initialize(model=model, optimizer=optimizer, config=config)[0]
+    return zerokit.initialize(model, optimizer, config)
 
 
 def steps(engine: zerokit.Engine, first: int, count: int) -> list[float]:
@@ -72,14 +79,15 @@ def steps(engine: zerokit.Engine, first: int, count: int) -> list[float]:
 
 
 def deepspeed_moe(directory: str) -> dict:
-    """The same at DeepSpeed's MoE layer: saved at ep 2 and ZeRO-1, resumed at ep 4 and ZeRO-3, and at ep 1."""
+    """The same at DeepSpeed's MoE layer: saved at ep 2 and ZeRO-1, resumed at ep 4 and ZeRO-3 (by the drop-in's
+    deepspeed.initialize and load_checkpoint), and at ep 1."""
     saved = engine_at(2, 1, "moe")
     steps(saved, 0, 2)
     saved.save_checkpoint(directory, tag="moe")
     out = {"moe went_on": steps(saved, 2, 2)}
     saved.close()
     for ep, stage in ((4, 3), (1, 2)):
-        engine = engine_at(ep, stage, "moe")
+        engine = engine_at(ep, stage, "drop-in" if ep == 4 else "moe")  # DeepSpeed's engine loads it too
         engine.load_checkpoint(directory, tag="moe")
         out[f"moe ep{ep}-z{stage}"] = steps(engine, 2, 2)
         engine.close()

@@ -74,6 +74,15 @@ class Checkpoints:
         if self.expert_stage is not None:
             raise split_experts_error(f"engine.{call}()")
 
+    def loaded_by(self, load_dir: str | Path, tag: str | None) -> Any:
+        """What load_checkpoint loads into (checkpointed()): with split experts, only a checkpoint of zerokit's
+        format, which holds the unsplit model's names."""
+        from zerokit.checkpoint.load import foreign_format
+        kind = foreign_format(load_dir, tag) if self.expert_stage is not None else None
+        if kind:
+            raise split_experts_error(f"engine.load_checkpoint() of a {kind} checkpoint")
+        return self.checkpointed()
+
     def checkpointed(self, made: bool = True) -> Any:
         """What checkpoints save and load: the engine, or with experts split over ranks the engine seen as the unsplit
         model (SplitCheckpointed, made once; made=False: only if it was)."""
@@ -109,12 +118,10 @@ class Checkpoints:
         """Resume from load_dir/tag (default: the tag in load_dir/latest), saved at any world size, stage and
         layout, by zerokit or DeepSpeed; returns (load_path, client_state). See zerokit/checkpoint."""
         from zerokit.checkpoint import load_checkpoint
-        from zerokit.checkpoint.load import foreign_format
         self._refuse_if_closed("load_checkpoint")
-        if self.expert_stage is not None and foreign_format(load_dir, tag):
-            raise split_experts_error(f"engine.load_checkpoint() of a {foreign_format(load_dir, tag)} checkpoint")
-        return load_checkpoint(self.checkpointed(), load_dir, tag, load_optimizer_states=load_optimizer_states,
-                               load_module_only=load_module_only, load_lr_scheduler_states=load_lr_scheduler_states)
+        return load_checkpoint(self.loaded_by(load_dir, tag), load_dir, tag,
+                               load_optimizer_states=load_optimizer_states, load_module_only=load_module_only,
+                               load_lr_scheduler_states=load_lr_scheduler_states)
 
     def save_pretrained(self, save_directory: str | Path, max_shard_size: int | str = "5GB",
                         safe_serialization: bool = True, dtype: Any = None) -> list[Path]:

@@ -307,10 +307,9 @@ class DeepSpeedEngine(ConfigQueries, ModuleView, Engine):
                              "loads every parameter of the model by name")
         from zerokit.checkpoint import load_checkpoint  # Engine.load_checkpoint's, with the scheduler flag
         self._refuse_if_closed("load_checkpoint")
-        path, client_state = load_checkpoint(self.loaded_by(load_dir, tag), load_dir, tag,
-                                             load_optimizer_states=load_optimizer_states,
-                                             load_module_only=load_module_only,
-                                             load_lr_scheduler_states=load_lr_scheduler_states, **zerokit)
+        path, client_state = load_checkpoint(
+            self.loaded_by(load_dir, tag), load_dir, tag, load_optimizer_states=load_optimizer_states,
+            load_module_only=load_module_only, load_lr_scheduler_states=load_lr_scheduler_states, **zerokit)
         if load_optimizer_states and not load_module_only:
             self._mirror.adopt_loaded()  # before the schedules' mirror: See [Note: a scheduler passed to initialize]
         client_state = dict(client_state or {})

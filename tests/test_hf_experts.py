@@ -4,7 +4,7 @@ process as DDP trains it: every rank's loss on its own batch (routed on its own 
 included), their mean the step's loss, clipped by the global norm.
 
 One spawn of 4 gloo ranks runs every case: a tiny Mixtral (4 experts, top-2) and a tiny Qwen2-MoE (4 experts, top-2,
-with its shared expert), split over 2 x 2 ranks (ep x expert-data) at ZeRO 1, 2 and 3 and over 4 x 1 at ZeRO 2, SGD
+with its shared expert), split over 2 x 2 ranks (ep x expert-data) at ZeRO 1, 2 and 3 and over 4 x 1 at ZeRO 3, SGD
 (Adam would hide a constant factor in the experts' gradients) and AdamW; one expert of every Mixtral layer is never
 routed to (its router row pushed down), so it is idle on every rank. Tolerances as tests/test_parity.py's fp32 ones:
 losses rtol 1e-5, pre-clip norms rtol 1e-4, each rank's experts after the steps atol 2e-5 against the reference's rows.
@@ -42,7 +42,7 @@ class Case:
 
 
 CASES = [Case("mixtral", stage) for stage in (1, 2, 3)] + [
-    Case("mixtral", 2, ep=4), Case("mixtral", 3, optimizer="adamw"), Case("qwen2_moe", 2), Case("qwen2_moe", 3, ep=4)]
+    Case("mixtral", 3, optimizer="adamw"), Case("qwen2_moe", 2), Case("qwen2_moe", 3, ep=4)]
 
 
 def moe_model(family: str) -> torch.nn.Module:
@@ -154,13 +154,14 @@ def test_a_hugging_face_moe_with_split_experts_trains_as_ddp(case: Case) -> None
 
 # --- through the Hugging Face Trainer and accelerate, beside their own DDP ----------------------------------------
 SCRIPTS = Path(__file__).parent / "scripts"
+FRAMEWORK_RANKS = 2  # ep 2 x 1: the framework's path to the split, not the mesh (the spawn above covers 2 x 2, 4 x 1)
 RUNS = {"trainer-ddp": ["--via", "trainer"], "trainer-zero3-ep2": ["--via", "trainer", "--stage", "3", "--ep", "2"],
         "accelerate-ddp": ["--via", "accelerate"], "accelerate-zero2-ep2": ["--via", "accelerate", "--stage", "2"]}
 
 
 @pytest.fixture(scope="module")
 def framework_runs(tmp_path_factory) -> tuple[Path, Outcomes]:
-    """tests/scripts/hf_moe_ep.py on 4 ranks, each run as the user launches it: DDP plainly, zerokit through
+    """tests/scripts/hf_moe_ep.py on 2 ranks, each run as the user launches it: DDP plainly, zerokit through
     `-m zerokit.deepspeed.install` with the AutoEP block in its DeepSpeed config."""
     pytest.importorskip("accelerate")
     root = tmp_path_factory.mktemp("hf_moe_ep")
@@ -168,11 +169,11 @@ def framework_runs(tmp_path_factory) -> tuple[Path, Outcomes]:
                 preload=("transformers.trainer", "transformers.models.mixtral.modeling_mixtral"))
             for name, args in RUNS.items()]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    return root, launch(jobs, root / "jobs", ranks=RANKS, env=env)
+    return root, launch(jobs, root / "jobs", ranks=FRAMEWORK_RANKS, env=env)
 
 
 def outputs(root: Path, name: str) -> list[dict]:
-    return [json.loads((root / name / f"rank{rank}.json").read_text()) for rank in range(RANKS)]
+    return [json.loads((root / name / f"rank{rank}.json").read_text()) for rank in range(FRAMEWORK_RANKS)]
 
 
 @pytest.mark.parametrize("framework, split", [("trainer", "zero3-ep2"), ("accelerate", "zero2-ep2")])

@@ -6,7 +6,7 @@ passes an FSDP2 plugin, this passes a DeepSpeed one (FSDP2 trains a CPU job as D
 CPU kernel); under `python -m zerokit.deepspeed.install` the same loop trains with zerokit's Ulysses
 (tests/test_sequence_parallel_scripts.py).
 
-    torchrun --nproc_per_node 4 -m zerokit.deepspeed.install accelerate_cp.py --stage 3 --out results/
+    torchrun --nproc_per_node 2 -m zerokit.deepspeed.install accelerate_cp.py --stage 3 --out results/
 """
 
 import argparse

@@ -1,9 +1,9 @@
 """A tiny Mixtral trained through the Hugging Face Trainer or an accelerate loop, as a user writes either, with its
-experts split over ranks by DeepSpeed's AutoEP config when --ep is given. Launched by tests/test_hf_experts.py on 4
+experts split over ranks by DeepSpeed's AutoEP config when --ep is given. Launched by tests/test_hf_experts.py on 2
 gloo ranks:
 
-    torchrun --nproc_per_node 4 hf_moe_ep.py --via trainer --out DIR                                   # DDP
-    torchrun --nproc_per_node 4 -m zerokit.deepspeed.install hf_moe_ep.py --via trainer --stage 3 --ep 2 --out DIR
+    torchrun --nproc_per_node 2 hf_moe_ep.py --via trainer --out DIR                                   # DDP
+    torchrun --nproc_per_node 2 -m zerokit.deepspeed.install hf_moe_ep.py --via trainer --stage 3 --ep 2 --out DIR
 
 The DeepSpeed config is the user's: `"expert_parallel": {"enabled": true, "autoep_size": EP}` beside the ZeRO stage.
 The router's auxiliary loss is part of the loss (output_router_logits), clipping at 0.5, SGD (Adam would hide a

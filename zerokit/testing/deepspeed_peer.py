@@ -18,11 +18,20 @@ environment (the build depends on the environment's paths, so a fresh clone's fi
 (`shm_comm_op is None`, no `torch.ops.deepspeed.inference_all_reduce_`), falls back to
 `torch.distributed.all_reduce` with the same op: the same sum. So a peer DeepSpeed run in the tests trains
 exactly as it does without this module, and no test builds or loads the op.
+
+[Note: a peer ends once its script has]
+A DeepSpeed 0.19.8 run on a CPU sometimes aborts after its script has finished and written its results, in the
+interpreter's teardown ("terminate called without an active exception": a native thread still joinable while its
+owner is destroyed; seen in the AutoTP peer and in bench_integrations' ZeRO-2 round), which torchrun reports as the
+job failing. What a test compares is the script's output, so a peer run as a command ends once the script returns:
+its process group destroyed, its output flushed, then os._exit(0). A script that raised or exited with a status still
+ends with it (nothing here runs then).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from zerokit._support.extras import MissingExtra, installed, missing_message
@@ -47,5 +56,17 @@ def no_shm_op() -> None:
 TORCH_BACKEND.build_shm_op = no_shm_op
 
 
+def end_without_teardown() -> None:
+    """After the script ran to its end: its group destroyed, its output flushed, and the process gone without
+    interpreter teardown (See [Note: a peer ends once its script has])."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     run_as_python(sys.argv[1:], USAGE)
+    end_without_teardown()

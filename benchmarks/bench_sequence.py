@@ -535,7 +535,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="runs at --length, in alternating orders")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for one run's ranks")
     parser.add_argument("--quick", action="store_true",
-                        help="a smoke run: a tiny Llama at 256 tokens (1 warm-up + 1 step), one search run at 512")
+                        help="a smoke run: a tiny Llama at 256 tokens (1 warm-up + 1 step), the search capped there")
     parser.add_argument("--out", default="bench_results/bench_sequence.json")
     parser.add_argument("--contender", help=argparse.SUPPRESS)  # a rank: which contender
     parser.add_argument("--abort-mib", type=int, default=0, help=argparse.SUPPRESS)  # a rank: stop above this peak
@@ -545,7 +545,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def plan_of(args: argparse.Namespace) -> Plan:
     if args.quick:
-        return Plan(budget_mib=args.budget_mib, length=256, base=64, max_length=512, warmup=1, steps=1, rounds=1,
+        return Plan(budget_mib=args.budget_mib, length=256, base=64, max_length=256, warmup=1, steps=1, rounds=1,
                     timeout=min(args.timeout, 120.0), quick=True)
     times = args.length // args.base
     if args.length % args.base or times & (times - 1):

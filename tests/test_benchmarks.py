@@ -176,8 +176,8 @@ def test_the_offload_benchmark_runs_where_there_is_no_gpu(tmp_path) -> None:
 
 def test_the_sequence_benchmark_runs_ulysses_beside_deepspeeds_alst(tmp_path, monkeypatch) -> None:
     """benchmarks/bench_sequence.py --quick: zerokit's Ulysses at ZeRO-3 and DeepSpeed's ALST (where DeepSpeed is
-    installed), each on 2 fresh ranks, a fixed-length run and one search run; from the same weights and sequence both
-    take the same first step. (Its lengths and timings are not tested; its figures: docs/sequence_parallel.md.)
+    installed), each on 2 fresh ranks, a fixed-length run and the search capped at its length (one launch a
+    contender: the suite's time); from the same weights and sequence both take the same first step. (Its lengths and timings are not tested; its figures: docs/sequence_parallel.md.)
     DeepSpeed's ranks start through zerokit.testing.deepspeed_peer: no shared-memory op built (See its Note)."""
     from importlib.util import find_spec
 
@@ -191,7 +191,7 @@ def test_the_sequence_benchmark_runs_ulysses_beside_deepspeeds_alst(tmp_path, mo
     rows = report["contenders"]
     assert set(rows) == ({"zerokit-sp", "deepspeed-alst"} if find_spec("deepspeed") else {"zerokit-sp"}), report
     for row in rows.values():
-        assert [run["length"] for run in row["search"]] == [256, 512] and row["longest"] == 512, row
+        assert [run["length"] for run in row["search"]] == [256] and row["longest"] == 256, row
         assert row["fixed"]["median_step_s"] > 0 and row["fixed"]["peak_rss_mib"] > row["fixed"]["step_growth_mib"] > 0
     if "deepspeed-alst" in rows:
         assert report["first_loss_difference"]["zerokit-sp vs deepspeed-alst"] < 1e-6, report["first_loss_difference"]

@@ -30,8 +30,8 @@ class SplitCheckpointed:
         if frozen:
             raise ValueError(f"{frozen[0]} is a frozen expert split over ranks: a checkpoint saves split experts that "
                              "train; freeze them after loading, or train without expert parallelism")
-        places = whole_places(engine.module)
-        places = {name: Place(*places[id(p)]) for name, p in split}
+        where = whole_places(engine.module)
+        places = {name: Place(*where[id(p)]) for name, p in split}
         dense = ParameterView(engine.stage, without_experts(engine.module), kinds)
         experts = PlacedView(ParameterView(engine.expert_stage, engine.module, kinds), places)
         module, group = unsplit_model(engine.module), expert_layers(engine.module)[0].group

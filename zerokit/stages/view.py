@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager, closing, contextmanager
 from typing import Any, Iterator, NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zerokit.flat import FlatLayout, FlatParameters
@@ -294,7 +295,6 @@ class SplitView:
 def _whole(name: str, shape: tuple[int, ...], pieces: list[tuple[int, torch.Tensor]], group: Any) -> torch.Tensor:
     """Parameter `name` whole, from every rank's pieces of it over `group` (each rank of an expert group holds other
     experts; together they hold each once)."""
-    import torch.distributed as dist
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, pieces, group=group)
     parts = [piece for ranks_pieces in gathered for piece in ranks_pieces]

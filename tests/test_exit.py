@@ -30,7 +30,7 @@ from zerokit.testing.spawn import spawn
 SCRIPTS = Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 from common import SEQUENCE, VOCAB, build_model  # noqa: E402
-from exit_endings import STAGE3_UNITS, gloo_threads  # noqa: E402
+from exit_endings import STAGE3_UNITS, gloo_threads, threads_now  # noqa: E402
 
 RUNS = 8  # of each ending at each stage
 
@@ -87,8 +87,8 @@ def _close_cases(rank: int, world_size: int, root: str) -> dict:
     """Per case: what the engine held before close(), and what is left after it (and after a second close())."""
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)  # as torchrun sets it (deepspeed.initialize asks for it)
-    dist.barrier()  # the default group's threads start with its first collective
-    baseline = gloo_threads()  # the default group's
+    dist.barrier()
+    default_groups = threads_now()  # the default group's threads among them, named yet or not
     observed = {}
     for stage in (2, 3):
         zero = {"stage": stage, "offload_optimizer": {"device": "nvme", "nvme_path": root}}
@@ -101,21 +101,21 @@ def _close_cases(rank: int, world_size: int, root: str) -> dict:
         engine.step()
         engine.save_checkpoint(Path(root) / f"checkpoint{stage}", async_save=True)  # its own group, its writer
         swaps = [str(swap.path) for swap in engine.stage.swap_directories()]
-        before = {"hooks": _hooks_on(model), "gloo_threads": gloo_threads() - baseline,
+        before = {"hooks": _hooks_on(model), "gloo_threads": gloo_threads(besides=default_groups),
                   "swap_folders": sum(Path(path).is_dir() for path in swaps)}
         engine.close()
         engine.close()  # a no-op
         observed[f"stage{stage}"] = {
-            "before": before, "hooks": _hooks_on(model), "gloo_threads": gloo_threads() - baseline,
+            "before": before, "hooks": _hooks_on(model), "gloo_threads": gloo_threads(2.0, default_groups),
             "swap_folders": sum(Path(path).is_dir() for path in swaps), "refusals": _refusals(engine),
             "groups_let_go": [c.group is None for c in (engine.comm, engine.stage.groups.gather)],
             "saved": (Path(root) / f"checkpoint{stage}" / "latest").exists()}
     engine, *_ = zerokit.deepspeed.initialize(model=build_model(), config={
         "train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
-    threads = gloo_threads() - baseline
+    threads = gloo_threads(besides=default_groups)
     engine.destroy()
-    observed["deepspeed"] = {"before": {"gloo_threads": threads}, "gloo_threads": gloo_threads() - baseline,
+    observed["deepspeed"] = {"before": {"gloo_threads": threads}, "gloo_threads": gloo_threads(2.0, default_groups),
                              "closed": engine.closed, "live": engine in zerokit.deepspeed.engine.live_engines()}
     observed["default_group_kept"] = dist.is_initialized()
     return observed

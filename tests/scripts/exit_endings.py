@@ -54,15 +54,25 @@ def parse() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def gloo_threads(settle: float = 0.0) -> int:
-    """gloo's threads alive in this process now. A thread just joined (its group destroyed) can stay listed for a
-    moment while the kernel takes it down, after pthread_join has returned: on a loaded machine CI once saw one
-    (1 rank in 200) at exit. It runs no code any more, and is gone within microseconds; a thread of a group still
-    alive stays. So a count above 0 is looked at again, for up to `settle` seconds."""
+def threads_now() -> set[str]:
+    """The ids of this process's threads now, gloo's or not."""
+    return set(os.listdir("/proc/self/task"))
+
+
+def gloo_threads(settle: float = 0.0, besides: set[str] = frozenset()) -> int:
+    """gloo's threads alive in this process now, other than those in `besides` (ids from threads_now()).
+
+    A thread is known as gloo's by the name it gives itself when it starts running, so a baseline of gloo's threads
+    counted by name can miss one created but not yet run (CI once saw a group's second worker unnamed just after the
+    group's first collective, on a loaded machine); a baseline of thread ids cannot.
+    A thread just joined (its group destroyed) can stay listed for a moment while the kernel takes it down, after
+    pthread_join has returned: on a loaded machine CI once saw one (1 rank in 200) at exit. It runs no code any
+    more, and is gone within microseconds; a thread of a group still alive stays. So a count above 0 is looked at
+    again, for up to `settle` seconds."""
     give_up = time.monotonic() + settle
     while True:
         count = 0
-        for task in os.listdir("/proc/self/task"):
+        for task in threads_now() - besides:
             try:
                 count += Path(f"/proc/self/task/{task}/comm").read_text().strip() in GLOO_THREADS
             except OSError:  # a thread that ended while we looked

@@ -129,10 +129,10 @@ def test_stage3_moves_three_psi(parity_runs) -> None:
 
 def test_stage3_never_exceeds_the_live_parameter_limit(parity_runs) -> None:
     for name in ("stage3-fp32-live-limit", "stage3-sgd-no-prefetch-room"):
-        for runs in parity_runs(2):
+        for runs in parity_runs(3):
             out = runs[name]
             assert out["peak_live_numel"] <= out["case"]["max_live_parameters"]
-    unlimited = parity_runs(2)[0]["stage3-fp32"]
+    unlimited = parity_runs(3)[0]["stage3-fp32"]
     gathered = [t + f for t, f in zip(unlimited["unit_numel"], unlimited["unit_frozen_numel"])]
     assert unlimited["peak_live_numel"] > gathered[0] + max(gathered[1:])  # prefetch
 

@@ -17,25 +17,27 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from zerokit._support.log import logger
+from torch.distributed.checkpoint import FileSystemReader
+
+from zerokit.checkpoint.dcp.load import (DcpKeys, check_optimizer, dcp_directory, find_keys, install_groups,
+                                         install_state, load_runs, plan_reads, read_description, restore_dcp_rng)
+from zerokit.checkpoint.dcp.save import DESCRIPTION, param_group_of
 from zerokit.checkpoint.deepspeed_import import deepspeed_directory, is_deepspeed_checkpoint
 from zerokit.checkpoint.deepspeed_resume import DeepSpeedReaders, open_deepspeed, restore_schedule
 from zerokit.checkpoint.files import Readers
 from zerokit.checkpoint.manifest import MANIFEST, Manifest, rank_file, read_manifest, state_dict_keys
-from zerokit.checkpoint.locate import checkpoint_directory, dcp_directory, is_checkpoint, layout_directory, saved_parts
+from zerokit.checkpoint.locate import checkpoint_directory, is_checkpoint, layout_directory, saved_parts
 from zerokit.checkpoint.relayout import RelayoutSource, open_relayout, targets_of
 from zerokit.checkpoint.optimizer_state import restore_groups
 from zerokit.checkpoint.restore import check_model, restore_buffers, restore_frozen, restore_trainable
 from zerokit.checkpoint.rng import RNG_KEYS, restore_rng
 from zerokit.checkpoint.session import session_of
 from zerokit.checkpoint.checkpointed import Checkpointed
-
-if TYPE_CHECKING:
-    from zerokit.checkpoint.dcp.load import DcpKeys
 
 
 
@@ -95,14 +97,6 @@ def _load_dcp(engine: Checkpointed, session: Any, directory: Path, load_optimize
               weights_only: bool, load_lr_scheduler_states: bool) -> tuple[str, dict[str, Any] | None]:
     """A torch.distributed.checkpoint directory, zerokit's or another tool's (See [Note: a DCP checkpoint read by
     runs] in dcp/load.py). Every check is made before DCP's collectives, and any rank's error raised on all."""
-    # torch.distributed.checkpoint is imported here, where a DCP checkpoint is read, not with zerokit: it brings
-    # DTensor with it, a second of CPU in every rank's start-up (See [Note: DCP imported where it is used]).
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from zerokit.checkpoint.dcp.load import (check_optimizer, find_keys, install_groups, install_state, load_runs,
-                                             plan_reads, read_description, restore_dcp_rng)
-    from zerokit.checkpoint.dcp.save import param_group_of
-
     error, description, reads, states, keys = None, None, None, [], None
     with_state = load_optimizer_states and not load_module_only
     group_of = param_group_of(engine, session.group)  # a collective: before anything one rank alone may raise
@@ -110,7 +104,7 @@ def _load_dcp(engine: Checkpointed, session: Any, directory: Path, load_optimize
         metadata = FileSystemReader(directory).read_metadata()
         keys = find_keys(directory, metadata, model_shapes(engine.module), group_of)
         description = read_description(directory)
-        with_state = with_state and _has_optimizer(engine, keys, description, directory)
+        with_state = with_state and _has_optimizer(engine, keys, directory)
         if with_state:
             check_optimizer(engine, keys, description, directory)
         reads, states = plan_reads(engine, keys, with_state, directory)
@@ -134,13 +128,13 @@ def _load_dcp(engine: Checkpointed, session: Any, directory: Path, load_optimize
     return str(directory), client_state_of(directory, description, weights_only)
 
 
-def _has_optimizer(engine: Checkpointed, keys: DcpKeys, description: Manifest | None, directory: Path) -> bool:
+def _has_optimizer(engine: Checkpointed, keys: DcpKeys, directory: Path) -> bool:
     """Whether the checkpoint holds an optimizer to load (said in one line where it does not, or where zerokit's
     counters are not in it)."""
     if engine.rank == 0 and keys.optimizer is None:
         logger.info(f"{directory}: a DCP checkpoint without an optimizer: the model's weights are loaded, the "
                     "optimizer starts fresh")
-    elif engine.rank == 0 and description is None:
+    elif engine.rank == 0 and not (directory / DESCRIPTION).is_file():
         logger.info(f"{directory}: a DCP checkpoint of another tool: its model and optimizer are loaded; the step "
                     "counters, LR schedules and random generators stay as they are")
     return keys.optimizer is not None

@@ -16,15 +16,6 @@ from zerokit.checkpoint.commit import LATEST
 from zerokit.checkpoint.manifest import MANIFEST
 
 STAGE_DIR, TENSOR_DIR = re.compile(r"stage(\d+)$"), re.compile(r"tensor(\d+)-of-(\d+)$")
-DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a checkpoint
-
-# [Note: DCP imported where it is used]
-# torch.distributed.checkpoint brings DTensor and its operator tables with it: importing zerokit's engine took 3.3 s
-# of CPU with it and 2.1 s without (torch alone: 1.8 s; measured here, 3 runs each), in every rank, and again in every
-# rank a restart starts. (torch's Adam and AdamW import DTensor when built, so a job with one saves about 0.2 s of it.)
-# Only a checkpoint in DCP's format needs it, so its modules (zerokit/checkpoint/dcp/load.py and save.py) are
-# imported where one is read or written, and what every load asks first, whether a directory is one, is answered
-# here from its index file.
 
 
 def checkpoint_directory(load_dir: str | os.PathLike, tag: str | None = None) -> Path:
@@ -91,13 +82,3 @@ def _numbered(directory: Path, pattern: re.Pattern) -> list[Path]:
     found = [(int(m.group(1)), path) for path in (directory.glob("*") if directory.is_dir() else [])
              if path.is_dir() and (m := pattern.match(path.name))]
     return [path for _, path in sorted(found)]
-
-
-def dcp_directory(load_dir: str | os.PathLike, tag: str | None) -> Path | None:
-    """The DCP checkpoint at load_dir (itself, or its tag, or the tag `latest` names); None if there is none."""
-    load_dir = Path(load_dir)
-    if tag is None and (load_dir / DCP_METADATA).is_file():
-        return load_dir
-    if tag is None and (load_dir / LATEST).is_file():
-        tag = (load_dir / LATEST).read_text().strip()
-    return load_dir / tag if tag is not None and (load_dir / tag / DCP_METADATA).is_file() else None

@@ -42,6 +42,7 @@ from zerokit._support.log import logger
 from zerokit.checkpoint.collect import collect
 from zerokit.checkpoint.commit import cause, write_and_commit
 from zerokit.checkpoint.data_position import DATA_POSITION
+from zerokit.checkpoint.dcp.save import refuse_unsavable, save_dcp
 from zerokit.checkpoint.faults import SaveFault
 from zerokit.checkpoint.manifest import CLIENT_STATE, LR_SCHEDULES, dtype_name, state_dict_keys
 from zerokit.checkpoint.optimizer_state import encode_groups
@@ -70,9 +71,6 @@ def save_checkpoint(engine: Checkpointed, save_dir: str | os.PathLike, tag: str 
     session.writer.wait()
     save_dir = Path(save_dir)
     if format == DCP:
-        # imported where a DCP checkpoint is written (See [Note: DCP imported where it is used] in locate.py)
-        from zerokit.checkpoint.dcp.save import refuse_unsavable, save_dcp
-
         refuse_unsavable(engine)
         if async_save and engine.rank == 0:
             logger.info("format='dcp' is saved synchronously (async_save applies to zerokit's format)")

@@ -30,14 +30,26 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import _create_read_items, create_read_items_for_chunk_list
 
 from zerokit.checkpoint.checkpointed import Checkpointed
+from zerokit.checkpoint.commit import LATEST
 from zerokit.checkpoint.dcp.boxes import Box, box_view, boxes_of_run
 from zerokit.checkpoint.dcp.save import DESCRIPTION, rng_file
 from zerokit.checkpoint.manifest import Manifest
 from zerokit.checkpoint.rng import restore_rng
 from zerokit.stages.view import PieceView
 
+METADATA = ".metadata"
 MODEL_PREFIXES = ("model.", "app.model.", "")
 OPTIMIZER_PREFIXES = ("optim.", "optimizer.", "app.optim.", "app.optimizer.")
+
+
+def dcp_directory(load_dir: str | os.PathLike, tag: str | None) -> Path | None:
+    """The DCP checkpoint at load_dir (itself, or its tag, or the tag `latest` names); None if there is none."""
+    load_dir = Path(load_dir)
+    if tag is None and (load_dir / METADATA).is_file():
+        return load_dir
+    if tag is None and (load_dir / LATEST).is_file():
+        tag = (load_dir / LATEST).read_text().strip()
+    return load_dir / tag if tag is not None and (load_dir / tag / METADATA).is_file() else None
 
 
 @dataclass

@@ -1,7 +1,9 @@
 """A DeepSpeed ALST script (tests/scripts/ds_alst.py, written as DeepSpeed's tutorial writes one) runs on zerokit with
-only its import lines changed, on 4 gloo ranks (2 sequence ranks x 2 replicas) under torchrun, at ZeRO 1, 2 and 3
+only its import lines changed, on 4 gloo ranks (2 sequence ranks x 2 replicas) under torchrun, at ZeRO 1 and 3
 (DeepSpeed's native path refuses nothing here; its ZeRO 1-2 applies twice the true gradient: See
-docs/sequence_parallel.md), and trains as one process does on the whole sequences.
+docs/sequence_parallel.md), and trains as one process does on the whole sequences. (ZeRO 2 with sequence ranks is
+checked against one process in tests/test_sequence_parallel.py; its run of this script, and accelerate's sp loop at
+ZeRO 2 beside its ZeRO 3, left the launch on 2026-11-29 for the suite's time: 2 of its 5 jobs.)
 
 UlyssesSPDataLoaderAdapter gives each rank, at micro-step k, its shard of the sample that sequence rank k % 2 of its
 replica read as its batch k // 2; the reference trains one process on those whole samples, every replica's loss
@@ -26,7 +28,7 @@ from zerokit.testing.jobs import Job, Outcomes, launch
 sys.path.insert(0, str(SCRIPTS))
 import alst_common  # noqa: E402
 
-RANKS, STAGES = 4, (1, 2, 3)
+RANKS, STAGES = 4, (1, 3)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def launched(tmp_path_factory) -> tuple[Path, Outcomes]:
                 preload=("zerokit.deepspeed", "transformers")) for stage in STAGES]
     jobs += [Job(f"accelerate{stage}", [str(SCRIPTS / "accelerate_sp.py"), "--stage", str(stage), "--out",
                                         str(root / f"accelerate{stage}")], install=True,
-                 preload=("accelerate", "transformers")) for stage in (2, 3)]
+                 preload=("accelerate", "transformers")) for stage in (3,)]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(SCRIPTS), os.environ.get("PYTHONPATH", "")])}
     return root, launch(jobs, root / "jobs", ranks=RANKS, env=env)
@@ -126,7 +128,7 @@ def test_the_alst_script_trains_as_one_process(launched, stage: int) -> None:
         torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(expected["norms"]), rtol=1e-4, atol=0)
 
 
-@pytest.mark.parametrize("stage", (2, 3))
+@pytest.mark.parametrize("stage", (3,))
 def test_accelerates_sequence_parallelism_trains_on_zerokit_as_one_process(launched, stage: int) -> None:
     """accelerate's ParallelismConfig(sp_size=2, sp_backend="deepspeed"), unchanged, under zerokit.deepspeed.install."""
     root, outcomes = launched

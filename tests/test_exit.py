@@ -106,7 +106,8 @@ def _close_cases(rank: int, world_size: int, root: str) -> dict:
         engine.close()
         engine.close()  # a no-op
         observed[f"stage{stage}"] = {
-            "before": before, "hooks": _hooks_on(model), "gloo_threads": gloo_threads(2.0, default_groups),
+            "before": before, "hooks": _hooks_on(model),
+            "gloo_threads": gloo_threads(settle=2.0, besides=default_groups),
             "swap_folders": sum(Path(path).is_dir() for path in swaps), "refusals": _refusals(engine),
             "groups_let_go": [c.group is None for c in (engine.comm, engine.stage.groups.gather)],
             "saved": (Path(root) / f"checkpoint{stage}" / "latest").exists()}
@@ -115,7 +116,8 @@ def _close_cases(rank: int, world_size: int, root: str) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
     threads = gloo_threads(besides=default_groups)
     engine.destroy()
-    observed["deepspeed"] = {"before": {"gloo_threads": threads}, "gloo_threads": gloo_threads(2.0, default_groups),
+    observed["deepspeed"] = {"before": {"gloo_threads": threads},
+                             "gloo_threads": gloo_threads(settle=2.0, besides=default_groups),
                              "closed": engine.closed, "live": engine in zerokit.deepspeed.engine.live_engines()}
     observed["default_group_kept"] = dist.is_initialized()
     return observed

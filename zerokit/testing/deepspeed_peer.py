@@ -34,6 +34,8 @@ import importlib
 import os
 import sys
 
+import torch.distributed as dist
+
 from zerokit._support.extras import MissingExtra, installed, missing_message
 from zerokit._support.run_script import run_as_python
 
@@ -59,7 +61,6 @@ TORCH_BACKEND.build_shm_op = no_shm_op
 def end_without_teardown() -> None:
     """After the script ran to its end: its group destroyed, its output flushed, and the process gone without
     interpreter teardown (See [Note: a peer ends once its script has])."""
-    import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
     sys.stdout.flush()
